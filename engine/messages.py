@@ -1,0 +1,106 @@
+"""Everything that crosses an actor boundary: frozen, slotted dataclasses."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens or the context window
+    ABORT = "abort"        # client went away, engine.abort(), shutdown
+    ERROR = "error"        # the engine failed this request
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A tokenized prompt and how to continue it. Higher `priority` runs first."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One token an actor sampled for one sequence (actor -> engine front)."""
+
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What `Engine.submit` yields: new tokens and their text, or the end.
+
+    `text` is the new text since the previous event (stop strings already cut
+    off, never a broken UTF-8 character). The last event of a stream has
+    `finish_reason` set; `error` explains FinishReason.ERROR.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandoff:
+    """Prefill -> decode: a sequence whose KV is (being) copied into `decode_blocks`."""
+
+    request: Request
+    decode_blocks: tuple[int, ...]
+    num_computed_tokens: int
+    output_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """Decode -> prefill: a sequence whose decode blocks were taken back; prefill it again."""
+
+    request: Request
+    output_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ActorStats:
+    name: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int
+    last_step_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    actors: tuple[ActorStats, ...]
+    running: int
+    waiting: int
