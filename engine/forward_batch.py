@@ -1,0 +1,26 @@
+"""The one object that carries attention metadata into the model (no module globals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Tensors describing one model step over a packed batch of S sequences and T tokens.
+
+    `cu_seqlens_q is None` marks a decode step: exactly one new token per sequence.
+    """
+
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64, -1 skips the store (padding)
+    block_tables: torch.Tensor     # [S, max_blocks] int32
+    context_lens: torch.Tensor     # [S] int32, tokens of context including this step's
+    cu_seqlens_q: torch.Tensor | None  # [S + 1] int32; None for decode
+    logits_indices: torch.Tensor   # [S'] int64, rows of the hidden states to sample from
+
+    @property
+    def is_decode(self) -> bool:
+        return self.cu_seqlens_q is None

@@ -1,0 +1,53 @@
+"""KV pool sizing from a memory budget."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(spec: str | float | int) -> tuple[int | None, float | None]:
+    """'2GiB' -> (bytes, None); '0.4' -> (None, fraction). Raises ValueError on anything else."""
+    text = str(spec).strip().lower()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"kv-cache-memory {spec!r}: expected bytes (e.g. 4GiB) or a fraction in (0, 1]")
+    value, unit = float(match.group(1)), match.group(2)
+    if unit == "" and value <= 1.0:
+        if value <= 0:
+            raise ValueError(f"kv-cache-memory {spec!r}: a fraction must be in (0, 1]")
+        return None, value
+    return int(value * _UNITS[unit]), None
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elements = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def num_kv_blocks(spec: str, share: float, device: torch.device, config: ModelConfig,
+                  block_size: int, dtype: torch.dtype, max_useful_blocks: int) -> int:
+    """Blocks that fit `share` of the budget `spec` (never more), capped at what can ever be used."""
+    absolute, fraction = parse_memory(spec)
+    budget = absolute if absolute is not None else int(fraction * free_device_memory(device))
+    blocks = int(budget * share) // kv_block_bytes(config, block_size, dtype)
+    if blocks < 1:
+        raise ValueError(f"kv-cache-memory {spec!r} leaves no room for a single KV block "
+                         f"({kv_block_bytes(config, block_size, dtype)} bytes) on {device}")
+    return min(blocks, max_useful_blocks)

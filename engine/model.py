@@ -1,0 +1,102 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.layers import Embedding, Linear, RMSNorm
+from engine.rope import cos_sin_table
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
+                cos_sin: torch.Tensor) -> torch.Tensor:
+        tokens = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)       # q: [T, Hq, D]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)    # k: [T, Hkv, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = kernels.rotary(q, k, batch.positions, cos_sin)
+        kernels.store_kv(k, v, kv_pool, self.layer_index, batch.slot_mapping)
+        if batch.is_decode:
+            o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
+                                         batch.context_lens, self.scale)
+        else:
+            o = kernels.prefill_attention(q, kv_pool, self.layer_index, batch.cu_seqlens_q,
+                                          batch.context_lens, batch.block_tables, self.scale)
+        return self.o_proj(o.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, residual, batch, kv_pool, cos_sin):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, batch, kv_pool, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """forward() returns final hidden states [T, hidden]; compute_logits() projects rows to the vocabulary."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.register_buffer("cos_sin", cos_sin_table(config.head_dim, max_positions, config.rope),
+                             persistent=False)
+
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        h, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, batch, kv_pool, self.cos_sin)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()     # logits: [S, V] fp32

@@ -1,0 +1,91 @@
+"""The only code that owns tensors: model weights, one KV pool, the sampler, device streams."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.batch import Batch, ScheduledChunk
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.messages import TokenLogprob
+from engine.model import CausalLM
+from engine.sampler import Sampler
+from engine.weights import load_weights
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """Build the model with empty parameters on `device` and fill them from the checkpoint."""
+    with torch.device(device), default_dtype(dtype):
+        model = CausalLM(config, max_positions)
+    load_weights(model, config.model_dir)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        c = model.config
+        self.model = model
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # pool: [num_blocks, layers, 2 (k, v), block_size, kv_heads, head_dim]
+        self.kv_pool = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
+                                   dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(c.vocab_size, eos_token_ids)
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> list[tuple[int, TokenLogprob | None]]:
+        """Run one step; returns (token, logprob) for every chunk with `sample`, in batch order."""
+        forward_batch = self.prepare(batch)
+        hidden = self.model(forward_batch, self.kv_pool)
+        sampled = batch.sampled
+        if not sampled:
+            return []
+        logits = self.model.compute_logits(hidden[forward_batch.logits_indices])
+        return self.sampler(logits, [c.seq for c in sampled])
+
+    def prepare(self, batch: Batch) -> ForwardBatch:
+        input_ids, positions, slots, context_lens, cu_seqlens, logits_indices = [], [], [], [], [0], []
+        for chunk in batch.chunks:
+            input_ids += chunk.seq.token_slice(chunk.start, chunk.stop)
+            positions += range(chunk.start, chunk.stop)
+            slots += self._slots(chunk)
+            context_lens.append(chunk.stop)
+            cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
+            if chunk.sample:
+                logits_indices.append(cu_seqlens[-1] - 1)
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._block_tables(batch.chunks),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_seqlens_q=None if batch.is_decode else self._tensor(cu_seqlens, torch.int32),
+            logits_indices=self._tensor(logits_indices, torch.int64),
+        )
+
+    def _slots(self, chunk: ScheduledChunk) -> list[int]:
+        table, size = chunk.seq.block_table, self.block_size
+        return [table[p // size] * size + p % size for p in range(chunk.start, chunk.stop)]
+
+    def _block_tables(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
+        width = max(-(-c.stop // self.block_size) for c in chunks)
+        rows = [c.seq.block_table[:width] + [0] * (width - min(len(c.seq.block_table), width))
+                for c in chunks]
+        return self._tensor(rows, torch.int32)
+
+    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,0 +1,111 @@
+"""Load Hugging Face safetensors straight into the model's (empty) parameters.
+
+Each checkpoint tensor is read from its memory-mapped file and copied into its
+destination (a slice of a fused parameter where q/k/v or gate/up are fused), so
+the peak is the model plus one tensor, never a second full copy.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import CausalLM
+
+
+class WeightError(ValueError):
+    """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    param: str
+    start: int | None = None   # row range inside a fused parameter
+    stop: int | None = None
+
+
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightError(f"{index}: malformed index: {e}") from None
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise WeightError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def destinations(model: CausalLM) -> dict[str, Destination]:
+    """Every checkpoint tensor name the model expects, and where it goes."""
+    c = model.config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    names = {"model.embed_tokens.weight": Destination("embed_tokens.weight"),
+             "model.norm.weight": Destination("norm.weight")}
+    if model.lm_head is not None:
+        names["lm_head.weight"] = Destination("lm_head.weight")
+    for i in range(c.num_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        kinds = ["weight", "bias"] if c.attention_bias else ["weight"]
+        for kind in kinds:
+            names[f"model.{attn}.q_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", 0, q)
+            names[f"model.{attn}.k_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q, q + kv)
+            names[f"model.{attn}.v_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q + kv, q + 2 * kv)
+        names[f"model.{attn}.o_proj.weight"] = Destination(f"{attn}.o_proj.weight")
+        if c.qk_norm:
+            names[f"model.{attn}.q_norm.weight"] = Destination(f"{attn}.q_norm.weight")
+            names[f"model.{attn}.k_norm.weight"] = Destination(f"{attn}.k_norm.weight")
+        names[f"model.{mlp}.gate_proj.weight"] = Destination(f"{mlp}.gate_up_proj.weight", 0, inter)
+        names[f"model.{mlp}.up_proj.weight"] = Destination(f"{mlp}.gate_up_proj.weight", inter, 2 * inter)
+        names[f"model.{mlp}.down_proj.weight"] = Destination(f"{mlp}.down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[f"model.layers.{i}.{norm}.weight"] = Destination(f"layers.{i}.{norm}.weight")
+    return names
+
+
+def load_weights(model: CausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of `model`; raises WeightError naming the tensor and file on any mismatch."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    expected = destinations(model)
+    tied_head = model.lm_head is None and "lm_head.weight" in files
+    unexpected = sorted(n for n in files if n not in expected and not IGNORED.match(n)
+                        and not (tied_head and n == "lm_head.weight"))
+    if unexpected:
+        raise WeightError(f"{model_dir}: unexpected tensors for {model.config.architecture}: "
+                          f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    missing = sorted(n for n in expected if n not in files)
+    if missing:
+        raise WeightError(f"{model_dir}: missing tensors: {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''}")
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    _copy_tensor(f.get_tensor(name), params, expected[name], name, path)
+
+
+def _copy_tensor(tensor: torch.Tensor, params: dict, dest: Destination, name: str, path: Path) -> None:
+    target = params[dest.param]
+    if dest.start is not None:
+        target = target[dest.start:dest.stop]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise WeightError(f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
+                          f"expected {tuple(target.shape)}")
+    target.copy_(tensor)
