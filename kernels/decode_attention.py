@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import jit, next_power_of_2, tl
+
 
 def gather_kv(kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
               num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,4 +35,134 @@ def decode_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     padding = positions[None, :] >= context_lens[:, None].to(q.device)  # [S, n]
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), v)  # [S, Hkv, G, D]
+    out.masked_fill_((context_lens == 0).to(q.device).view(-1, 1, 1, 1), 0.0)  # NOTE: empty context -> 0
     return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+
+@jit
+def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mid_o_ptr, mid_lse_ptr,
+                         layer, scale_log2, stride_qs, stride_qh,
+                         stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
+                         stride_ms, stride_mh, stride_msplit, stride_ls, stride_lh,
+                         block_size, group, head_dim,
+                         NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+    if end <= start:
+        return
+    g, d, n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    heads = kv_head * group + g
+    q_mask = (g < group)[:, None] & (d < head_dim)[None, :]
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    kv_base = pool_ptr + layer * stride_pl + kv_head * stride_ph
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + n
+        valid = pos < end
+        block = tl.load(block_tables_ptr + seq * stride_bts + pos // block_size, mask=valid, other=0)
+        rows = block.to(tl.int64) * stride_pb + (pos % block_size) * stride_ps  # [BLOCK_N]
+        kv_mask = valid[:, None] & (d < head_dim)[None, :]
+        k = tl.load(kv_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_pkv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    mid = mid_o_ptr + seq * stride_ms + heads[:, None] * stride_mh + split * stride_msplit + d[None, :]
+    tl.store(mid, acc / l_i[:, None], mask=q_mask)
+    lse = mid_lse_ptr + seq * stride_ls + heads * stride_lh + split
+    tl.store(lse, m_i + tl.log2(l_i), mask=g < group)
+
+
+@jit
+def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, context_lens_ptr, out_ptr,
+                          stride_ms, stride_mh, stride_msplit, stride_ls, stride_lh,
+                          stride_os, stride_oh, head_dim,
+                          NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    m_i = -1.0e30
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(NUM_SPLITS):
+        if split * per_split < context_len:
+            lse = tl.load(mid_lse_ptr + seq * stride_ls + head * stride_lh + split)
+            part = tl.load(mid_o_ptr + seq * stride_ms + head * stride_mh + split * stride_msplit + d,
+                           mask=d_mask, other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            old_weight, weight = tl.exp2(m_i - m_new), tl.exp2(lse - m_new)
+            acc = acc * old_weight + part * weight
+            l_i = l_i * old_weight + weight
+            m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Context splits per (sequence, KV head): enough programs to fill the device, >= 128 tokens each.
+
+    Depends only on shapes, never on context lengths, so a CUDA graph can capture it."""
+    wanted = -(-16 * _sm_count(device) // (num_seqs * num_kv_heads))
+    return max(1, min(wanted, -(-max_context // 128), 64))
+
+
+def decode_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            num_splits: int | None = None) -> torch.Tensor:
+    """Paged split-K decode attention; q [S, Hq, D] -> [S, Hq, D] (see decode_attention_ref)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_blocks, num_layers, two, block_size, num_kv_heads, pool_dim = kv_pool.shape
+    assert two == 2 and pool_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < num_layers
+    assert q.dtype == kv_pool.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert q.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1
+    assert context_lens.dtype == torch.int32 and context_lens.shape == (num_seqs,) and context_lens.is_contiguous()
+    assert q.device == kv_pool.device == block_tables.device == context_lens.device
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    mid_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_n = 64 if head_dim <= 128 else 32
+    block_d = next_power_of_2(head_dim)
+    dot_fp32 = q.dtype == torch.float32 or not q.is_cuda  # NOTE: the interpreter has no bf16 dot
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, kv_pool, block_tables, context_lens, mid_o, mid_lse,
+        layer, scale * 1.4426950408889634, q.stride(0), q.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
+        block_tables.stride(0), *mid_o.stride()[:3], *mid_lse.stride()[:2],
+        block_size, group, head_dim,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4, num_stages=2)
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        mid_o, mid_lse, context_lens, out, *mid_o.stride()[:3], *mid_lse.stride()[:2],
+        out.stride(0), out.stride(1), head_dim,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+    return out

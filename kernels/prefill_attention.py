@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import jit, next_power_of_2, tl
 from kernels.decode_attention import gather_kv
 
 
@@ -28,4 +29,104 @@ def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         qs = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@jit
+def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
+                    layer, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
+                    block_size, group, num_m_tiles, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    head, seq = tl.program_id(0), tl.program_id(2)
+    tile_m = num_m_tiles - 1 - tl.program_id(1)  # NOTE: the longest tiles start first
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    m, d, n = tile_m * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    q_pos = context_len - q_len + m  # [BLOCK_M]
+    d_mask = d < HEAD_DIM
+    q_mask = (m < q_len)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    kv_base = pool_ptr + layer * stride_pl + (head // group) * stride_ph
+    table = block_tables_ptr + seq * stride_bts
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    diagonal = (context_len - q_len + tile_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(context_len, context_len - q_len + (tile_m + 1) * BLOCK_M)
+    for stage in tl.static_range(2):  # 0: keys every query sees; 1: keys near the diagonal, masked
+        for tile in range(diagonal * stage, diagonal + (kv_end - diagonal) * stage, BLOCK_N):
+            pos = tile + n
+            in_context = pos < context_len
+            block = tl.load(table + pos // block_size, mask=in_context, other=0)
+            rows = block.to(tl.int64) * stride_pb + (pos % block_size) * stride_ps  # [BLOCK_N]
+            kv_mask = in_context[:, None] & d_mask[None, :]
+            k = tl.load(kv_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(kv_base + stride_pkv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            if stage == 1:
+                visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
+                qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    out = acc / l_i[:, None]
+    out_rows = out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _tile_config(head_dim: int, on_cuda: bool) -> dict:
+    if not on_cuda:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                             block_tables: torch.Tensor, scale: float,
+                             max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Causal paged attention for a packed batch; q [T, Hq, D] -> [T, Hq, D] (see prefill_attention_ref).
+
+    max_seqlen_q, when given, avoids reading cu_seqlens_q back to the host."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, num_layers, two, block_size, num_kv_heads, pool_dim = kv_pool.shape
+    num_seqs = context_lens.shape[0]
+    assert two == 2 and pool_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < num_layers
+    assert q.dtype == kv_pool.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert q.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (num_seqs + 1,)
+    assert context_lens.dtype == torch.int32 and context_lens.dim() == 1
+    assert cu_seqlens_q.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    assert q.device == kv_pool.device == cu_seqlens_q.device == context_lens.device == block_tables.device
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    config = _tile_config(head_dim, q.is_cuda)
+    num_m_tiles = -(-max_seqlen_q // config["BLOCK_M"])
+    dot_fp32 = q.dtype == torch.float32 or not q.is_cuda  # NOTE: the interpreter has no bf16 dot
+    _prefill_kernel[(num_q_heads, num_m_tiles, num_seqs)](
+        q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
+        layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
+        block_tables.stride(0), block_size, num_q_heads // num_kv_heads, num_m_tiles,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
     return out

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import jit, next_power_of_2, tl
+
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                  slot_mapping: torch.Tensor) -> None:
@@ -13,3 +15,44 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, 
     blocks, offsets = slots // block_size, slots % block_size
     kv_pool[:, layer, 0][blocks, offsets] = key[valid].to(kv_pool.dtype)
     kv_pool[:, layer, 1][blocks, offsets] = value[valid].to(kv_pool.dtype)
+
+
+@jit
+def _store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, layer,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph,
+                     block_size, num_kv_heads, head_dim,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    row = (pool_ptr + (slot // block_size) * stride_pb + layer * stride_pl
+           + (slot % block_size) * stride_ps + heads * stride_ph + dims)
+    tl.store(row, key.to(pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + stride_pkv, value.to(pool_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                    slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slot_mapping [T] (-1 skips)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    num_blocks, num_layers, two, block_size, pool_heads, pool_dim = kv_pool.shape
+    assert value.shape == key.shape and two == 2 and (pool_heads, pool_dim) == (num_kv_heads, head_dim)
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.is_contiguous() and 0 <= layer < num_layers
+    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert key.dtype == value.dtype and key.device == kv_pool.device == slot_mapping.device
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kv_pool, slot_mapping, layer,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
+        block_size, num_kv_heads, head_dim,
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim))
