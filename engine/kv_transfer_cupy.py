@@ -1,0 +1,138 @@
+"""The "cupy-p2p" KV transfer backend: cudaMemcpyPeerAsync per coalesced block run."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.kv_transfer import (
+    TransferHandle,
+    TransferUnavailable,
+    block_nbytes,
+    check_copy,
+    coalesce_runs,
+    timing_events,
+)
+
+PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+class CupyP2PTransfer:
+    """Copies block runs with `cupy.cuda.runtime.memcpyPeerAsync` on a transfer stream of the source device.
+
+    The stream first waits on the caller's current stream of the source device; completion and
+    duration come from CUDA events recorded around the copies. Peer access must already be enabled
+    (`make_cupy_p2p` does it).
+    """
+
+    name = "cupy-p2p"
+
+    def __init__(self, runtime, src_device: torch.device, dst_device: torch.device):
+        self._runtime = runtime   # cupy.cuda.runtime
+        self._src, self._dst = src_device, dst_device
+        self._stream = torch.cuda.Stream(device=src_device)
+
+    def copy_blocks(
+        self,
+        src_pool: torch.Tensor,
+        dst_pool: torch.Tensor,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> TransferHandle:
+        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
+        self._check_pools(src_pool, dst_pool)
+        runs = coalesce_runs(src_block_ids, dst_block_ids)
+        nbytes = len(src_block_ids) * block_nbytes(src_pool)
+        if not runs:
+            return TransferHandle.finished(0, 0.0)
+        self._stream.wait_stream(torch.cuda.current_stream(self._src))
+        start, end = timing_events()
+        with torch.cuda.device(self._src):
+            start.record(self._stream)
+            self._memcpy_runs(src_pool, dst_pool, runs)
+            end.record(self._stream)
+        return TransferHandle.pending(nbytes, start, end)
+
+    def _memcpy_runs(self, src_pool, dst_pool, runs) -> None:
+        stride = block_nbytes(src_pool)   # bytes per block, both pools (same geometry, contiguous)
+        src_ptr, dst_ptr = src_pool.data_ptr(), dst_pool.data_ptr()
+        for src, dst, length in runs:
+            self._runtime.memcpyPeerAsync(
+                dst_ptr + dst * stride, self._dst.index,
+                src_ptr + src * stride, self._src.index,
+                length * stride, self._stream.cuda_stream,
+            )
+
+    def _check_pools(self, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
+        if src_pool.device != self._src or dst_pool.device != self._dst:
+            raise ValueError(
+                f"pools on {src_pool.device} -> {dst_pool.device}, backend built for {self._src} -> {self._dst}"
+            )
+        if not (src_pool.is_contiguous() and dst_pool.is_contiguous()):
+            raise ValueError("cupy-p2p needs contiguous pools")
+
+
+def make_cupy_p2p(src: torch.device, dst: torch.device) -> CupyP2PTransfer:
+    """Check CuPy, CUDA and peer access, enable peer access both ways where possible, build the backend.
+
+    Raises TransferUnavailable saying why when any of them is missing.
+    """
+    if src.type != "cuda" or dst.type != "cuda":
+        raise TransferUnavailable(f"cupy-p2p needs two different CUDA devices, got {src} and {dst}")
+    runtime = import_cupy_runtime()
+    try:
+        src, dst = _resolve(runtime, src), _resolve(runtime, dst)
+        _check_peers(runtime, src, dst)
+        enable_peer_access(runtime, src.index, dst.index)
+        if runtime.deviceCanAccessPeer(dst.index, src.index):
+            enable_peer_access(runtime, dst.index, src.index)
+    except runtime.CUDARuntimeError as exc:
+        raise TransferUnavailable(f"cupy is installed but CUDA is unusable: {_describe(exc)}") from exc
+    return CupyP2PTransfer(runtime, src, dst)
+
+
+def import_cupy_runtime():
+    """`cupy.cuda.runtime` once a runtime call works; TransferUnavailable otherwise."""
+    try:
+        from cupy.cuda import runtime
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        raise TransferUnavailable(f"cupy is not importable: {_describe(exc)}") from exc
+    try:
+        runtime.getDeviceCount()
+    except runtime.CUDARuntimeError as exc:
+        raise TransferUnavailable(f"cupy is installed but CUDA is unusable: {_describe(exc)}") from exc
+    return runtime
+
+
+def enable_peer_access(runtime, device: int, peer: int) -> None:
+    """Let `device` access `peer`'s memory; an already enabled pair is fine."""
+    previous = runtime.getDevice()
+    runtime.setDevice(device)
+    try:
+        runtime.deviceEnablePeerAccess(peer)
+    except runtime.CUDARuntimeError as exc:
+        # NOTE: cupy-cuda12x links cudart statically, so this stale "last error" never reaches torch's.
+        if exc.status != PEER_ACCESS_ALREADY_ENABLED:
+            reason = f"cannot enable peer access cuda:{device} -> cuda:{peer}: {_describe(exc)}"
+            raise TransferUnavailable(reason) from exc
+    finally:
+        runtime.setDevice(previous)
+
+
+def _resolve(runtime, device: torch.device) -> torch.device:
+    index = runtime.getDevice() if device.index is None else device.index
+    count = runtime.getDeviceCount()
+    if index >= count:
+        raise TransferUnavailable(f"{device} does not exist: CUDA sees {count} device(s)")
+    return torch.device("cuda", index)
+
+
+def _check_peers(runtime, src: torch.device, dst: torch.device) -> None:
+    if src == dst:
+        raise TransferUnavailable(f"cupy-p2p needs two different CUDA devices, got {src} and {dst}")
+    if not runtime.deviceCanAccessPeer(src.index, dst.index):
+        raise TransferUnavailable(f"devices {src} and {dst} cannot access each other as peers")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
