@@ -3,22 +3,74 @@
 Each function has a plain-torch reference (`<name>_ref`, used on CPU) beside
 its Triton version (`<name>_triton`, used on CUDA tensors). The environment
 variable PDSERVE_KERNELS=torch|triton forces one path (triton on CPU needs
-TRITON_INTERPRET=1).
+TRITON_INTERPRET=1). Without Triton installed the reference is always used.
 """
 from __future__ import annotations
 
-from kernels.activation import silu_and_mul_ref
-from kernels.decode_attention import decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
-from kernels.store_kv import store_kv_ref
+import os
 
-store_kv = store_kv_ref
-decode_attention = decode_attention_ref
-prefill_attention = prefill_attention_ref
-rms_norm = rms_norm_ref
-rotary = rotary_ref
-silu_and_mul = silu_and_mul_ref
+import torch
 
-__all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul"]
+from kernels._triton import HAS_TRITON
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import rotary_ref, rotary_triton
+from kernels.store_kv import store_kv_ref, store_kv_triton
+
+__all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
+           "use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when the Triton path serves tensors like x (CUDA, or forced by PDSERVE_KERNELS)."""
+    mode = os.environ.get("PDSERVE_KERNELS", "")
+    if mode == "torch" or not HAS_TRITON:
+        return False
+    return mode == "triton" or x.is_cuda
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slots [T]; slot -1 skips."""
+    kernel = store_kv_triton if use_triton(key) else store_kv_ref
+    kernel(key, value, kv_pool, layer, slot_mapping)
+
+
+def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence, q [S, Hq, D], over its paged context; returns [S, Hq, D].
+
+    context_lens [S] counts the current token, whose K/V must already be stored."""
+    kernel = decode_attention_triton if use_triton(q) else decode_attention_ref
+    return kernel(q, kv_pool, layer, block_tables, context_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seqlens_q: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a packed batch of new chunks q [T, Hq, D] over their paged context; [T, Hq, D].
+
+    Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last positions of its
+    context_lens[b] tokens (all K/V already stored)."""
+    kernel = prefill_attention_triton if use_triton(q) else prefill_attention_ref
+    return kernel(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """norm(x) * weight for x [T, H]; with residual returns (norm(x + residual) * weight, x + residual)."""
+    kernel = rms_norm_triton if use_triton(x) else rms_norm_ref
+    return kernel(x, weight, eps, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding of q [T, Hq, D], k [T, Hkv, D]; cos_sin [P, D] = [cos | sin]; new (q, k)."""
+    kernel = rotary_triton if use_triton(q) else rotary_ref
+    return kernel(q, k, positions, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
+    kernel = silu_and_mul_triton if use_triton(x) else silu_and_mul_ref
+    return kernel(x)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+
+from kernels._triton import jit, tl
 import torch.nn.functional as F
 
 
@@ -9,3 +11,28 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     # x: [T, 2I] -> [T, I]
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+@jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, intermediate, BLOCK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
+    num_tokens, width = x.shape
+    assert width % 2 == 0 and x.stride(1) == 1
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    intermediate = width // 2
+    out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        block = 1024
+        _silu_and_mul_kernel[(num_tokens, -(-intermediate // block))](
+            x, out, x.stride(0), out.stride(0), intermediate, BLOCK=block, num_warps=4)
+    return out
