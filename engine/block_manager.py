@@ -37,6 +37,10 @@ class BlockManager:
     def usage_after(self, extra_blocks: int) -> float:
         return (self.num_used + extra_blocks) / max(self.num_blocks, 1)
 
+    @property
+    def num_sequences(self) -> int:
+        return len(self._tables)
+
     def table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
 

@@ -40,6 +40,7 @@ class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +73,15 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class KVHandoff:
-    """Prefill -> decode: a sequence whose KV is (being) copied into `decode_blocks`."""
+    """Prefill -> decode: a sequence whose KV is being copied into its reserved decode blocks.
+
+    The decode actor admits it once every handle in `transfers` reports done.
+    """
 
     request: Request
-    decode_blocks: tuple[int, ...]
     num_computed_tokens: int
     output_token_ids: tuple[int, ...]
+    transfers: tuple = ()          # engine.kv_transfer.TransferHandle, one per started copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +100,13 @@ class ActorStats:
     kv_blocks_used: int
     kv_blocks_total: int
     steps: int
-    last_step_time: float
+    last_step_time: float      # time.monotonic() at the end of the newest step; 0.0 before the first
+    alive: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     actors: tuple[ActorStats, ...]
-    running: int
-    waiting: int
+    running: int               # sequences being decoded (or in colocated mode, prefilled or decoded)
+    waiting: int               # requests not yet producing tokens: queued or being prefilled
+    num_unfinished: int = 0    # every request whose stream has not ended

@@ -41,6 +41,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.eos_token_ids = eos_token_ids
         # pool: [num_blocks, layers, 2 (k, v), block_size, kv_heads, head_dim]
         self.kv_pool = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
                                    dtype=self.dtype, device=self.device)

@@ -72,14 +72,18 @@ class PrefillScheduler:
         chunk.seq.num_computed_tokens = chunk.stop
 
     def remove(self, seq: Sequence) -> None:
-        """Forget `seq` (finished, handed off or aborted) and free its blocks here."""
-        self._queue = [entry for entry in self._queue if entry[2] is not seq]
-        heapq.heapify(self._queue)
+        """Forget `seq` (prefilled, aborted or failed). Its blocks are the caller's to free."""
+        if any(entry[2] is seq for entry in self._queue):
+            self._queue = [entry for entry in self._queue if entry[2] is not seq]
+            heapq.heapify(self._queue)
         self._admitted.discard(seq.request_id)
-        self.blocks.free(seq.request_id)
 
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in self.sequences() if s.request_id == request_id), None)
+
+
+    def is_admitted(self, seq: Sequence) -> bool:
+        return seq.request_id in self._admitted
 
 
 class DecodeScheduler:

@@ -1,0 +1,139 @@
+"""The actor skeleton: a mailbox, one compute thread, and a step loop on the event loop."""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.batch import Batch
+from engine.messages import ActorStats, FinishReason, SampledToken
+
+logger = logging.getLogger(__name__)
+
+Emit = Callable[[SampledToken], None]
+
+
+class Actor(abc.ABC):
+    """Subclasses implement `handle`, `schedule`, `execute` (compute thread) and `postprocess`.
+
+    Scheduling and bookkeeping run on the event loop; only `execute` runs on
+    the actor's own thread, which is pinned to its device (or, on CPU, to its cores).
+    """
+
+    name = "actor"
+
+    def __init__(self, device: torch.device, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
+        self.device = device
+        self.emit = emit
+        self.cpu_cores = cpu_cores
+        self.steps = 0
+        self.last_step_time = 0.0
+        self._mailbox: deque = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}",
+                                            initializer=self._init_thread)
+
+    # lifecycle
+    def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pdserve-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # messages
+    def send(self, message) -> None:
+        self._mailbox.append(message)
+        self._wakeup.set()
+
+    def poke(self) -> None:
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._mailbox:
+                self.handle(self._mailbox.popleft())
+            batch = self.schedule()
+            if batch is None:
+                await self.idle(loop)
+                continue
+            try:
+                result = await loop.run_in_executor(self._executor, self.execute, batch)
+            except Exception as e:                     # a failed step fails its sequences, not the actor
+                logger.exception("%s step failed", self.name)
+                self.fail(batch, f"{type(e).__name__}: {e}")
+                continue
+            self.postprocess(batch, result)
+            self.steps += 1
+            self.last_step_time = time.monotonic()
+
+    async def idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Nothing to schedule: wait for a message, a poke, or a pending copy to land."""
+        pending = self.pending_transfer()
+        if pending is not None and not self._mailbox:
+            await loop.run_in_executor(self._executor, pending.wait)
+            return
+        if not self._mailbox:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def pending_transfer(self):
+        return None
+
+    def fail(self, batch: Batch, error: str) -> None:
+        for chunk in batch.chunks:
+            self.drop(chunk.seq)
+            self.emit(SampledToken(chunk.seq.request_id, -1, finish_reason=FinishReason.ERROR, error=error))
+
+    # compute thread
+    def _init_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+        elif self.cpu_cores:
+            os.sched_setaffinity(0, self.cpu_cores)
+            torch.set_num_threads(len(self.cpu_cores))
+
+    # subclass interface
+    @abc.abstractmethod
+    def handle(self, message) -> None:
+        """Apply one mailbox message (runs on the event loop, between steps)."""
+
+    @abc.abstractmethod
+    def schedule(self) -> Batch | None:
+        """The next step's batch, or None when there is nothing to run."""
+
+    @abc.abstractmethod
+    def execute(self, batch: Batch):
+        """Run `batch` on the device (compute thread); returns what postprocess needs."""
+
+    @abc.abstractmethod
+    def postprocess(self, batch: Batch, result) -> None:
+        """Record the step's results and emit tokens (event loop)."""
+
+    @abc.abstractmethod
+    def drop(self, seq) -> None:
+        """Forget `seq` and free its blocks (it failed or was aborted)."""
+
+    @abc.abstractmethod
+    def stats(self) -> ActorStats:
+        """A snapshot of queue lengths and KV usage."""

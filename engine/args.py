@@ -1,0 +1,63 @@
+"""Command-line options of the engine, shared by `pdserve serve`, `pdserve generate` and friends."""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face style model directory; default: the built-in demo model "
+                        "('demo', 'demo:tiny', 'demo:base:qwen2' pick a demo size/arch)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights and KV dtype (default: bfloat16; see bench/RESULTS.md for CPU)")
+    g.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
+                   help="disaggregated: prefill and decode actors on their own devices/cores "
+                        "(default); colocated: one actor mixes both phases (the baseline)")
+    g.add_argument("--prefill-device", default="cpu", help="cpu, cuda:0, ...")
+    g.add_argument("--decode-device", default="cpu", help="cpu, cuda:1, ...")
+    g.add_argument("--prefill-threads", type=int, default=None, help="CPU cores for the prefill actor")
+    g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
+    g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p"), default=None,
+                   help="force a KV transfer backend (default: chosen automatically)")
+    g.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
+                   help="KV cache budget: bytes (e.g. 4GiB) or a fraction of free device memory")
+    g.add_argument("--kv-watermark", type=float, default=CacheConfig.kv_watermark,
+                   help="decode pool usage above which no new sequence is admitted")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="most sequences decoded at once")
+    g.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
+                   help="token budget of one prefill step; longer prompts run in chunks")
+    g.add_argument("--max-queue", type=int, default=SchedulerConfig.max_queue,
+                   help="unfinished requests accepted before new ones are refused (HTTP 429)")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run CUDA decode steps eagerly")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build an EngineConfig; raises ValueError naming the option for an invalid value."""
+    _positive(args, "block_size", "max_num_seqs", "max_prefill_tokens", "max_queue")
+    if args.block_size & (args.block_size - 1) or args.block_size < 8:
+        raise ValueError("--block-size must be a power of two >= 8")
+    if not 0.0 < args.kv_watermark <= 1.0:
+        raise ValueError("--kv-watermark must be in (0, 1]")
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, mode=args.mode,
+        prefill_device=args.prefill_device, decode_device=args.decode_device,
+        prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
+        kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=str(args.kv_cache_memory),
+                          kv_watermark=args.kv_watermark),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                                  max_model_len=args.max_model_len, max_queue=args.max_queue),
+    )
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")

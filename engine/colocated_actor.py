@@ -1,0 +1,81 @@
+"""Colocated mode (the baseline): one device, chunked prefill mixed with decode in the same step."""
+from __future__ import annotations
+
+from engine.actor import Actor, Emit
+from engine.batch import Batch
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.messages import Abort, ActorStats, Request, SampledToken
+from engine.model_runner import ModelRunner
+from engine.scheduler import DecodeScheduler, PrefillScheduler
+from engine.sequence import Sequence
+
+
+class ColocatedActor(Actor):
+    name = "colocated"
+
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
+                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
+        super().__init__(runner.device, emit, cpu_cores)
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_prefill_tokens = config.max_prefill_tokens
+        self.kv_watermark = kv_watermark
+        self.eos_token_ids = runner.eos_token_ids
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.prefill = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
+                                        reserve=self._has_room)
+        self.decode = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self.prefill.add)
+
+    def _has_room(self, seq: Sequence) -> bool:
+        needed = self.blocks.blocks_needed(seq.request_id, seq.num_tokens + 1)
+        if self.blocks.num_sequences == 0:
+            return True
+        return (self.blocks.num_sequences < self.max_num_seqs
+                and self.blocks.usage_after(needed) <= self.kv_watermark)
+
+    def handle(self, message) -> None:
+        if isinstance(message, Request):
+            self.prefill.add(Sequence(message))
+        elif isinstance(message, Abort):
+            seq = self.prefill.find(message.request_id) or self.decode.find(message.request_id)
+            if seq is not None:
+                self.drop(seq)
+
+    def schedule(self) -> Batch | None:
+        decode = self.decode.schedule()
+        decode_chunks = decode.chunks if decode else ()
+        prefill = self.prefill.schedule(self.max_prefill_tokens - len(decode_chunks))
+        prefill_chunks = prefill.chunks if prefill else ()
+        if not decode_chunks and not prefill_chunks:
+            return None
+        return Batch(decode_chunks + prefill_chunks, is_decode=not prefill_chunks)
+
+    def execute(self, batch: Batch):
+        return self.runner.execute(batch)
+
+    def postprocess(self, batch: Batch, result) -> None:
+        for chunk in batch.chunks:
+            chunk.seq.num_computed_tokens = chunk.stop
+        for chunk, (token_id, logprob) in zip(batch.sampled, result):
+            seq = chunk.seq
+            was_prefill = self.prefill.is_admitted(seq)
+            seq.output_token_ids.append(token_id)
+            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
+            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
+            if reason is not None:
+                self.drop(seq)
+            elif was_prefill:
+                self.prefill.remove(seq)
+                self.decode.add(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        self.prefill.remove(seq)
+        self.decode.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    def stats(self) -> ActorStats:
+        return ActorStats(self.name, running=len(self.decode), waiting=len(self.prefill),
+                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)

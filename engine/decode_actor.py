@@ -1,0 +1,105 @@
+"""The decode actor: continuous batching over sequences whose KV arrived from the prefill actor."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.actor import Actor, Emit
+from engine.batch import Batch
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.messages import Abort, ActorStats, KVHandoff, Preempted, SampledToken
+from engine.model_runner import ModelRunner
+from engine.scheduler import DecodeScheduler
+from engine.sequence import Sequence
+
+
+class DecodeActor(Actor):
+    """Owns the decode pool. `reserve`/`release` are called by the prefill actor on the same loop."""
+
+    name = "decode"
+
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
+                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
+        super().__init__(runner.device, emit, cpu_cores)
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.kv_watermark = kv_watermark
+        self.eos_token_ids = runner.eos_token_ids
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back)
+        self.landing: list[tuple[Sequence, tuple]] = []
+        self.send_to_prefill: Callable[[object], None] = lambda message: None
+        self.on_blocks_freed: Callable[[], None] = lambda: None
+
+    def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
+        """Blocks for a sequence about to be prefilled, or None (back-pressure) above the watermark."""
+        needed = self.blocks.blocks_needed(request_id, num_tokens)
+        over_watermark = self.blocks.num_sequences and self.blocks.usage_after(needed) > self.kv_watermark
+        if self.blocks.num_sequences >= self.max_num_seqs or needed > self.blocks.num_free or over_watermark:
+            return None
+        return tuple(self.blocks.grow(request_id, num_tokens))
+
+    def release(self, request_id: str) -> None:
+        if self.blocks.free(request_id):
+            self.on_blocks_freed()
+
+    def handle(self, message) -> None:
+        if isinstance(message, KVHandoff):
+            seq = Sequence(message.request, list(message.output_token_ids), message.num_computed_tokens,
+                           self.blocks.table(message.request.request_id))
+            self.landing.append((seq, message.transfers))
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.drop(seq)
+        for landing_seq, _ in self.landing:
+            if landing_seq.request_id == request_id:
+                landing_seq.aborted = True
+
+    def schedule(self) -> Batch | None:
+        self._admit_landed()
+        return self.scheduler.schedule()
+
+    def _admit_landed(self) -> None:
+        waiting = []
+        for seq, transfers in self.landing:
+            if not all(t.done() for t in transfers):
+                waiting.append((seq, transfers))
+            elif seq.aborted:
+                self.release(seq.request_id)
+            else:
+                self.scheduler.add(seq)
+        self.landing = waiting
+
+    def execute(self, batch: Batch):
+        return self.runner.execute(batch)
+
+    def postprocess(self, batch: Batch, result) -> None:
+        for chunk, (token_id, logprob) in zip(batch.chunks, result):
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.stop
+            seq.output_token_ids.append(token_id)
+            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
+            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
+            if reason is not None:
+                self.drop(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.on_blocks_freed()
+
+    def _send_back(self, seq: Sequence) -> None:
+        self.send_to_prefill(Preempted(seq.request, tuple(seq.output_token_ids)))
+        self.on_blocks_freed()
+
+    def pending_transfer(self):
+        return next((t for _, transfers in self.landing for t in transfers if not t.done()), None)
+
+    def stats(self) -> ActorStats:
+        return ActorStats(self.name, running=len(self.scheduler), waiting=len(self.landing),
+                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)

@@ -1,0 +1,206 @@
+"""The engine front: submit requests, stream their tokens as text, abort them, report stats."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.actor import Actor
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
+from engine.tokenizer import Tokenizer
+from engine.topology import build_actors, make_plan, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many unfinished requests; retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down or not started."""
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_output_tokens: int = 0
+
+
+class RequestStream:
+    """Async iterator of TokenEvent for one request; the last event has `finish_reason` set.
+
+    Leaving the iteration early (break, cancellation, `aclose()`) aborts the request.
+    """
+
+    def __init__(self, engine: "Engine", stream: _Stream) -> None:
+        self._engine = engine
+        self._stream = stream
+        self._finished = False
+        self.request_id = stream.request.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            event = await self._stream.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._finished = event.finished
+        return event
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.request_id)
+
+
+class Engine:
+    """Loads the model into the configured topology and runs its actors on the current event loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
+        self.plan = make_plan(config, self.model_config)
+        self.actors: list[Actor] = build_actors(config, self.model_config, self.plan, self.eos_token_ids,
+                                                self._on_token)
+        pool_tokens = min(a.runner.num_blocks * a.runner.block_size for a in self.actors)
+        self.max_model_len = min(self.plan.max_model_len, pool_tokens)
+        self._streams: dict[str, _Stream] = {}
+        self._running = False
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    async def start(self) -> None:
+        for actor in self.actors:
+            actor.start()
+        self._running = True
+
+    async def stop(self) -> None:
+        """Abort every unfinished request and stop the actors (the model stays loaded)."""
+        self._running = False
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        for actor in self.actors:
+            await actor.stop()
+
+    def close(self) -> None:
+        for actor in self.actors:
+            actor.close()
+
+    def healthy(self) -> bool:
+        return self._running and all(actor.alive for actor in self.actors)
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue `request`; returns its event stream.
+
+        Raises ValueError for a prompt that cannot run (empty, unknown token ids, too long for
+        the context window), EngineOverloaded when the queue is full, EngineStopped when not running.
+        """
+        if not self._running:
+            raise EngineStopped("the engine is not running")
+        self._validate(request)
+        if len(self._streams) >= self.config.scheduler.max_queue:
+            raise EngineOverloaded(f"{len(self._streams)} requests in flight; the limit is "
+                                   f"{self.config.scheduler.max_queue}")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        stream = _Stream(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         request.params.skip_special_tokens),
+                         StopStringMatcher(request.params.stop))
+        self._streams[request.request_id] = stream
+        if request.arrival_time == 0.0:
+            request = _with_arrival_time(request)
+        self.actors[0].send(request)
+        return RequestStream(self, stream)
+
+    def _validate(self, request: Request) -> None:
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if prompt_len + request.params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                             f"prompt has {prompt_len} and max_tokens is {request.params.max_tokens}")
+
+    def abort(self, request_id: str) -> None:
+        """End the request's stream with finish reason `abort` and free its KV blocks on every actor."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.queue.put_nowait(self._final_event(stream, FinishReason.ABORT))
+        for actor in self.actors:
+            actor.send(Abort(request_id))
+
+    def _on_token(self, sampled: SampledToken) -> None:
+        stream = self._streams.get(sampled.request_id)
+        if stream is None:                     # already aborted or stopped by a stop string
+            return
+        if sampled.finish_reason is FinishReason.ERROR:
+            self._streams.pop(sampled.request_id)
+            stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, sampled.error))
+            return
+        stream.num_output_tokens += 1
+        reason = sampled.finish_reason
+        is_stop_token = reason is FinishReason.STOP
+        text, stopped = stream.stops.feed("" if is_stop_token else stream.detokenizer.push(sampled.token_id))
+        if stopped:
+            reason = FinishReason.STOP
+        elif reason is not None:
+            tail, stopped = stream.stops.feed(stream.detokenizer.flush())
+            text += tail if stopped else tail + stream.stops.flush()
+        event = TokenEvent(sampled.request_id, (sampled.token_id,), text,
+                           (sampled.logprob,) if sampled.logprob else (), reason,
+                           num_prompt_tokens=len(stream.request.prompt_token_ids),
+                           num_output_tokens=stream.num_output_tokens)
+        stream.queue.put_nowait(event)
+        if reason is not None:
+            del self._streams[sampled.request_id]
+            if sampled.finish_reason is None:      # a stop string: the actors still hold the sequence
+                for actor in self.actors:
+                    actor.send(Abort(sampled.request_id))
+
+    @staticmethod
+    def _final_event(stream: _Stream, reason: FinishReason, error: str | None = None) -> TokenEvent:
+        return TokenEvent(stream.request.request_id, finish_reason=reason, error=error,
+                          num_prompt_tokens=len(stream.request.prompt_token_ids),
+                          num_output_tokens=stream.num_output_tokens)
+
+    def stats(self) -> EngineStats:
+        actors = tuple(actor.stats() for actor in self.actors)
+        if self.mode == "colocated":
+            running, waiting = actors[0].running, actors[0].waiting
+        else:
+            running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
+        return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams))
+
+    def take_kv_transfer_times(self) -> list[float]:
+        """Durations (seconds) of KV copies finished since the last call."""
+        times = getattr(self.actors[0], "transfer_seconds", None)
+        if not times:
+            return []
+        drained = list(times)
+        times.clear()
+        return drained
+
+
+def _with_arrival_time(request: Request) -> Request:
+    return Request(request.request_id, request.prompt_token_ids, request.params, request.priority,
+                   time.monotonic())

@@ -1,0 +1,134 @@
+"""The prefill actor: chunked prefill, first token, and the KV hand-off to the decode actor."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.actor import Actor, Emit
+from engine.batch import Batch, ScheduledChunk
+from engine.block_manager import BlockManager, blocks_for
+from engine.config import SchedulerConfig
+from engine.decode_actor import DecodeActor
+from engine.kv_transfer import KVTransfer
+from engine.messages import Abort, ActorStats, KVHandoff, Preempted, Request, SampledToken
+from engine.model_runner import ModelRunner
+from engine.scheduler import PrefillScheduler
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Outgoing:
+    """An admitted sequence's copies; its prefill blocks are freed once they all landed."""
+
+    seq: Sequence
+    decode_blocks: tuple[int, ...]
+    transfers: list = field(default_factory=list)
+    handed_off: bool = False        # the decode actor owns the reservation now
+
+    def landed(self) -> bool:
+        return all(t.done() for t in self.transfers)
+
+
+class PrefillActor(Actor):
+    name = "prefill"
+
+    def __init__(self, runner: ModelRunner, decode: DecodeActor, transfer: KVTransfer,
+                 config: SchedulerConfig, max_model_len: int, emit: Emit,
+                 cpu_cores: tuple[int, ...] = ()) -> None:
+        super().__init__(runner.device, emit, cpu_cores)
+        self.runner = runner
+        self.decode = decode
+        self.transfer = transfer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
+                                          reserve=self._reserve_decode_blocks)
+        self.outgoing: dict[str, Outgoing] = {}
+        self.retiring: list[Outgoing] = []
+        self.transfer_seconds: deque[float] = deque(maxlen=10_000)
+
+    def handle(self, message) -> None:
+        if isinstance(message, Request):
+            self.scheduler.add(Sequence(message))
+        elif isinstance(message, Preempted):
+            self.scheduler.add(Sequence(message.request, list(message.output_token_ids)))
+        elif isinstance(message, Abort):
+            seq = self.scheduler.find(message.request_id)
+            if seq is not None:
+                self.drop(seq)
+
+    def _reserve_decode_blocks(self, seq: Sequence) -> bool:
+        decode_blocks = self.decode.reserve(seq.request_id, seq.num_tokens + 1)
+        if decode_blocks is None:
+            return False
+        self.outgoing[seq.request_id] = Outgoing(seq, decode_blocks)
+        return True
+
+    def schedule(self) -> Batch | None:
+        self._retire_landed()
+        return self.scheduler.schedule()
+
+    def execute(self, batch: Batch):
+        result = self.runner.execute(batch)
+        for chunk in batch.chunks:
+            self._start_copy(chunk)
+        return result
+
+    def _start_copy(self, chunk: ScheduledChunk) -> None:
+        """Copy the blocks this chunk completed (the partial last one too, after the last chunk)."""
+        size = self.runner.block_size
+        first = chunk.start // size
+        last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
+        if last <= first:
+            return
+        out = self.outgoing[chunk.seq.request_id]
+        handle = self.transfer.copy_blocks(self.runner.kv_pool, self.decode.runner.kv_pool,
+                                           chunk.seq.block_table[first:last], out.decode_blocks[first:last])
+        out.transfers.append(handle)
+
+    def postprocess(self, batch: Batch, result) -> None:
+        for chunk in batch.chunks:
+            self.scheduler.advance(chunk)
+        for chunk, (token_id, logprob) in zip(batch.sampled, result):
+            seq = chunk.seq
+            seq.output_token_ids.append(token_id)
+            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
+            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
+            out = self.outgoing[seq.request_id]
+            if reason is None:
+                self.decode.send(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
+                                           tuple(out.transfers)))
+                out.handed_off = True
+            self.scheduler.remove(seq)
+            self.retiring.append(out)
+        self._retire_landed()
+
+    def drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        out = self.outgoing.get(seq.request_id)
+        if out is not None and out not in self.retiring:
+            self.retiring.append(out)
+
+    def _retire_landed(self) -> None:
+        still_copying = []
+        for out in self.retiring:
+            if not out.landed():
+                still_copying.append(out)
+                continue
+            self.blocks.free(out.seq.request_id)
+            if not out.handed_off:
+                self.decode.release(out.seq.request_id)
+            del self.outgoing[out.seq.request_id]
+            self.transfer_seconds.extend(t.seconds for t in out.transfers if t.seconds is not None)
+        self.retiring = still_copying
+
+    def pending_transfer(self):
+        return next((t for out in self.retiring for t in out.transfers if not t.done()), None)
+
+    def stats(self) -> ActorStats:
+        return ActorStats(self.name, running=len(self.outgoing), waiting=len(self.scheduler),
+                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)
