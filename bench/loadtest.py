@@ -1,0 +1,346 @@
+"""`pdserve bench`: load-test any OpenAI-compatible streaming endpoint.
+
+    python -m bench.loadtest --base-url http://127.0.0.1:8000 --dataset-name mixed \\
+        --num-prompts 200 --request-rate 4 --slo ttft_ms=500 tpot_ms=50 \\
+        --result-json out.json --plot out.png
+
+Flag names and the summary table follow vLLM's `vllm bench serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.metrics import LATENCY_METRICS, RequestRecord, format_summary, parse_slo, summarize
+from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
+from bench.workloads import SampleRequest, TrafficSpec, WorkloadSpec, arrival_offsets, build_workload
+
+
+class BenchError(Exception):
+    """The benchmark could not run (server unreachable, no model listed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    records: tuple[RequestRecord, ...]
+    duration: float
+
+
+def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("endpoint")
+    group.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://host:8000")
+    group.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    group.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    group.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    group.add_argument("--length-control", choices=LENGTH_CONTROLS, default="vllm",
+                       help="how output lengths are pinned: vllm = max_tokens+min_tokens+ignore_eos; "
+                            "generation-config = transformers serve's generation_config; max-tokens = max_tokens only")
+    group.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: server's)")
+    group.add_argument("--extra-body", type=json.loads, default=None, help="JSON object merged into every request")
+    group.add_argument("--require-done", action=argparse.BooleanOptionalAction, default=True,
+                       help="count a stream as complete only after data: [DONE] (--no-require-done: a "
+                            "finish_reason and a clean end of stream suffice)")
+    group.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, all included")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt"), default=None,
+                       help="default: sharegpt with --dataset-path, else random")
+    group.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")
+    group.add_argument("--random-input-len", type=int, default=1024)
+    group.add_argument("--random-output-len", type=int, default=128)
+    group.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
+    group.add_argument("--short-input-len", type=int, default=128, help="mixed: prompt tokens of a short chat")
+    group.add_argument("--long-input-len", type=int, default=2048, help="mixed: prompt tokens of a long document")
+    group.add_argument("--output-len", type=int, default=128, help="mixed: output tokens of every request")
+    group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long-document prompts")
+    group.add_argument("--long-threshold", type=int, default=1024,
+                       help="random/sharegpt: prompts of at least this many tokens are tagged long")
+
+
+def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("traffic")
+    group.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    group.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    group.add_argument("--num-prompts", type=int, default=1000)
+    group.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
+
+
+def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics")
+    group.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME_ms=VALUE",
+                       help="goodput counts requests meeting all of: ttft_ms, tpot_ms, e2el_ms")
+    group.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS))
+    group.add_argument("--metric-percentiles", default="90,99")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every `pdserve bench` flag on `parser`."""
+    add_endpoint_arguments(parser)
+    add_workload_arguments(parser)
+    add_traffic_arguments(parser)
+    add_metric_arguments(parser)
+    group = parser.add_argument_group("output")
+    group.add_argument("--result-json", default=None, help="write every per-request figure, the summary and the args")
+    group.add_argument("--plot", default=None, help="PNG of TTFT/ITL CDFs and ITL over time")
+    group.add_argument("--label", default=None, help="name of this run in the plot and JSON")
+    group.add_argument("--disable-tqdm", action="store_true")
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    return WorkloadSpec(
+        name=name, seed=args.seed, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+        short_input_len=args.short_input_len, long_input_len=args.long_input_len, output_len=args.output_len,
+        long_fraction=args.long_fraction, dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len, long_threshold=args.long_threshold,
+    )
+
+
+def warmup_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """The same workload on another seed: warm-up prompts never repeat measured ones."""
+    return replace(workload, seed=workload.seed + 1_000_003)
+
+
+def traffic_from_args(args: argparse.Namespace) -> TrafficSpec:
+    if not args.request_rate > 0 or not args.burstiness > 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--num-prompts and --max-concurrency must be at least 1")
+    return TrafficSpec(args.request_rate, args.burstiness, args.max_concurrency, args.num_prompts,
+                       args.duration, args.seed, args.num_warmups)
+
+
+def metric_options(args: argparse.Namespace) -> tuple[dict[str, float], tuple[float, ...], tuple[str, ...]]:
+    """(slo, percentiles, metrics) from the metric flags; raises ValueError on bad values."""
+    slo = parse_slo(args.slo or ())
+    percentiles = tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip())
+    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    unknown = set(metrics) - set(LATENCY_METRICS)
+    if unknown or not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"bad --percentile-metrics {sorted(unknown)} or --metric-percentiles {percentiles}")
+    return slo, percentiles, metrics
+
+
+async def _warm_up(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest]) -> None:
+    for index, sample in enumerate(samples):
+        record = await send_request(session, endpoint, sample, index, time.perf_counter())
+        if not record.success:
+            print(f"warm-up request {index} failed: {record.error}", file=sys.stderr)
+
+
+async def _limited(semaphore: asyncio.Semaphore | None, coroutine):
+    if semaphore is None:
+        return await coroutine
+    async with semaphore:
+        return await coroutine
+
+
+def _cancelled_record(index: int, sample: SampleRequest, offset: float) -> RequestRecord:
+    return RequestRecord(index, sample.kind, sample.prompt_len, sample.output_len, offset, success=False,
+                         error="cancelled: still running at the overall bound (--duration + --request-timeout)")
+
+
+async def benchmark(
+    endpoint: EndpointConfig,
+    samples: Iterable[SampleRequest],
+    traffic: TrafficSpec,
+    warmups: Iterable[SampleRequest] = (),
+    progress: bool = True,
+) -> BenchResult:
+    """Send `samples` on `traffic`'s schedule and record each request.
+
+    Stops sending after `num_prompts` requests or `duration` seconds. With a
+    duration, requests still running `request_timeout` seconds after it are
+    cancelled and recorded as failures, so a stalled server cannot hang the run.
+    """
+    connector = aiohttp.TCPConnector(limit=traffic.max_concurrency or 0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await _warm_up(session, endpoint, warmups)
+        semaphore = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
+        total = None if traffic.duration else traffic.num_prompts
+        with tqdm(total=total, disable=not progress, unit="req") as bar:
+            origin = time.perf_counter()
+            tasks: dict[asyncio.Task, tuple[int, SampleRequest, float]] = {}
+            schedule = zip(range(traffic.num_prompts), samples, arrival_offsets(
+                traffic.request_rate, traffic.burstiness, traffic.seed))
+            for index, sample, offset in schedule:
+                if traffic.duration is not None and max(offset, time.perf_counter() - origin) >= traffic.duration:
+                    break
+                await asyncio.sleep(max(0.0, origin + offset - time.perf_counter()))
+                task = asyncio.create_task(_limited(semaphore, send_request(session, endpoint, sample, index, origin)))
+                task.add_done_callback(lambda _: bar.update(1))
+                tasks[task] = (index, sample, offset)
+            records = await _collect(tasks, _bound(traffic, endpoint, origin, time.perf_counter()))
+            duration = time.perf_counter() - origin
+    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration)
+
+
+def _bound(traffic: TrafficSpec, endpoint: EndpointConfig, origin: float, now: float) -> float | None:
+    if traffic.duration is None:
+        return None
+    return max(0.0, origin + traffic.duration - now) + endpoint.request_timeout
+
+
+async def _collect(tasks: dict[asyncio.Task, tuple[int, SampleRequest, float]], bound: float | None) -> list[RequestRecord]:
+    if not tasks:
+        return []
+    done, pending = await asyncio.wait(tasks, timeout=bound)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return [task.result() for task in done] + [_cancelled_record(*tasks[task]) for task in pending]
+
+
+async def resolve_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """The id of the first model the server lists at GET /v1/models.
+
+    Raises BenchError when the server cannot be reached or lists none.
+    """
+    url = f"{base_url.rstrip('/').removesuffix('/v1')}/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url, headers=headers) as response:
+                response.raise_for_status()
+                models = (await response.json()).get("data") or []
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
+        raise BenchError(f"cannot list models at {url}: {type(error).__name__}: {error}") from None
+    if not models:
+        raise BenchError(f"{url} lists no model")
+    return models[0]["id"]
+
+
+def endpoint_from_args(args: argparse.Namespace, model: str) -> EndpointConfig:
+    return EndpointConfig(
+        base_url=args.base_url, model=model, endpoint=args.endpoint, api_key=args.api_key,
+        length_control=args.length_control, temperature=args.temperature, extra_body=args.extra_body or {},
+        require_done=args.require_done, request_timeout=args.request_timeout,
+    )
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def arguments_dict(args: argparse.Namespace) -> dict:
+    """The parsed flags as JSON-safe values (callables, e.g. a subcommand handler, left out)."""
+    plain = {k: v for k, v in vars(args).items() if not callable(v)}
+    return _json_safe({k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
+                       for k, v in plain.items()})
+
+
+def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, workload: WorkloadSpec,
+                    summary: dict, records: Iterable[RequestRecord], arguments: dict) -> dict:
+    """The --result-json document: run description, summary, every request."""
+    return _json_safe({
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "label": label,
+        "base_url": endpoint.base_url,
+        "model": endpoint.model,
+        "endpoint": endpoint.endpoint,
+        "workload": asdict(workload),
+        "traffic": asdict(traffic),
+        "arguments": arguments,
+        "summary": summary,
+        "requests": [record.to_json() for record in records],
+    })
+
+
+def write_json(path: str | Path, document: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    workload: WorkloadSpec
+    traffic: TrafficSpec
+    slo: dict[str, float]
+    percentiles: tuple[float, ...]
+    metrics: tuple[str, ...]
+
+
+def _options(args: argparse.Namespace) -> _Options:
+    workload = workload_from_args(args)
+    build_workload(workload)  # validates, loads a dataset file
+    if args.extra_body is not None and not isinstance(args.extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return _Options(workload, traffic_from_args(args), *metric_options(args))
+
+
+async def _run(args: argparse.Namespace, options: _Options) -> int:
+    model = args.model or await resolve_model(args.base_url, args.api_key)
+    endpoint = endpoint_from_args(args, model)
+    samples = build_workload(options.workload)
+    warmups = itertools.islice(build_workload(warmup_spec(options.workload)), options.traffic.num_warmups)
+    result = await benchmark(endpoint, samples, options.traffic, warmups, progress=not args.disable_tqdm)
+    if not result.records:
+        print("no request was sent (check --num-prompts / --duration)", file=sys.stderr)
+        return 1
+    summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
+    print(format_summary(summary, options.percentiles))
+    label = args.label or f"{endpoint.model} @ {endpoint.base_url}"
+    if args.result_json:
+        document = result_document(label, endpoint, options.traffic, options.workload, summary,
+                                   result.records, arguments_dict(args))
+        write_json(args.result_json, document)
+    if args.plot:
+        from bench.plot import plot_runs
+
+        plot_runs([(label, result.records)], args.plot)
+    return 0 if summary["completed"] else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed flags describe; print the summary table.
+
+    Returns 0 when at least one request succeeded, 1 when none did or the
+    server could not be reached, 2 on invalid flags or an unreadable dataset.
+    """
+    try:
+        options = _options(args)
+    except (ValueError, OSError) as error:
+        print(f"pdserve bench: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run(args, options))
+    except BenchError as error:
+        print(f"pdserve bench: {error}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.loadtest`: parse `argv` (default sys.argv[1:]) and run."""
+    parser = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Per-request load-test records and the summary arithmetic (vLLM `bench serve` names).
+
+Times in records are seconds; summary latencies are milliseconds.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "short_itl")
+METRIC_TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+    "short_itl": "Inter-token Latency, short streams",
+}
+METRIC_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "short_itl": "short ITL"}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What one request did. `send_time` is seconds after the benchmark started.
+
+    `itl` holds one gap per streamed content chunk after the first. `output_tokens`
+    comes from the server's usage report when `usage_reported`, else it is the
+    number of content chunks.
+    """
+
+    index: int
+    kind: str
+    prompt_len: int
+    max_tokens: int
+    send_time: float
+    success: bool
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: tuple[float, ...] = ()
+    finish_reason: str | None = None
+    usage_reported: bool = False
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - ttft) / (output_tokens - 1); None with fewer than two output tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def input_tokens(self) -> int:
+        return self.prompt_tokens if self.usage_reported else self.prompt_len
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"tpot": self.tpot, "itl": list(self.itl)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RequestRecord:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**fields | {"itl": tuple(data.get("itl", ()))})
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks.
+
+    Raises ValueError on an empty sequence or q outside [0, 100].
+    """
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile {q} outside [0, 100]")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution(values: Sequence[float], percentiles: Iterable[float]) -> dict[str, float]:
+    """mean, median, std (population) and each pNN of `values`; zeros when there are none."""
+    percentiles = tuple(percentiles)
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0} | {_pname(p): 0.0 for p in percentiles}
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+    stats = {"mean": mean, "median": percentile(values, 50), "std": std}
+    return stats | {_pname(p): percentile(values, p) for p in percentiles}
+
+
+def _pname(p: float) -> str:
+    return f"p{p:g}"
+
+
+def parse_slo(items: Iterable[str]) -> dict[str, float]:
+    """`["ttft_ms=500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds).
+
+    Raises ValueError on an unknown metric, a malformed item or a non-positive bound.
+    """
+    slo = {}
+    for item in items:
+        key, sep, value = item.replace(":", "=").partition("=")
+        name = key.strip().removesuffix("_ms")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"bad SLO {item!r}: use NAME_ms=VALUE with NAME in {', '.join(SLO_METRICS)}")
+        slo[name] = float(value)
+        if not slo[name] > 0:
+            raise ValueError(f"bad SLO {item!r}: the bound must be positive")
+    return slo
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """True when a successful request is within every bound in `slo` (ms)."""
+    observed = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.latency}
+    return record.success and all(observed[name] * 1000.0 <= bound for name, bound in slo.items())
+
+
+def latency_samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """Each latency metric's samples in ms over successful requests."""
+    ok = [r for r in records if r.success]
+    return {
+        "ttft": [r.ttft * 1000.0 for r in ok],
+        "tpot": [r.tpot * 1000.0 for r in ok if r.tpot is not None],
+        "itl": [gap * 1000.0 for r in ok for gap in r.itl],
+        "e2el": [r.latency * 1000.0 for r in ok],
+        "short_itl": [gap * 1000.0 for r in ok if r.kind == "short" for gap in r.itl],
+    }
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    duration: float,
+    slo: dict[str, float] | None = None,
+    percentiles: Iterable[float] = (90, 99),
+    metrics: Iterable[str] = LATENCY_METRICS,
+) -> dict:
+    """The benchmark summary: counts, throughputs, goodput and latency distributions.
+
+    Keys follow vLLM: `request_throughput`, `output_throughput`, `mean_ttft_ms`,
+    `p99_itl_ms`, ...; `request_goodput` is None without an SLO.
+    Raises ValueError if `duration` is not positive.
+    """
+    if not duration > 0:
+        raise ValueError("duration must be positive")
+    ok = [r for r in records if r.success]
+    input_tokens = sum(r.input_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    summary = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "completed_short": sum(r.kind == "short" for r in ok),
+        "completed_long": sum(r.kind == "long" for r in ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_without_usage": sum(not r.usage_reported for r in ok),
+        "request_throughput": len(ok) / duration,
+        "request_goodput": sum(meets_slo(r, slo) for r in ok) / duration if slo else None,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "errors": dict(Counter(r.error for r in records if not r.success).most_common()),
+        "slo_ms": dict(slo or {}),
+    }
+    samples = latency_samples(records)
+    for name in metrics:
+        for stat, value in distribution(samples[name], percentiles).items():
+            summary[f"{stat}_{name}_ms"] = value
+    return summary
+
+
+def format_summary(summary: dict, percentiles: Iterable[float] = (90, 99), title: str = "Serving Benchmark Result") -> str:
+    """The summary as vLLM's fixed-width result table."""
+    rows = [
+        ("Successful requests:", summary["completed"]),
+        ("Failed requests:", summary["failed"]),
+        ("Benchmark duration (s):", f"{summary['duration']:.2f}"),
+        ("Total input tokens:", summary["total_input_tokens"]),
+        ("Total generated tokens:", summary["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
+    ]
+    if summary["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s):", f"{summary['request_goodput']:.2f}"))
+    rows.append(("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"))
+    rows.append(("Total Token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}"))
+    lines = [f"{f' {title} ':=^50}"] + [f"{label:<40}{value:<10}" for label, value in rows]
+    for name in LATENCY_METRICS:
+        if f"mean_{name}_ms" in summary:
+            lines.append(f"{METRIC_TITLES[name]:-^50}")
+            lines += [f"{label:<40}{summary[key]:<10.2f}" for label, key in _metric_rows(name, percentiles)]
+    lines += [f"error x{count}: {error}" for error, count in summary["errors"].items()]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _metric_rows(name: str, percentiles: Iterable[float]) -> list[tuple[str, str]]:
+    label = METRIC_LABELS[name]
+    rows = [(f"Mean {label} (ms):", f"mean_{name}_ms"), (f"Median {label} (ms):", f"median_{name}_ms")]
+    return rows + [(f"P{p:g} {label} (ms):", f"{_pname(p)}_{name}_ms") for p in percentiles]

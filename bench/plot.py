@@ -1,0 +1,71 @@
+"""Load-test plots: TTFT and ITL CDFs, and inter-token latency over time with
+long-prompt arrivals marked (matplotlib, Agg canvas; no display needed)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from bench.metrics import RequestRecord
+
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
+
+def _cdf(ax: Axes, values_ms: Sequence[float], label: str, color: str, linestyle: str = "-") -> None:
+    if not values_ms:
+        return
+    ordered = sorted(values_ms)
+    fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
+    ax.step(ordered, fractions, where="post", label=label, color=color, linestyle=linestyle)
+
+
+def token_times(record: RequestRecord) -> list[tuple[float, float]]:
+    """(emission time in s since the start, gap before it in ms) of each token after the first."""
+    first = record.send_time + record.ttft
+    times = accumulate(record.itl, initial=first)
+    next(times)
+    return [(time, gap * 1000.0) for time, gap in zip(times, record.itl)]
+
+
+def _strip(ax: Axes, label: str, records: Sequence[RequestRecord], color: str) -> None:
+    points = [p for r in records if r.success and r.kind == "short" for p in token_times(r)]
+    if points:
+        xs, ys = zip(*points)
+        ax.scatter(xs, ys, s=3, color=color, alpha=0.6, linewidths=0)
+    for record in records:
+        if record.kind == "long":
+            ax.axvline(record.send_time, color="black", linewidth=0.8, alpha=0.5, linestyle=":")
+    ax.set_ylabel("ITL (ms)")
+    ax.set_title(f"{label}: short-stream ITL over time (dotted: long-prompt arrivals)", fontsize=9, loc="left")
+
+
+def plot_runs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | Path) -> None:
+    """Draw every run's TTFT and ITL CDFs on shared axes and one ITL-over-time strip each; save a PNG."""
+    fig = Figure(figsize=(12, 4 + 2.2 * len(runs)), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(1 + len(runs), 2, height_ratios=[3.0] + [1.8] * len(runs))
+    ax_ttft, ax_itl = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    for color, (label, records) in zip(COLORS * len(runs), runs):
+        ok = [r for r in records if r.success]
+        _cdf(ax_ttft, [r.ttft * 1000.0 for r in ok], label, color)
+        _cdf(ax_itl, [g * 1000.0 for r in ok for g in r.itl], f"{label} (all)", color)
+        _cdf(ax_itl, [g * 1000.0 for r in ok if r.kind == "short" for g in r.itl], f"{label} (short)", color, "--")
+    for ax, name in ((ax_ttft, "TTFT"), (ax_itl, "inter-token latency")):
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.set_xscale("log")
+            ax.legend(fontsize=8)
+    strip_axes = []
+    for row, (color, (label, records)) in enumerate(zip(COLORS * len(runs), runs)):
+        ax = fig.add_subplot(grid[1 + row, :], sharex=strip_axes[0] if strip_axes else None)
+        _strip(ax, label, records, color)
+        strip_axes.append(ax)
+    strip_axes[-1].set_xlabel("time since start (s)")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,204 @@
+"""Seeded request streams for the load test (random, mixed short/long, ShareGPT)
+and their arrival times.
+
+No tokenizer is needed: prompts of about N tokens are N words drawn from a
+fixed list of short, common English words (one token each in most BPE
+vocabularies). The server's `usage.prompt_tokens` gives the real count.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+WORDS = tuple("""
+the of and to in is it you that he was for on are with as his they be at one
+have this from or had by hot word but what some we can out other were all there
+when up use your how said an each she which do their time if will way about
+many then them write would like so these her long make thing see him two has
+look more day could go come did number sound no most people my over know water
+than call first who may down side been now find any new work part take get
+place made live where after back little only round man year came show every
+good me give our under name very through just form sentence great think say help
+low line differ turn cause much mean before move right boy old too same tell
+does set three want air well also play small end put home read hand port large
+spell add even land here must big high such follow act why ask men change went
+light kind off need house picture try us again animal point mother world near
+build self earth father head stand own page should country found answer school
+grow study still learn plant cover food sun four between state keep eye never
+last let thought city tree cross farm hard start might story saw far sea draw
+left late run while press close night real life few north open seem together
+next white children begin got walk example ease paper group always music those
+both mark often letter until mile river car feet care second book carry took
+science eat room friend began idea fish mountain stop once base hear horse cut
+sure watch color face wood main enough plain girl usual young ready above ever
+red list though feel talk bird soon body dog family direct pose leave song
+""".split())
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """One request to send: a prompt of about `prompt_len` tokens, `output_len` tokens wanted."""
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+    kind: str  # "short" | "long"
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficSpec:
+    """When requests go out: Poisson/gamma arrivals, a concurrency cap, a count or time bound."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_prompts: int = 1000
+    duration: float | None = None
+    seed: int = 0
+    num_warmups: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    name: str = "random"  # random | mixed | sharegpt
+    seed: int = 0
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    short_input_len: int = 128
+    long_input_len: int = 2048
+    output_len: int = 128
+    long_fraction: float = 0.1
+    dataset_path: str | None = None
+    sharegpt_output_len: int | None = None
+    long_threshold: int = 1024
+
+
+def word_prompt(rng: random.Random, num_tokens: int) -> str:
+    """A prompt of `num_tokens` words drawn from WORDS."""
+    return " ".join(rng.choices(WORDS, k=max(1, num_tokens)))
+
+
+def approx_tokens(text: str) -> int:
+    """About how many tokens `text` is (4 characters a token), at least 1."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+def build_workload(spec: WorkloadSpec) -> Iterator[SampleRequest]:
+    """An endless, deterministic stream of requests for `spec` (same seed, same stream).
+
+    Raises ValueError on an unknown workload name or bad parameters.
+    """
+    rng = random.Random(spec.seed)
+    if spec.name == "random":
+        return random_requests(rng, spec)
+    if spec.name == "mixed":
+        return mixed_requests(rng, spec)
+    if spec.name == "sharegpt":
+        return sharegpt_requests(rng, spec)
+    raise ValueError(f"unknown workload {spec.name!r} (random, mixed, sharegpt)")
+
+
+def _length_range(length: int, ratio: float) -> tuple[int, int]:
+    return max(1, math.floor(length * (1 - ratio))), max(1, math.ceil(length * (1 + ratio)))
+
+
+def _kind(prompt_len: int, threshold: int) -> str:
+    return "long" if prompt_len >= threshold else "short"
+
+
+def random_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
+    """Input and output lengths uniform in [L·(1-r), L·(1+r)] (vLLM's random dataset)."""
+    if not 0.0 <= spec.random_range_ratio < 1.0:
+        raise ValueError("random_range_ratio must be in [0, 1)")
+    if spec.random_input_len < 1 or spec.random_output_len < 1:
+        raise ValueError("random input and output lengths must be at least 1")
+    input_range = _length_range(spec.random_input_len, spec.random_range_ratio)
+    output_range = _length_range(spec.random_output_len, spec.random_range_ratio)
+    return _random_stream(rng, input_range, output_range, spec.long_threshold)
+
+
+def _random_stream(rng: random.Random, input_range: tuple[int, int], output_range: tuple[int, int],
+                   long_threshold: int) -> Iterator[SampleRequest]:
+    while True:
+        prompt_len = rng.randint(*input_range)
+        output_len = rng.randint(*output_range)
+        yield SampleRequest(word_prompt(rng, prompt_len), prompt_len, output_len, _kind(prompt_len, long_threshold))
+
+
+def mixed_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
+    """Short chats with a share `long_fraction` of long-document prompts, evenly spread.
+
+    Request i is long when floor((i+1)·f + u) > floor(i·f + u), u a seeded phase
+    in [0, 1): exactly the fraction f over any run of 1/f requests.
+    """
+    if not 0.0 <= spec.long_fraction <= 1.0:
+        raise ValueError("long_fraction must be in [0, 1]")
+    if min(spec.short_input_len, spec.long_input_len, spec.output_len) < 1:
+        raise ValueError("short_input_len, long_input_len and output_len must be at least 1")
+    return _mixed_stream(rng, spec, phase=rng.random())
+
+
+def _mixed_stream(rng: random.Random, spec: WorkloadSpec, phase: float) -> Iterator[SampleRequest]:
+    fraction = spec.long_fraction
+    for i in itertools.count():
+        is_long = math.floor((i + 1) * fraction + phase) > math.floor(i * fraction + phase)
+        prompt_len = spec.long_input_len if is_long else spec.short_input_len
+        yield SampleRequest(word_prompt(rng, prompt_len), prompt_len, spec.output_len, "long" if is_long else "short")
+
+
+def load_sharegpt(path: str | Path, fixed_output_len: int | None) -> list[tuple[str, int, int]]:
+    """(prompt, prompt_len, output_len) of each usable conversation in a ShareGPT JSON file.
+
+    Takes the first two turns; drops pairs shorter than 4 tokens or longer than
+    1024 (prompt) / 2048 (total) tokens, as vLLM does. Raises ValueError if none is left.
+    """
+    entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a JSON list of conversations")
+    pairs = []
+    for entry in entries:
+        turns = (entry.get("conversations") or entry.get("conversation") or []) if isinstance(entry, dict) else []
+        if len(turns) < 2 or not all(isinstance(turn, dict) for turn in turns[:2]):
+            continue
+        prompt, completion = turns[0].get("value", ""), turns[1].get("value", "")
+        prompt_len = approx_tokens(prompt)
+        output_len = fixed_output_len or approx_tokens(completion)
+        if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
+            continue
+        if prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue
+        pairs.append((prompt, prompt_len, output_len))
+    if not pairs:
+        raise ValueError(f"{path}: no usable conversation (need >= 2 turns, 4..1024 prompt tokens)")
+    return pairs
+
+
+def sharegpt_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
+    """The file's conversations in a seeded order, cycled as often as needed."""
+    if not spec.dataset_path:
+        raise ValueError("the sharegpt workload needs --dataset-path")
+    pairs = load_sharegpt(spec.dataset_path, spec.sharegpt_output_len)
+    rng.shuffle(pairs)
+    return (SampleRequest(prompt, prompt_len, output_len, _kind(prompt_len, spec.long_threshold))
+            for prompt, prompt_len, output_len in itertools.cycle(pairs))
+
+
+def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """Seconds after the start at which each request is due: gamma gaps, shape=burstiness, mean 1/rate."""
+    if math.isinf(rate):
+        yield from itertools.repeat(0.0)
+        return
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / (rate * burstiness)
+    offset = 0.0
+    while True:
+        yield offset
+        offset += float(rng.gamma(burstiness, scale))

@@ -1,0 +1,365 @@
+"""bench/loadtest.py and bench/workloads.py: the load-test client against a fake
+OpenAI-compatible aiohttp server with controlled faults, the CLI end to end, the
+seeded workloads, and (once the server exists) a real pdserve server."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bench import loadtest
+from bench.metrics import summarize
+from bench.sse_client import EndpointConfig
+from bench.workloads import (
+    WORDS,
+    SampleRequest,
+    TrafficSpec,
+    WorkloadSpec,
+    arrival_offsets,
+    build_workload,
+    load_sharegpt,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeOpenAI:
+    """Streams `max_tokens` chunks "t0 ", "t1 ", ... in awkward network pieces; the path's
+    first segment picks the behaviour."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.counter = itertools.count()
+        self.never = asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/{mode}/v1/completions", self.generate)
+        app.router.add_post("/{mode}/v1/chat/completions", self.generate)
+        app.router.add_get("/{mode}/v1/models", self.models)
+        self.app = app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        self.payloads.append(payload)
+        mode = request.match_info["mode"]
+        if mode == "flaky":
+            mode = ("fail500", "truncate", "ok")[next(self.counter) % 3]
+        if mode == "fail500":
+            return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}}, status=500)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._stream(request, payload, mode)
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(self, request: web.Request, payload: dict, mode: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chat = "messages" in payload
+        count = payload["max_tokens"]
+        events = [self._chunk(chat, f"t{i} ", None) for i in range(count)]
+        if mode in ("truncate", "reset", "hang", "error"):
+            events = events[: count // 2]
+        pieces = self._pieces(events)
+        for piece in pieces:
+            await response.write(piece)
+        if mode == "hang":
+            await self.never.wait()
+        if mode == "reset":
+            request.transport.abort()
+            return response
+        if mode == "error":
+            await response.write(b'data: {"error": {"message": "decode actor died"}}\r\n\r\n')
+        if mode in ("ok", "nodone", "error"):
+            prompt = payload["messages"][0]["content"] if chat else payload["prompt"]
+            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": count}
+            await response.write(f"data: {self._chunk(chat, '', 'length')}\r\n\r\n".encode())
+            await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        if mode in ("ok", "error"):
+            await response.write(b"data: [DONE]\r\n\r\n")
+        if mode == "truncate":
+            await response.write(b'data: {"choices": [{"te')
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _chunk(chat: bool, text: str, finish: str | None) -> str:
+        choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+        return json.dumps({"id": "x", "choices": [choice | {"finish_reason": finish}]})
+
+    @staticmethod
+    def _pieces(events: list[str]) -> list[bytes]:
+        """Events with CRLF endings and keep-alives, cut mid-event and merged in pairs."""
+        stream = b"".join(f": keep-alive\r\n\r\ndata: {e}\r\n\r\n".encode() for e in events)
+        cuts = list(range(0, len(stream), 37)) + [len(stream)]
+        return [stream[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.fixture
+async def fake():
+    server_state = FakeOpenAI()
+    server = TestServer(server_state.app, host="127.0.0.1")
+    await server.start_server()
+    server_state.base = str(server.make_url("")).rstrip("/")
+    yield server_state
+    server_state.never.set()
+    await server.close()
+
+
+def _endpoint(fake: FakeOpenAI, mode: str, **overrides) -> EndpointConfig:
+    return EndpointConfig(base_url=f"{fake.base}/{mode}", model="fake-model", **overrides)
+
+
+def _samples(output_len: int = 6) -> list[SampleRequest]:
+    rng = np.random.default_rng(1)
+    return [SampleRequest(" ".join(rng.choice(WORDS, 5 + i)), 5 + i, output_len + i % 3, "short") for i in range(9)]
+
+
+async def _bench(endpoint: EndpointConfig, samples: list[SampleRequest], **traffic) -> loadtest.BenchResult:
+    spec = TrafficSpec(num_prompts=len(samples), **traffic)
+    return await loadtest.benchmark(endpoint, samples, spec, progress=False)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+async def test_successful_streams_record_usage_and_one_gap_per_chunk(fake, api):
+    samples = _samples()
+    result = await _bench(_endpoint(fake, "ok", endpoint=api), samples)
+    assert len(result.records) == len(samples) and all(r.success for r in result.records)
+    for record, sample in zip(result.records, samples):
+        assert record.output_tokens == sample.output_len and record.usage_reported
+        assert record.prompt_tokens == sample.prompt_len
+        assert len(record.itl) == sample.output_len - 1
+        assert record.finish_reason == "length" and 0 < record.ttft <= record.latency
+    assert all(p["ignore_eos"] and p["min_tokens"] == p["max_tokens"] for p in fake.payloads)
+    assert sorted(p["max_tokens"] for p in fake.payloads) == sorted(s.output_len for s in samples)
+
+
+@pytest.mark.parametrize("mode, reason", [
+    ("truncate", "stream ended without [DONE] (incomplete event at the end)"),
+    ("nodone", "stream ended without [DONE]"),
+    ("fail500", "HTTP 500: "),
+    ("error", "error event: decode actor died"),
+    ("reset", "Error"),
+])
+async def test_faulty_streams_are_failures_with_reasons(fake, mode, reason):
+    result = await _bench(_endpoint(fake, mode), _samples())
+    assert len(result.records) == 9
+    assert not any(r.success for r in result.records)
+    assert all(reason in r.error for r in result.records), {r.error for r in result.records}
+    if mode == "fail500":
+        assert "engine exploded" in result.records[0].error
+
+
+async def test_no_done_accepted_when_not_required_but_truncation_never(fake):
+    result = await _bench(_endpoint(fake, "nodone", require_done=False), _samples())
+    assert all(r.success and r.output_tokens == s.output_len for r, s in zip(result.records, _samples()))
+    result = await _bench(_endpoint(fake, "truncate", require_done=False), _samples())
+    assert not any(r.success for r in result.records)
+
+
+async def test_mixed_faults_counts_and_concurrency_cap(fake):
+    samples = _samples()
+    result = await _bench(_endpoint(fake, "flaky"), samples, max_concurrency=2)
+    summary = summarize(result.records, result.duration)
+    assert (summary["completed"], summary["failed"]) == (3, 6)
+    assert sum(summary["errors"].values()) == 6 and len(summary["errors"]) == 2
+    ok = [r for r in result.records if r.success]
+    assert summary["total_output_tokens"] == sum(r.max_tokens for r in ok) == sum(r.output_tokens for r in ok)
+    assert 1 <= fake.max_in_flight <= 2
+
+
+async def test_stalled_server_times_out_instead_of_hanging(fake):
+    result = await _bench(_endpoint(fake, "hang", request_timeout=0.5), _samples()[:3])
+    assert [r.error for r in result.records] == ["timeout after 0.5 s"] * 3
+
+
+async def test_dead_server_gives_connection_errors():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = await _bench(EndpointConfig(f"http://127.0.0.1:{port}", "m"), _samples()[:3])
+    assert all(not r.success and "Connect" in r.error for r in result.records)
+
+
+async def test_overall_bound_cancels_what_is_still_running():
+    never = asyncio.Event()
+    sample = SampleRequest("x", 1, 4, "long")
+    tasks = {asyncio.create_task(never.wait()): (i, sample, 0.5 * i) for i in range(3)}
+    records = await loadtest._collect(tasks, bound=0.0)
+    assert [r.index for r in sorted(records, key=lambda r: r.index)] == [0, 1, 2]
+    assert all(not r.success and r.error.startswith("cancelled") for r in records)
+    assert all(task.cancelled() for task in tasks)
+
+
+async def test_resolve_model_lists_first_model(fake):
+    assert await loadtest.resolve_model(f"{fake.base}/ok/v1") == "fake-model"
+    with pytest.raises(loadtest.BenchError):
+        await loadtest.resolve_model(f"{fake.base}/nothing-here/x")
+
+
+async def test_cli_end_to_end_writes_json_and_plot(fake, tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["--base-url", f"{fake.base}/ok", "--endpoint", "chat", "--dataset-name", "mixed",
+            "--num-prompts", "10", "--short-input-len", "8", "--long-input-len", "64", "--output-len", "5",
+            "--long-fraction", "0.2", "--request-rate", "200", "--seed", "3", "--num-warmups", "2",
+            "--slo", "ttft_ms=60000", "tpot_ms=60000", "--result-json", str(out), "--plot", str(png),
+            "--disable-tqdm"]
+    assert await asyncio.to_thread(loadtest.main, argv) == 0
+    document = json.loads(out.read_text())
+    summary = document["summary"]
+    assert (summary["completed"], summary["failed"], summary["completed_long"]) == (10, 0, 2)
+    assert summary["total_output_tokens"] == 50 and summary["request_goodput"] > 0
+    assert document["model"] == "fake-model"  # from GET /v1/models
+    assert document["arguments"]["dataset_name"] == "mixed" and document["traffic"]["request_rate"] == 200.0
+    assert [r["kind"] for r in document["requests"]].count("long") == 2
+    assert all(len(r["itl"]) == 4 and r["output_tokens"] == 5 for r in document["requests"])
+    assert len(fake.payloads) == 12  # 2 warm-ups + 10 measured
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_cli_exit_codes(fake, tmp_path):
+    bad_slo = ["--base-url", f"{fake.base}/ok", "--slo", "itl_ms=5"]
+    assert await asyncio.to_thread(loadtest.main, bad_slo) == 2
+    missing = ["--dataset-path", str(tmp_path / "missing.json")]
+    assert await asyncio.to_thread(loadtest.main, missing) == 2
+    failing = ["--base-url", f"{fake.base}/fail500", "--model", "m", "--num-prompts", "2", "--disable-tqdm"]
+    assert await asyncio.to_thread(loadtest.main, failing) == 1
+    unreachable = ["--base-url", f"{fake.base}/x/y", "--num-prompts", "1"]
+    assert await asyncio.to_thread(loadtest.main, unreachable) == 1
+
+
+def test_workloads_are_deterministic_per_seed():
+    for name in ("random", "mixed"):
+        spec = WorkloadSpec(name=name, seed=5, random_range_ratio=0.5, random_input_len=40, long_input_len=300)
+        first = list(itertools.islice(build_workload(spec), 20))
+        assert first == list(itertools.islice(build_workload(spec), 20))
+        other = list(itertools.islice(build_workload(WorkloadSpec(name=name, seed=6)), 20))
+        assert [s.prompt for s in first] != [s.prompt for s in other]
+
+
+def test_random_workload_lengths_within_range():
+    spec = WorkloadSpec(name="random", random_input_len=100, random_output_len=20, random_range_ratio=0.25,
+                        long_threshold=120)
+    samples = list(itertools.islice(build_workload(spec), 500))
+    assert {s.prompt_len for s in samples} <= set(range(75, 126)) and {s.output_len for s in samples} <= set(range(15, 26))
+    assert min(s.prompt_len for s in samples) == 75 and max(s.prompt_len for s in samples) == 125
+    assert all(len(s.prompt.split()) == s.prompt_len for s in samples)
+    assert all(s.kind == ("long" if s.prompt_len >= 120 else "short") for s in samples)
+    with pytest.raises(ValueError):
+        build_workload(WorkloadSpec(name="random", random_range_ratio=1.0))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 1 / 3, 1.0])
+def test_mixed_workload_long_share_is_exact(fraction):
+    spec = WorkloadSpec(name="mixed", long_fraction=fraction, short_input_len=7, long_input_len=50, output_len=3)
+    samples = list(itertools.islice(build_workload(spec), 60))
+    longs = [s for s in samples if s.kind == "long"]
+    assert len(longs) == round(60 * fraction)
+    assert all(s.prompt_len == 50 and len(s.prompt.split()) == 50 for s in longs)
+    assert all(s.prompt_len == 7 and s.output_len == 3 for s in samples if s.kind == "short")
+
+
+def test_sharegpt_file_filtering_and_cycling(tmp_path):
+    long_text = "word " * 2000
+    conversations = [
+        {"conversations": [{"from": "human", "value": "Tell me about the sea, please."},
+                           {"from": "gpt", "value": "The sea is large and full of water and fish."}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there, friend"}]},
+        {"conversations": [{"from": "human", "value": long_text}, {"from": "gpt", "value": "ok ok ok ok ok"}]},
+        {"conversations": [{"from": "human", "value": "only one turn here"}]},
+        {"id": "no conversations"},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    assert load_sharegpt(path, None) == [("Tell me about the sea, please.", 8, 11)]
+    samples = list(itertools.islice(build_workload(WorkloadSpec(name="sharegpt", dataset_path=str(path))), 3))
+    assert [s.output_len for s in samples] == [11, 11, 11]
+    fixed = next(build_workload(WorkloadSpec(name="sharegpt", dataset_path=str(path), sharegpt_output_len=2)))
+    assert fixed.output_len == 2
+    path.write_text(json.dumps(conversations[1:]))
+    with pytest.raises(ValueError):
+        load_sharegpt(path, None)
+
+
+def test_arrival_gaps_have_the_gamma_mean_and_variance():
+    rate, burstiness = 4.0, 0.5
+    offsets = np.array(list(itertools.islice(arrival_offsets(rate, burstiness, seed=1), 40001)))
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.var() == pytest.approx(1 / (rate**2 * burstiness), rel=0.06)
+    assert list(itertools.islice(arrival_offsets(math.inf, 1.0, 0), 5)) == [0.0] * 5
+    again = list(itertools.islice(arrival_offsets(rate, burstiness, seed=1), 10))
+    assert again == offsets[:10].tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(process: subprocess.Popen, port: int, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "server exited before it was ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)  # polling a starting process, not synchronising test logic
+    raise AssertionError("server not ready in time")
+
+
+@pytest.mark.skipif(not (REPO / "server" / "app.py").exists(), reason="server/app.py not written yet")
+def test_pdserve_bench_against_real_server(tmp_path):
+    from engine.demo_model import default_model_dir
+
+    model_dir = default_model_dir("tiny")
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
+                               "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_ready(server, port, timeout=240)
+        out = tmp_path / "bench.json"
+        bench = subprocess.run(
+            [sys.executable, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
+             "--dataset-name", "mixed", "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "64",
+             "--output-len", "4", "--long-fraction", "0.34", "--request-rate", "inf", "--temperature", "0",
+             "--result-json", str(out), "--disable-tqdm"],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr
+        assert "Serving Benchmark Result" in bench.stdout
+        document = json.loads(out.read_text())
+        summary = document["summary"]
+        assert (summary["completed"], summary["failed"]) == (6, 0)
+        assert summary["total_output_tokens"] == 6 * 4 and summary["requests_without_usage"] == 0
+        assert [r["kind"] for r in document["requests"]].count("long") == 2
+        for record in document["requests"]:
+            assert record["output_tokens"] == 4 and record["prompt_tokens"] > 0 and len(record["itl"]) <= 3
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
