@@ -101,6 +101,7 @@ class DecodeScheduler:
         self.running: list[Sequence] = []
         self._turns: dict[str, int] = {}
         self._admission: dict[str, int] = {}
+        self.num_preemptions = 0
         self._clock = itertools.count()
 
     def __len__(self) -> int:
@@ -132,6 +133,7 @@ class DecodeScheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.remove(seq)
         seq.num_computed_tokens = 0
         seq.block_table = []

@@ -12,7 +12,7 @@ def make_hf_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Write a randomly initialised transformers model of `arch` to `out_dir`, in float32."""
     import transformers
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-5, initializer_range=0.08)
     if arch == "llama3":

@@ -1,0 +1,39 @@
+"""Checkpoints and engine settings shared by the engine tests (generated locally, never fetched)."""
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.demo_model import make_model
+from tests.hf_models import make_hf_checkpoint
+
+_ROOT = Path(tempfile.mkdtemp(prefix="pdserve-tests-"))
+
+
+@functools.cache
+def demo_checkpoint(arch: str = "llama") -> Path:
+    return make_model(_ROOT / f"demo-tiny-{arch}", size="tiny", arch=arch)
+
+
+@functools.cache
+def hf_checkpoint(arch: str) -> Path:
+    """A transformers-written checkpoint, with the demo tokenizer files beside it."""
+    out = make_hf_checkpoint(arch, _ROOT / f"hf-{arch}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_checkpoint() / name, out / name)
+    return out
+
+
+def engine_config(model: Path, **overrides) -> EngineConfig:
+    """float32, a small KV budget; `max_prefill_tokens`, `max_num_seqs` etc. pass through."""
+    scheduler_keys = {"max_prefill_tokens", "max_num_seqs", "max_model_len", "max_queue"}
+    cache_keys = {"block_size", "kv_cache_memory", "kv_watermark"}
+    scheduler = replace(SchedulerConfig(max_model_len=2048),
+                        **{k: overrides.pop(k) for k in list(overrides) if k in scheduler_keys})
+    cache = replace(CacheConfig(kv_cache_memory="64MiB"),
+                    **{k: overrides.pop(k) for k in list(overrides) if k in cache_keys})
+    return EngineConfig(model=str(model), dtype="float32", scheduler=scheduler, cache=cache, **overrides)

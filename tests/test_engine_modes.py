@@ -1,0 +1,208 @@
+"""Disaggregated and colocated modes against each other and transformers; aborts, preemption, ordering."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+import transformers
+
+from engine.engine import Engine
+from engine.messages import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from tests.models import demo_checkpoint, engine_config
+
+MODES = ("disaggregated", "colocated")
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts(lengths, seed=0, vocab=1024):
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, vocab, (n,), generator=generator).tolist()) for n in lengths]
+
+
+async def run_engine(engine: Engine, coro):
+    await engine.start()
+    try:
+        return await coro
+    finally:
+        await engine.stop()
+
+
+async def collect(stream) -> tuple[list[int], FinishReason]:
+    tokens, reason = [], None
+    async for event in stream:
+        tokens += event.token_ids
+        reason = event.finish_reason
+    return tokens, reason
+
+
+async def staggered(engine: Engine, requests: list[Request]) -> list[list[int]]:
+    """Submit half the requests, wait for the first one's first token, then submit the rest."""
+    half = len(requests) // 2
+    streams = [engine.submit(r) for r in requests[:half]]
+    first = await streams[0].__anext__()
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    tasks += [asyncio.ensure_future(collect(engine.submit(r))) for r in requests[half:]]
+    results = await asyncio.gather(*tasks)
+    results[0] = (list(first.token_ids) + results[0][0], results[0][1])
+    return [tokens for tokens, _ in results]
+
+
+async def wait_idle(engine: Engine) -> None:
+    """Until no actor holds a block or a sequence (bounded by the test timeout)."""
+    while any(a.kv_blocks_used or a.running or a.waiting for a in engine.stats().actors):
+        await asyncio.sleep(0.005)
+
+
+def assert_pools_free(engine: Engine) -> None:
+    for actor in engine.actors:
+        assert actor.blocks.num_used == 0, actor.name
+        actor.blocks.check_consistency()
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    return transformers.AutoModelForCausalLM.from_pretrained(demo_checkpoint(), dtype=torch.float32).eval()
+
+
+def test_greedy_identical_in_both_modes_and_transformers(transformers_model):
+    batch = prompts([5, 70, 33, 140, 9, 64])
+    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(batch)]
+    outputs = {}
+    for mode in MODES:
+        engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32))
+        outputs[mode] = asyncio.run(run_engine(engine, staggered(engine, requests)))
+        assert_pools_free(engine)
+        engine.close()
+    assert outputs["disaggregated"] == outputs["colocated"]
+    for prompt, tokens in zip(batch, outputs["colocated"]):
+        expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                               do_sample=False, pad_token_id=0)[0, len(prompt):]
+        assert tokens == expected.tolist()
+
+
+def test_seeded_sampling_identical_in_both_modes():
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    requests = [Request(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts([12, 50, 3], seed=2), params))]
+    outputs = {}
+    for mode in MODES:
+        engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=16))
+        outputs[mode] = asyncio.run(run_engine(engine, staggered(engine, requests)))
+        engine.close()
+    assert outputs["disaggregated"] == outputs["colocated"]
+    assert len({tuple(t) for t in outputs["colocated"]}) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_aborts_at_every_stage_free_every_block(mode):
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32))
+    rng = random.Random(0)
+
+    async def scenario():
+        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=30, ignore_eos=True)))
+                   for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(24)], seed=3))]
+        engine.abort("a0")                                   # queued
+        results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 12)) for s in streams))
+        await wait_idle(engine)
+        return results
+
+    results = asyncio.run(run_engine(engine, scenario()))
+    assert_pools_free(engine)
+    assert all(reason in (FinishReason.ABORT, FinishReason.LENGTH) for _, reason in results)
+    assert sum(reason is FinishReason.ABORT for _, reason in results) >= 12
+    assert all(len(tokens) == 30 for tokens, reason in results if reason is FinishReason.LENGTH)
+    engine.close()
+
+
+async def abort_after(engine: Engine, stream, events: int):
+    tokens, reason, seen = [], None, 0
+    async for event in stream:
+        tokens += event.token_ids
+        reason = event.finish_reason
+        seen += 1
+        if seen == events and reason is None:
+            engine.abort(stream.request_id)
+    if events == 0 and reason is None:
+        engine.abort(stream.request_id)
+    return tokens, reason
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_small_decode_pool_preempts_and_every_request_completes(mode):
+    requests = [Request(f"p{i}", p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(prompts([40] * 8, seed=4))]
+    roomy = Engine(engine_config(demo_checkpoint(), mode=mode, max_model_len=256))
+    expected = asyncio.run(run_engine(roomy, staggered(roomy, requests)))
+    roomy.close()
+    tight = Engine(engine_config(demo_checkpoint(), mode=mode, max_model_len=256, kv_cache_memory="1MiB"))
+    got = asyncio.run(run_engine(tight, staggered(tight, requests)))
+    assert got == expected
+    assert all(len(tokens) == 100 for tokens in got)
+    decode = tight.actors[-1]
+    assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
+    assert_pools_free(tight)
+    tight.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_short_prompt_gets_first_token_before_long_prompt_finishes_prefill(mode):
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=64))
+    long_prompt, short_prompt = prompts([1500, 8], seed=5)
+    first_token_order = []
+
+    async def first_token(stream):
+        async for event in stream:
+            first_token_order.append(stream.request_id)
+            await stream.aclose()
+            return
+
+    async def scenario():
+        long_stream = engine.submit(Request("long", long_prompt, GREEDY))
+        short_stream = engine.submit(Request("short", short_prompt, GREEDY))
+        await asyncio.gather(first_token(long_stream), first_token(short_stream))
+        await wait_idle(engine)
+
+    asyncio.run(run_engine(engine, scenario()))
+    assert first_token_order == ["short", "long"]
+    assert_pools_free(engine)
+    engine.close()
+
+
+def test_event_loop_keeps_ticking_during_a_long_prefill():
+    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=2048))
+    prefill_runner = engine.actors[0].runner
+    step_windows = []
+    original_execute = prefill_runner.execute
+
+    def timed_execute(batch):
+        start = time.monotonic()
+        try:
+            return original_execute(batch)
+        finally:
+            step_windows.append((start, time.monotonic()))
+
+    prefill_runner.execute = timed_execute
+    beats = []
+
+    async def heartbeat(stop: asyncio.Event):
+        while not stop.is_set():
+            beats.append(time.monotonic())
+            await asyncio.sleep(0)
+
+    async def scenario():
+        stop = asyncio.Event()
+        ticker = asyncio.ensure_future(heartbeat(stop))
+        await collect(engine.submit(Request("long", prompts([2000], seed=6)[0],
+                                            SamplingParams(max_tokens=2, ignore_eos=True))))
+        stop.set()
+        await ticker
+
+    asyncio.run(run_engine(engine, scenario()))
+    engine.close()
+    start, end = max(step_windows, key=lambda w: w[1] - w[0])
+    beats_during_prefill = sum(start < b < end for b in beats)
+    assert beats_during_prefill >= 10

@@ -1,0 +1,93 @@
+"""The model against transformers on the same checkpoint: logits and greedy generations."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from engine.batch import Batch, ScheduledChunk
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.llm import LLM
+from engine.messages import Request
+from engine.model_runner import ModelRunner, load_model
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+
+CHECKPOINTS = {
+    "llama3": lambda: hf_checkpoint("llama3"),
+    "qwen2": lambda: hf_checkpoint("qwen2"),
+    "qwen3": lambda: hf_checkpoint("qwen3"),
+    "demo-llama": lambda: demo_checkpoint("llama"),
+    "demo-qwen2": lambda: demo_checkpoint("qwen2"),
+}
+PROMPT_LENGTHS = (3, 17, 40, 129)
+NEW_TOKENS = 32
+
+
+def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def reference_model(name: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINTS[name](), dtype=torch.float32).eval()
+
+
+def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
+    """Every position's logits from our model, all prompts packed into each step, `chunk` tokens at a time."""
+    config = ModelConfig.from_dir(CHECKPOINTS[name]())
+    runner = ModelRunner(load_model(config, torch.float32, torch.device("cpu"), 512), 64, 16, frozenset())
+    blocks = BlockManager(64, 16)
+    seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+    rows: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+    while chunks := [ScheduledChunk(s, s.num_computed_tokens, min(chunk, s.num_tokens - s.num_computed_tokens),
+                                    sample=False) for s in seqs if s.num_computed_tokens < s.num_tokens]:
+        batch = runner.prepare(Batch(tuple(chunks), is_decode=False))
+        with torch.inference_mode():
+            logits = runner.model.compute_logits(runner.model(batch, runner.kv_pool))
+        for c, part in zip(chunks, logits.split([c.num_tokens for c in chunks])):
+            rows[c.seq.request_id].append(part)
+            c.seq.num_computed_tokens = c.stop
+    return [torch.cat(rows[s.request_id]) for s in seqs]
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_prompt_logits_match_transformers(name, chunk):
+    reference = reference_model(name)
+    prompts = random_prompts(reference.config.vocab_size)
+    for prompt, ours in zip(prompts, prompt_logits(name, prompts, chunk)):
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        assert expected.std() > 0.1
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [2048, 16])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_greedy_generation_matches_transformers(name, max_prefill_tokens):
+    reference = reference_model(name)
+    prompts = random_prompts(reference.config.vocab_size, seed=1)
+    llm = LLM(config=engine_config(CHECKPOINTS[name](), max_prefill_tokens=max_prefill_tokens))
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                       ignore_eos=True, logprobs=0))
+    finally:
+        llm.close()
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                          min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):]
+            full = torch.tensor([prompt + expected.tolist()])
+            logprobs = torch.log_softmax(reference(full).logits[0, len(prompt) - 1:-1], dim=-1)
+        assert list(output.token_ids) == expected.tolist()
+        expected_logprobs = logprobs.gather(1, expected[:, None])[:, 0]
+        ours = torch.tensor([lp.logprob for lp in output.logprobs])
+        torch.testing.assert_close(ours, expected_logprobs, atol=1e-4, rtol=0)
