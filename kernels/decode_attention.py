@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import interpreting, jit, next_power_of_2, tl
+from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
 
 
 def gather_kv(kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
@@ -152,7 +152,7 @@ def decode_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     mid_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     block_n = 64 if head_dim <= 128 else 32
     block_d = next_power_of_2(head_dim)
-    dot_fp32 = q.dtype == torch.float32 or interpreting()  # NOTE: the interpreter has no bf16 dot
+    dot_fp32 = q.dtype == torch.float32 or INTERPRETED  # NOTE: the interpreter has no bf16 dot
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_pool, block_tables, context_lens, mid_o, mid_lse,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import interpreting, jit, next_power_of_2, tl
+from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
 from kernels.decode_attention import gather_kv
 
 
@@ -119,9 +119,9 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         return out
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    config = _tile_config(head_dim, compiled=not interpreting())
+    config = _tile_config(head_dim, compiled=not INTERPRETED)
     num_m_tiles = -(-max_seqlen_q // config["BLOCK_M"])
-    dot_fp32 = q.dtype == torch.float32 or interpreting()  # NOTE: the interpreter has no bf16 dot
+    dot_fp32 = q.dtype == torch.float32 or INTERPRETED  # NOTE: the interpreter has no bf16 dot
     _prefill_kernel[(num_q_heads, num_m_tiles, num_seqs)](
         q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
