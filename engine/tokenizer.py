@@ -21,6 +21,8 @@ class Tokenizer:
                  chat_template: str | None, model_dir: Path) -> None:
         self._backend = backend
         self._config = config
+        self._template_tokens = {name: content for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+                                 if (content := _token_content(config.get(name))) is not None}
         self._chat_template = chat_template
         self._model_dir = model_dir
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
@@ -63,9 +65,8 @@ class Tokenizer:
         Raises ValueError when the model directory has no chat template, and
         jinja2.TemplateError when the template rejects the conversation.
         """
-        variables = {name: value for name, value in self._special_token_strings().items() if value is not None}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools, **variables, **extra)
+                                     tools=tools, **self._template_tokens, **extra)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **extra: Any) -> list[int]:
@@ -88,10 +89,6 @@ class Tokenizer:
             raise ValueError(f"model directory {self._model_dir} has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         return _jinja_env().from_string(self._chat_template)
-
-    def _special_token_strings(self) -> dict[str, str | None]:
-        names = ("bos_token", "eos_token", "pad_token", "unk_token")
-        return {name: _token_content(self._config.get(name)) for name in names}
 
     def _adds_bos(self) -> bool:
         # NOTE: the post-processor decides, as in transformers 5; add_bos_token only when there is none
