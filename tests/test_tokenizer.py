@@ -147,7 +147,7 @@ def test_missing_template_names_directory(demo_dir, tmp_path):
     model_dir = _copy(demo_dir, tmp_path)
     _edit_json(model_dir / "tokenizer_config.json", chat_template=None)
     tok = Tokenizer.from_dir(model_dir)
-    assert tok.encode("still works") == tok.encode("still works")
+    assert tok.decode(tok.encode("still works")) == "still works"
     with pytest.raises(ValueError, match=str(model_dir)):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
