@@ -36,13 +36,24 @@ def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
 def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
                     layer, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
-                    block_size, group, num_m_tiles, HEAD_DIM: tl.constexpr,
+                    block_size, group, num_seqs, num_tiles, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    head, seq = tl.program_id(0), tl.program_id(2)
-    tile_m = num_m_tiles - 1 - tl.program_id(1)  # NOTE: the longest tiles start first
+    # NOTE: sequence b owns tiles [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1); the last tiles start first
+    tile = num_tiles - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    low: tl.int32 = 0
+    high = num_seqs
+    while low < high:  # find the last sequence whose first tile is <= tile
+        middle = (low + high) // 2
+        if tl.load(cu_seqlens_ptr + middle) // BLOCK_M + middle <= tile:
+            low = middle + 1
+        else:
+            high = middle
+    seq = low - 1
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    tile_m = tile - (q_start // BLOCK_M + seq)
     if tile_m * BLOCK_M >= q_len:
         return
     context_len = tl.load(context_lens_ptr + seq)
@@ -98,11 +109,10 @@ def _tile_config(head_dim: int, compiled: bool) -> dict:
 
 def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                             block_tables: torch.Tensor, scale: float,
-                             max_seqlen_q: int | None = None) -> torch.Tensor:
+                             block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal paged attention for a packed batch; q [T, Hq, D] -> [T, Hq, D] (see prefill_attention_ref).
 
-    max_seqlen_q, when given, avoids reading cu_seqlens_q back to the host."""
+    Launches without reading anything back to the host."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, num_layers, two, block_size, num_kv_heads, pool_dim = kv_pool.shape
     num_seqs = context_lens.shape[0]
@@ -117,16 +127,14 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     config = _tile_config(head_dim, compiled=not INTERPRETED)
-    num_m_tiles = -(-max_seqlen_q // config["BLOCK_M"])
+    num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
     dot_fp32 = q.dtype == torch.float32 or INTERPRETED  # NOTE: the interpreter has no bf16 dot
-    _prefill_kernel[(num_q_heads, num_m_tiles, num_seqs)](
+    _prefill_kernel[(num_tiles, num_q_heads)](
         q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        block_tables.stride(0), block_size, num_q_heads // num_kv_heads, num_m_tiles,
+        block_tables.stride(0), block_size, num_q_heads // num_kv_heads, num_seqs, num_tiles,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
     return out

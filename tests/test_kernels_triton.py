@@ -72,7 +72,7 @@ def test_decode_attention(dtype, hq, hkv, head_dim, block, lens, splits):
 
 PREFILL_CASES = [  # dtype, Hq, Hkv, D, block, context lens, new tokens per sequence
     (torch.float32, 8, 2, 64, 16, [1, 1000], [1, 1000]),
-    (torch.float16, 8, 1, 128, 32, [600, 37, 5], [77, 37, 1]),
+    (torch.float16, 8, 1, 128, 32, [600, 37, 9, 5], [77, 37, 0, 1]),  # a sequence with no new tokens
     (torch.float32, 4, 4, 128, 32, [200, 17], [131, 17]),
     (torch.float16, 4, 4, 64, 16, [90, 3], [90, 2]),
 ]
