@@ -1,0 +1,101 @@
+"""The aiohttp application factory: state, middlewares, routes, engine lifecycle."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from engine.engine import Engine
+from server.config import ServerConfig
+from server.errors import APIError, from_http_exception
+from server.routes import setup_routes
+from server.state import ACCESS, STATE, AccessRecord, ServerState
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("server.access")
+
+
+def create_app(config: ServerConfig, engine: Engine | None = None) -> web.Application:
+    """An app serving `engine` (loaded from `config.engine` at startup when None).
+
+    The engine is started on app startup and stopped on cleanup; an engine passed in is
+    not closed, so it can serve several apps one after another.
+    """
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[access_log_middleware, error_middleware, auth_middleware])
+    app[STATE] = ServerState(config, engine)
+    app.cleanup_ctx.append(engine_lifecycle)
+    setup_routes(app)
+    return app
+
+
+async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    owned = state.engine is None
+    engine = state.engine or await asyncio.to_thread(Engine, state.config.engine)
+    state.engine = engine
+    state.model_names = model_names(state.config, engine)
+    await engine.start()
+    logger.info("serving %s as %s (%s mode, context window %d)", engine.model_dir, state.model_names[0],
+                engine.mode, engine.max_model_len)
+    try:
+        yield
+    finally:
+        await engine.stop()
+        if owned:
+            engine.close()
+
+
+def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:
+    """The served name first; the --model value is accepted as an alias."""
+    names = [config.served_model_name or engine.model_dir.name]
+    if config.served_model_name is None and config.engine.model and config.engine.model not in names:
+        names.append(config.engine.model)
+    return tuple(names)
+
+
+@web.middleware
+async def access_log_middleware(request: web.Request, handler) -> web.StreamResponse:
+    record = request[ACCESS] = AccessRecord()
+    start, status = time.monotonic(), 499                     # 499: the client went away first
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        ttft = f"{record.ttft:.3f}s" if record.ttft is not None else "-"
+        access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs',
+                           request.remote, request.method, request.path, status, record.request_id,
+                           record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        error = e
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = from_http_exception(e)
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        error = APIError(500, "internal server error", code="internal_error")
+    request.app[STATE].metrics.http_errors.labels(str(error.status)).inc()
+    return error.response()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    key = request.app[STATE].config.api_key
+    if key and request.path.startswith("/v1/"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided." if token else "Missing API key: send "
+                           "'Authorization: Bearer <key>'.", code="invalid_api_key")
+    return await handler(request)

@@ -1,0 +1,175 @@
+"""`pdserve`: serve (the default), systemd-unit, generate, make-model, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.args import add_engine_args, engine_config_from_args
+from engine.config import CacheConfig, SchedulerConfig
+from engine.memory import parse_memory
+from server.config import ServerConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULTS = ServerConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    passthrough: bool = False        # unknown options are kept in `args.passthrough`, not rejected
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
+                   help="largest request body, e.g. 8MiB (413 above)")
+    g.add_argument("--max-n", type=int, default=DEFAULTS.max_n, help="largest `n` a request may ask for")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
+                   help="seconds SIGTERM waits for running streams before aborting them")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.set_defaults(**_engine_defaults())
+    add_server_args(parser)
+
+
+def _engine_defaults() -> dict:
+    """Engine option defaults read from config instances.
+
+    NOTE: engine.args takes them from the slotted config classes, where they are member descriptors.
+    """
+    cache, scheduler = CacheConfig(), SchedulerConfig()
+    return {"kv_cache_memory": cache.kv_cache_memory, "kv_watermark": cache.kv_watermark,
+            "block_size": cache.block_size, "max_num_seqs": scheduler.max_num_seqs,
+            "max_prefill_tokens": scheduler.max_prefill_tokens, "max_queue": scheduler.max_queue}
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Raises ValueError naming the option for an invalid value."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError("--port must be in [0, 65535]")
+    if args.max_n < 1 or args.max_body_bytes < 1:
+        raise ValueError("--max-n and --max-body-bytes must be positive")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be non-negative")
+    return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
+                        served_model_name=args.served_model_name, api_key=args.api_key or None,
+                        max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from server.serve import run
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = server_config_from_args(args)
+        return run(config)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        logging.getLogger("server").error("cannot serve: %s", e)
+        return 1
+
+
+def add_unit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--unit-user", default=None, help="User= of the service (default: DynamicUser=yes)")
+    parser.add_argument("--unit-description", default=None)
+    parser.add_argument("--watchdog-sec", type=int, default=30, help="WatchdogSec= (0 disables)")
+
+
+def run_systemd_unit(args: argparse.Namespace) -> int:
+    from server.systemd import render_unit
+
+    serve_parser = argparse.ArgumentParser(prog="pdserve systemd-unit")
+    add_serve_arguments(serve_parser)
+    serve_args = serve_parser.parse_args(args.passthrough)
+    server_config_from_args(serve_args)
+    if "--api-key" in args.passthrough:
+        print("note: the API key is written into the unit; prefer PDSERVE_API_KEY in /etc/pdserve/env",
+              file=sys.stderr)
+    sys.stdout.write(render_unit(args.passthrough, user=args.unit_user, description=args.unit_description,
+                                 shutdown_timeout=serve_args.shutdown_timeout, watchdog_sec=args.watchdog_sec))
+    return 0
+
+
+def _engine_cli():
+    from engine import cli
+
+    return cli
+
+
+def _loadtest():
+    from bench import loadtest
+
+    return loadtest
+
+
+COMMANDS = {
+    "serve": Command("run the OpenAI-compatible server (the default)", add_serve_arguments, run_serve),
+    "systemd-unit": Command("print a systemd unit that serves with the given options (any `pdserve serve` "
+                            "option is accepted and goes into ExecStart)", add_unit_arguments, run_systemd_unit,
+                            passthrough=True),
+    "generate": Command("offline generation for prompts given or read from stdin",
+                        lambda p: _engine_cli().add_generate_arguments(p), lambda a: _engine_cli().run_generate(a)),
+    "make-model": Command("write the demo checkpoint into a directory",
+                          lambda p: _engine_cli().add_make_model_arguments(p),
+                          lambda a: _engine_cli().run_make_model(a)),
+    "bench": Command("load-test an OpenAI-compatible streaming endpoint",
+                     lambda p: _loadtest().add_arguments(p), lambda a: _loadtest().run(a)),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pdserve` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "serve")
+    if argv[0] not in COMMANDS:
+        _top_level_parser().parse_args(argv)          # prints help, or exits 2 on an unknown command
+        return 2
+    command = COMMANDS[argv[0]]
+    parser = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", description=command.help)
+    command.add_arguments(parser)
+    if command.passthrough:
+        args, args.passthrough = parser.parse_known_args(argv[1:])
+    else:
+        args = parser.parse_args(argv[1:])
+    try:
+        return command.run(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _top_level_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM inference server. "
+                                     "With no command (or options only), runs `serve`.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        commands.add_parser(name, help=command.help)
+    return parser
+
+
+def _bytes(text: str) -> int:
+    try:
+        size, _ = parse_memory(text)
+    except ValueError:
+        size = None
+    if size is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in bytes, e.g. 1048576 or 8MiB")
+    return size
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The engine requests behind one HTTP request: submit, stream or collect, and always clean up."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, suppress
+
+import orjson
+from aiohttp import web
+
+from engine.engine import EngineOverloaded, EngineStopped, RequestStream
+from engine.messages import FinishReason, Request, TokenEvent
+from server.errors import APIError, from_value_error
+from server.openai_format import ChatFormat, Choice, CompletionFormat
+from server.protocol import ParsedRequest
+from server.sse import SSEWriter
+from server.state import AccessRecord, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    """One HTTP request's choices. Use `submit()`, then `stream()` or `collect()`, and always `close()`."""
+
+    def __init__(self, state: ServerState, parsed: ParsedRequest, prompts: Sequence[tuple[int, ...]],
+                 echoes: Sequence[str], fmt: ChatFormat | CompletionFormat, request_id: str,
+                 access: AccessRecord) -> None:
+        self.state, self.parsed, self.fmt = state, parsed, fmt
+        self.engine = state.running_engine()
+        self.metrics = state.metrics
+        self.access = access
+        self.start = time.monotonic()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.choices: list[Choice] = []
+        self.streams: list[RequestStream] = []
+        self.requests = self._requests(prompts, echoes, request_id)
+        access.request_id, access.prompt_tokens = request_id, self.prompt_tokens
+
+    def _requests(self, prompts: Sequence[tuple[int, ...]], echoes: Sequence[str], request_id: str) -> list[Request]:
+        n, requests = self.parsed.n, []
+        single = n * len(prompts) == 1
+        for p, ids in enumerate(prompts):
+            try:
+                params = self.parsed.sampling_params(len(ids), self.engine.max_model_len)
+            except ValueError as e:
+                raise from_value_error(e) from None
+            for j in range(n):
+                index = p * n + j
+                self.choices.append(Choice(index, len(ids), echoes[p]))
+                requests.append(Request(request_id if single else f"{request_id}-{index}", ids, params,
+                                        self.parsed.priority))
+        return requests
+
+    def submit(self) -> None:
+        """Queue every choice's request; on failure none stays queued. Raises APIError 400/429/503."""
+        try:
+            for request in self.requests:
+                self.streams.append(self.engine.submit(request))
+        except ValueError as e:
+            self.abort()
+            raise from_value_error(e, self.parsed.prompt_param) from None
+        except EngineOverloaded as e:
+            self.abort()
+            raise APIError(429, f"the server is overloaded: {e}", code="rate_limit_exceeded",
+                           retry_after=self.state.config.retry_after) from None
+        except EngineStopped as e:
+            self.abort()
+            raise APIError(503, str(e), retry_after=self.state.config.retry_after) from None
+        self.state.add(self)
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            self.engine.abort(stream.request_id)
+
+    async def close(self) -> None:
+        """Abort what is unfinished (a client that left, an error), record metrics, forget this generation."""
+        for stream in self.streams:
+            await stream.aclose()
+        now = time.monotonic()
+        for choice in self.choices[:len(self.streams)]:
+            if choice.finish_reason is None:
+                choice.finish_reason = FinishReason.ABORT.value
+                self._observe_finished(choice, now)
+        self.access.output_tokens = sum(c.num_output_tokens for c in self.choices)
+        self.metrics.drain_transfer_times()
+        self.state.discard(self)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        sse = SSEWriter(request)
+        await sse.prepare()
+        try:
+            await self._write_events(sse)
+        except ConnectionResetError:
+            pass                                   # the client left; close() aborts what is unfinished
+        except Exception:
+            logger.exception("stream %s failed", self.access.request_id)
+            with suppress(ConnectionResetError):
+                await sse.send(APIError(500, "internal server error", code="internal_error").body())
+                await sse.done()
+        return sse.response
+
+    async def _write_events(self, sse: SSEWriter) -> None:
+        for choice in self.choices:
+            if (first := self.fmt.first_chunk(choice.index)) is not None:
+                await sse.send(self._with_usage_field(first))
+        async with aclosing(merge(self.streams)) as events:
+            async for index, event in events:
+                if event.finish_reason is FinishReason.ERROR:
+                    await sse.send(self._engine_error(event).body())
+                    await sse.done()
+                    return
+                if (chunk := self._on_event(index, event)) is not None:
+                    await sse.send(self._with_usage_field(chunk))
+        if self.parsed.include_usage:
+            await sse.send(self.fmt.usage_chunk(self.usage()))
+        await sse.done()
+
+    async def collect(self) -> web.Response:
+        async with aclosing(merge(self.streams)) as events:
+            async for index, event in events:
+                if event.finish_reason is FinishReason.ERROR:
+                    raise self._engine_error(event)
+                self._on_event(index, event)
+        body = self.fmt.response(self.choices, self.usage(), self.with_logprobs)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    @property
+    def with_logprobs(self) -> bool:
+        return self.parsed.sampling.get("logprobs") is not None
+
+    def usage(self) -> dict:
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _on_event(self, index: int, event: TokenEvent) -> dict | None:
+        """Update the choice and metrics; the chunk to stream, or None when there is nothing to send."""
+        choice, now = self.choices[index], time.monotonic()
+        if event.token_ids:
+            self._observe_token(choice, now)
+        delta = choice.add(event, self.fmt.token_text)
+        if event.finished:
+            self._observe_finished(choice, now)
+        if not (delta.text or event.finished or (self.with_logprobs and delta.logprobs)):
+            return None
+        return self.fmt.chunk(index, delta, self.with_logprobs, choice.finish_reason)
+
+    def _observe_token(self, choice: Choice, now: float) -> None:
+        if choice.first_token_at is None:
+            choice.first_token_at = now
+            self.metrics.ttft.observe(now - self.start)
+            if self.access.ttft is None:
+                self.access.ttft = now - self.start
+        else:
+            self.metrics.itl.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+
+    def _observe_finished(self, choice: Choice, now: float) -> None:
+        self.metrics.observe_finished(choice.finish_reason, choice.num_prompt_tokens, choice.num_output_tokens,
+                                      now - self.start)
+
+    def _with_usage_field(self, chunk: dict) -> dict:
+        return {**chunk, "usage": None} if self.parsed.include_usage else chunk
+
+    @staticmethod
+    def _engine_error(event: TokenEvent) -> APIError:
+        return APIError(500, f"generation failed: {event.error or 'unknown engine error'}", code="engine_error")
+
+
+async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """Events of several streams as they come, each tagged with its stream's index."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                event = task.result()
+                if not event.finished:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, event
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,88 @@
+"""Prometheus metrics on a private CollectorRegistry; engine gauges are read at scrape time."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.messages import EngineStats, FinishReason
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+class EngineCollector(Collector):
+    """Gauges from `engine.stats()`, one sample set per scrape; nothing while no engine runs."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("pdserve_requests_running", "Sequences being generated", value=stats.running)
+        yield GaugeMetricFamily("pdserve_requests_waiting", "Requests waiting for their first token",
+                                value=stats.waiting)
+        yield GaugeMetricFamily("pdserve_requests_unfinished", "Requests whose stream has not ended",
+                                value=stats.num_unfinished)
+        yield from self._per_actor(stats)
+
+    @staticmethod
+    def _per_actor(stats: EngineStats) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "kv_blocks_used": GaugeMetricFamily("pdserve_kv_blocks_used", "KV cache blocks in use", labels=["actor"]),
+            "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV cache blocks in the pool",
+                                                 labels=["actor"]),
+            "steps": GaugeMetricFamily("pdserve_actor_steps", "Steps the actor has run", labels=["actor"]),
+            "alive": GaugeMetricFamily("pdserve_actor_alive", "1 while the actor's loop runs", labels=["actor"]),
+        }
+        for actor in stats.actors:
+            for name, family in families.items():
+                family.add_metric([actor.name], float(getattr(actor, name)))
+        yield from families.values()
+
+
+class Metrics:
+    """Every metric the server exports; `render()` produces the Prometheus text."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 transfer_times: Callable[[], list[float]]) -> None:
+        self.registry = CollectorRegistry()
+        self._transfer_times = transfer_times
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between two tokens of one sequence",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "Duration of one prefill-to-decode KV copy",
+                                     buckets=TRANSFER_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter("pdserve_requests_finished", "Finished engine requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.http_errors = Counter("pdserve_http_errors", "Error responses by status", ["status"], registry=r)
+        for reason in FinishReason:
+            self.finished.labels(reason.value)
+        r.register(EngineCollector(stats))
+
+    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, e2e: float) -> None:
+        self.finished.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        self.e2e.observe(e2e)
+
+    def drain_transfer_times(self) -> None:
+        for seconds in self._transfer_times():
+            self.kv_transfer.observe(seconds)
+
+    def render(self) -> bytes:
+        self.drain_transfer_times()
+        return generate_latest(self.registry)

@@ -1,0 +1,159 @@
+"""OpenAI wire objects: chat and text completion responses, stream chunks, logprobs, usage."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.messages import TokenEvent, TokenLogprob
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one TokenEvent adds to a choice: the text to send and its tokens' logprobs."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    offsets: tuple[int, ...] = ()          # character offset of each logprob's token in the choice's text
+
+
+@dataclass(slots=True, eq=False)
+class Choice:
+    """What one engine request (one choice) has produced so far."""
+
+    index: int
+    num_prompt_tokens: int
+    echo: str = ""
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.text_len = len(self.echo)
+
+    @property
+    def full_text(self) -> str:
+        return self.echo + "".join(self.text)
+
+    def add(self, event: TokenEvent, token_text: "TokenText") -> Delta:
+        """Record `event`'s text, logprobs and counts; the returned delta carries the echo first."""
+        offsets, offset = [], self.text_len
+        for entry in event.logprobs:
+            offsets.append(offset)
+            offset += len(token_text(entry.token_id))
+        self.text.append(event.text)
+        self.text_len += len(event.text)
+        self.logprobs += event.logprobs
+        self.offsets += offsets
+        self.num_output_tokens = max(self.num_output_tokens, event.num_output_tokens)
+        if event.finish_reason is not None:
+            self.finish_reason, self.error = event.finish_reason.value, event.error
+        prefix = self.echo if len(self.text) == 1 else ""
+        return Delta(prefix + event.text, event.logprobs, tuple(offsets))
+
+
+class TokenText:
+    """The text of single tokens, cached (logprob entries name each token)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ChatFormat:
+    """`chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, request_id: str, model: str, created: int, token_text: TokenText) -> None:
+        self.head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": None}
+        self.token_text = token_text
+
+    def first_chunk(self, index: int) -> dict | None:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
+
+    def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
+        message = {"content": delta.text} if delta.text or finish_reason is None else {}
+        return self._chunk(index, message, self.logprobs(delta.logprobs) if with_logprobs else None,
+                           finish_reason)
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self.head, "choices": [], "usage": usage_}
+
+    def response(self, choices: Sequence[Choice], usage_: dict, with_logprobs: bool) -> dict:
+        return {**self.head, "object": "chat.completion",
+                "choices": [{"index": c.index,
+                             "message": {"role": "assistant", "content": c.full_text, "refusal": None},
+                             "logprobs": self.logprobs(c.logprobs) if with_logprobs else None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage_}
+
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> dict:
+        return {"content": [{**self._token(e.token_id, e.logprob),
+                             "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries],
+                "refusal": None}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+class CompletionFormat:
+    """`text_completion` objects, streamed or whole."""
+
+    def __init__(self, request_id: str, model: str, created: int, token_text: TokenText) -> None:
+        self.head = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                     "system_fingerprint": None}
+        self.token_text = token_text
+
+    def first_chunk(self, index: int) -> dict | None:
+        return None
+
+    def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
+        logprobs = self.logprobs(delta.logprobs, delta.offsets) if with_logprobs else None
+        return {**self.head, "choices": [{"index": index, "text": delta.text, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self.head, "choices": [], "usage": usage_}
+
+    def response(self, choices: Sequence[Choice], usage_: dict, with_logprobs: bool) -> dict:
+        return {**self.head,
+                "choices": [{"index": c.index, "text": c.full_text,
+                             "logprobs": self.logprobs(c.logprobs, c.offsets) if with_logprobs else None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage_}
+
+    def logprobs(self, entries: Sequence[TokenLogprob], offsets: Sequence[int]) -> dict:
+        """`{tokens, token_logprobs, top_logprobs, text_offset}`."""
+        return {"tokens": [self.token_text(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [self._top(e) for e in entries],
+                "text_offset": list(offsets)}
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        """Token text -> logprob, best first; two tokens with the same text keep the better logprob."""
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(self.token_text(token_id), logprob)
+        return top

@@ -1,0 +1,217 @@
+"""Parse and validate OpenAI request bodies into typed requests (no tokenizer, no engine).
+
+Unknown fields are ignored; known fields with a wrong type or value raise APIError(400)
+naming the field in `param`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_KINDS = {
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": ("a boolean", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "list": ("an array", lambda v: isinstance(v, list)),
+}
+_SAMPLING_FIELDS = (
+    ("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
+    ("seed", "int"), ("presence_penalty", "number"), ("frequency_penalty", "number"),
+    ("repetition_penalty", "number"), ("ignore_eos", "bool"), ("min_tokens", "int"),
+    ("skip_special_tokens", "bool"),
+)
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated chat or completion request; `messages` for chat, `prompts` for completions."""
+
+    kind: str                                # chat | completion
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None                   # None: the rest of the context window
+    max_tokens_param: str
+    sampling: dict[str, Any]                 # SamplingParams keyword arguments but max_tokens
+    priority: int = 0
+    echo: bool = False
+    messages: tuple[dict, ...] = ()
+    prompts: tuple[Prompt, ...] = ()
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """SamplingParams for a prompt of `prompt_len` tokens; APIError(400) when it cannot fit."""
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                f"your {self.prompt_param} resulted in {prompt_len} tokens.",
+                           param=self.prompt_param, code="context_length_exceeded")
+        max_tokens = room if self.max_tokens is None else self.max_tokens
+        if max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                                f"{self.prompt_param}, {max_tokens} in the completion).",
+                           param=self.max_tokens_param, code="context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, **self.sampling)
+
+
+def load_json_object(body: bytes) -> dict:
+    """The request body as a JSON object; APIError(400) otherwise."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse_chat(body: dict, max_n: int) -> ParsedRequest:
+    f = _Fields(body)
+    logprobs, top_logprobs = f.get("logprobs", "bool", False), f.get("top_logprobs", "int")
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    _check_logprobs(top_logprobs, "top_logprobs")
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = _sampling(f, (top_logprobs or 0) if logprobs else None)
+    return ParsedRequest("chat", *_common(f, max_n), f.get_max_tokens(max_tokens_param), max_tokens_param,
+                         sampling, f.get("priority", "int", 0), messages=_messages(body.get("messages")))
+
+
+def parse_completion(body: dict, max_n: int) -> ParsedRequest:
+    f = _Fields(body)
+    logprobs = f.get("logprobs", "int")
+    _check_logprobs(logprobs, "logprobs")
+    echo = f.get("echo", "bool", False)
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    return ParsedRequest("completion", *_common(f, max_n), f.get_max_tokens("max_tokens"), "max_tokens",
+                         _sampling(f, logprobs), f.get("priority", "int", 0), echo=echo,
+                         prompts=_prompts(body.get("prompt")))
+
+
+class _Fields:
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    def get(self, name: str, kind: str, default: Any = None) -> Any:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        description, ok = _KINDS[kind]
+        if not ok(value):
+            raise bad_request(f"{name} must be {description}, got {type(value).__name__}", name)
+        return float(value) if kind == "number" else value
+
+    def get_max_tokens(self, name: str) -> int | None:
+        value = self.get(name, "int")
+        if value is not None and value < 1:
+            raise bad_request(f"{name} must be at least 1, got {value}", name)
+        return value
+
+
+def _common(f: _Fields, max_n: int) -> tuple[str | None, int, bool, bool]:
+    model, n, stream = f.get("model", "str"), f.get("n", "int", 1), f.get("stream", "bool", False)
+    f.get("user", "str")
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be between 1 and {max_n}, got {n}", "n")
+    options = f.get("stream_options", "object")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = _Fields(options or {}).get("include_usage", "bool", False)
+    return model, n, stream, include_usage
+
+
+def _sampling(f: _Fields, logprobs: int | None) -> dict[str, Any]:
+    sampling = {name: value for name, kind in _SAMPLING_FIELDS if (value := f.get(name, kind)) is not None}
+    stop = f.body.get("stop")
+    if stop is not None:
+        sampling["stop"] = _stop_strings(stop)
+    stop_ids = f.get("stop_token_ids", "list")
+    if stop_ids is not None:
+        if not all(_KINDS["int"][1](t) for t in stop_ids):
+            raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
+        sampling["stop_token_ids"] = tuple(stop_ids)
+    sampling["logprobs"] = logprobs
+    return sampling
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop must be a non-empty string or an array of non-empty strings", "stop")
+    return tuple(stops)
+
+
+def _check_logprobs(value: int | None, name: str) -> None:
+    if value is not None and not 0 <= value <= SamplingParams.MAX_LOGPROBS:
+        raise bad_request(f"{name} must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {value}", name)
+
+
+def _messages(messages: Any) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array of message objects", "messages")
+    return tuple(_message(m, i) for i, m in enumerate(messages))
+
+
+def _message(message: Any, index: int) -> dict:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
+    content = _content(message.get("content"), f"{param}.content", role)
+    name = message.get("name")
+    return {"role": role, "content": content, **({"name": name} if isinstance(name, str) else {})}
+
+
+def _content(content: Any, param: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or an array of text parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{param} parts must be {{'type': 'text', 'text': str}} (only text is supported)",
+                              param)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompts(prompt: Any) -> tuple[Prompt, ...]:
+    error = bad_request("prompt must be a string, an array of strings, an array of token ids "
+                        "or an array of token id arrays", "prompt")
+    if isinstance(prompt, str):
+        return (prompt,)
+    if not isinstance(prompt, list) or not prompt:
+        raise error
+    if all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    if _is_token_list(prompt):
+        return (tuple(prompt),)
+    if all(isinstance(p, list) and p and _is_token_list(p) for p in prompt):
+        return tuple(tuple(p) for p in prompt)
+    raise error
+
+
+def _is_token_list(values: Sequence) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)

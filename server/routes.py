@@ -1,0 +1,115 @@
+"""HTTP handlers and the one place where routes are registered."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import jinja2
+import orjson
+from aiohttp import web
+
+from engine.tokenizer import Tokenizer
+from server.errors import APIError, bad_request
+from server.generation import Generation
+from server.metrics import CONTENT_TYPE
+from server.openai_format import ChatFormat, CompletionFormat, TokenText
+from server.protocol import ParsedRequest, load_json_object, parse_chat, parse_completion
+from server.state import ACCESS, STATE, AccessRecord
+
+OFF_LOOP_TOKENIZE_CHARS = 64 * 1024     # longer prompts are tokenized in a worker thread
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.running_engine()
+    parsed = parse_chat(load_json_object(await request.read()), state.config.max_n)
+    model = state.check_model(parsed.model)
+    tokenizer = state.running_engine().tokenizer
+    size = sum(len(m["content"]) for m in parsed.messages)
+    prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed)
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
+    return await _generate(request, parsed, [prompt], [""], fmt)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.running_engine()
+    parsed = parse_completion(load_json_object(await request.read()), state.config.max_n)
+    model = state.check_model(parsed.model)
+    tokenizer = state.running_engine().tokenizer
+    size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
+    prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)
+    echoes = [_echo(tokenizer, p) if parsed.echo else "" for p in parsed.prompts]
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
+    return await _generate(request, parsed, prompts, echoes, fmt)
+
+
+async def _generate(request: web.Request, parsed: ParsedRequest, prompts: list[tuple[int, ...]],
+                    echoes: list[str], fmt: ChatFormat | CompletionFormat) -> web.StreamResponse:
+    access = request.get(ACCESS) or AccessRecord()
+    generation = Generation(request.app[STATE], parsed, prompts, echoes, fmt, fmt.head["id"], access)
+    generation.submit()
+    try:
+        if parsed.stream:
+            return await generation.stream(request)
+        return await generation.collect()
+    finally:
+        await generation.close()
+
+
+async def _off_loop_if(size: int, fn: Callable, *args):
+    if size > OFF_LOOP_TOKENIZE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _encode_chat(tokenizer: Tokenizer, parsed: ParsedRequest) -> tuple[int, ...]:
+    try:
+        return tuple(tokenizer.encode_chat(list(parsed.messages)))
+    except (jinja2.TemplateError, ValueError) as e:
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+def _encode_prompts(tokenizer: Tokenizer, parsed: ParsedRequest) -> list[tuple[int, ...]]:
+    return [tuple(tokenizer.encode(p)) if isinstance(p, str) else p for p in parsed.prompts]
+
+
+def _echo(tokenizer: Tokenizer, prompt: str | tuple[int, ...]) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.running_engine()
+    created = int(engine.model_dir.stat().st_mtime)
+    data = {"id": state.model_names[0], "object": "model", "created": created, "owned_by": "pdserve",
+            "root": str(engine.model_dir), "max_model_len": engine.max_model_len}
+    return _json({"object": "list", "data": [data]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(503, "the server is shutting down", retry_after=state.config.retry_after)
+    if state.engine is None or not state.engine.healthy():
+        raise APIError(503, "the engine is not running", retry_after=state.config.retry_after)
+    return _json({"status": "ok", "mode": state.engine.mode})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _json(obj: dict, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")

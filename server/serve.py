@@ -1,0 +1,78 @@
+"""Run the app on uvloop with our own signal handling, so SIGTERM drains instead of dropping streams."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from engine.llm import new_event_loop
+from server.app import create_app
+from server.config import ServerConfig
+from server.state import STATE
+from server.systemd import sd_notify, watchdog, watchdog_interval
+
+logger = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; returns the exit status (0 after a clean shutdown)."""
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(serve(config))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def serve(config: ServerConfig) -> int:
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, handle_signals=False,
+                           shutdown_timeout=5.0)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    tasks: set[asyncio.Task] = set()
+    try:
+        sd_notify("STATUS=loading the model")
+        await runner.setup()                                  # loads the model and starts the engine
+        await web.TCPSite(runner, config.host, config.port).start()
+        _announce_ready(config, tasks)
+        await stop.wait()
+        await _drain(app, config)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()                                # closes the sockets, stops the engine
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    logger.info("%s received: draining", sig.name)
+    stop.set()
+
+
+def _announce_ready(config: ServerConfig, tasks: set[asyncio.Task]) -> None:
+    logger.info("listening on http://%s:%d", config.host, config.port)
+    sd_notify(f"READY=1\nSTATUS=listening on {config.host}:{config.port}")
+    interval = watchdog_interval()
+    if interval is not None:
+        tasks.add(asyncio.get_running_loop().create_task(watchdog(interval), name="pdserve-watchdog"))
+
+
+async def _drain(app: web.Application, config: ServerConfig) -> None:
+    state = app[STATE]
+    sd_notify("STOPPING=1\nSTATUS=draining")
+    if await state.drain(config.shutdown_timeout):
+        logger.info("drained: every stream finished")
+    else:
+        logger.info("drained: aborted the streams still running after %gs (%d not closed in time)",
+                    config.shutdown_timeout, len(state.generations))

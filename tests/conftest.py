@@ -1,0 +1,24 @@
+"""Fixtures shared by every test module."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny demo checkpoint, generated once per session under a pytest temp folder.
+
+    PDSERVE_CACHE points there for the rest of the session, so `--model demo:tiny` and
+    subprocesses started by tests find the same checkpoint.
+    """
+    from engine.demo_model import default_model_dir
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))
+    try:
+        yield default_model_dir("tiny")
+    finally:
+        patch.undo()
