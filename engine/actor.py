@@ -35,6 +35,7 @@ class Actor(abc.ABC):
         self.cpu_cores = cpu_cores
         self.steps = 0
         self.last_step_time = 0.0
+        self.step_seconds = 0.0          # schedule + execute + postprocess, summed over steps
         self._mailbox: deque = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -72,6 +73,7 @@ class Actor(abc.ABC):
         while True:
             while self._mailbox:
                 self.handle(self._mailbox.popleft())
+            started = time.perf_counter()
             batch = self.schedule()
             if batch is None:
                 await self.idle(loop)
@@ -84,6 +86,7 @@ class Actor(abc.ABC):
                 continue
             self.postprocess(batch, result)
             self.steps += 1
+            self.step_seconds += time.perf_counter() - started
             self.last_step_time = time.monotonic()
 
     async def idle(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from engine.batch import Batch, ScheduledChunk
 from engine.config import ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.messages import TokenLogprob
 from engine.model import CausalLM
@@ -33,8 +35,9 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ma
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
+                 graph_max_batch: int = 0, max_blocks_per_seq: int = 0) -> None:
+        """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only)."""
         c = model.config
         self.model = model
         self.device = model.embed_tokens.weight.device
@@ -42,21 +45,33 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
+        self.forward_seconds = 0.0       # model forward + logits, summed over steps
         # pool: [num_blocks, layers, 2 (k, v), block_size, kv_heads, head_dim]
         self.kv_pool = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
+        self.graphs = None
+        if graph_max_batch and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.kv_pool, graph_max_batch, max_blocks_per_seq)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[tuple[int, TokenLogprob | None]]:
         """Run one step; returns (token, logprob) for every chunk with `sample`, in batch order."""
         forward_batch = self.prepare(batch)
-        hidden = self.model(forward_batch, self.kv_pool)
-        sampled = batch.sampled
-        if not sampled:
-            return []
-        logits = self.model.compute_logits(hidden[forward_batch.logits_indices])
-        return self.sampler(logits, [c.seq for c in sampled])
+        started = time.perf_counter()
+        logits = self.forward(forward_batch)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.forward_seconds += time.perf_counter() - started
+        return self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """logits [S', V] fp32 of the rows in batch.logits_indices (a captured graph for decode)."""
+        if (batch.is_decode and self.graphs is not None
+                and self.graphs.fits(batch.input_ids.shape[0], batch.block_tables.shape[1])):
+            return self.graphs.run(batch)
+        hidden = self.model(batch, self.kv_pool)
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     def prepare(self, batch: Batch) -> ForwardBatch:
         input_ids, positions, slots, context_lens, cu_seqlens, logits_indices = [], [], [], [], [0], []

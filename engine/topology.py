@@ -89,11 +89,12 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     """Load the model(s) and wire the actors for `plan.mode`. Raises ValueError on a bad setting."""
     sched, cache = config.scheduler, config.cache
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
+    graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
         blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
                                cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
-        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos)
+        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, per_seq)
         return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores)]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
@@ -104,7 +105,8 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     decode_blocks = num_kv_blocks(cache.kv_cache_memory, 1.0 - prefill_share if shared else 1.0,
                                   plan.decode_device, model_config, cache.block_size, plan.dtype,
                                   per_seq * sched.max_num_seqs)
-    decode = DecodeActor(ModelRunner(decode_model, decode_blocks, cache.block_size, eos), sched,
+    decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, per_seq)
+    decode = DecodeActor(decode_runner, sched,
                          cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores)
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
     prefill = PrefillActor(ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos), decode,

@@ -1,0 +1,124 @@
+"""Offline throughput: pdserve's engine against transformers' `generate` on the same checkpoint and prompts.
+
+    python -m bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
+
+Prefill tokens/s comes from a max_tokens=1 pass, decode tokens/s from the rest of a full pass.
+Prints one summary line and writes the full result as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from dataclasses import replace
+
+import orjson
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.topology import resolve_model_dir
+
+
+def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (num, length), generator=generator).tolist()
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_pdserve(args, prompts) -> dict:
+    config = EngineConfig(model=args.model, dtype=args.dtype, mode=args.mode,
+                          cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.num_prompts, 1),
+                                                    max_prefill_tokens=args.max_prefill_tokens))
+    llm = LLM(config=config)
+    greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    try:
+        llm.generate(prompts[:2], replace(greedy, max_tokens=4))                    # warm-up
+        prefill_s = timed(lambda: llm.generate(prompts, replace(greedy, max_tokens=1)))
+        decode_actor = llm.engine.actors[-1]
+        step_before, forward_before = decode_actor.step_seconds, decode_actor.runner.forward_seconds
+        steps_before = decode_actor.steps
+        total_s = timed(lambda: llm.generate(prompts, greedy))
+        step_s = decode_actor.step_seconds - step_before
+        forward_s = decode_actor.runner.forward_seconds - forward_before
+        steps = decode_actor.steps - steps_before
+    finally:
+        llm.close()
+    n, inp, out = len(prompts), args.input_len, args.output_len
+    return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.plan.dtype),
+            "prefill_tok_s": n * inp / prefill_s, "decode_tok_s": n * (out - 1) / max(total_s - prefill_s, 1e-9),
+            "total_s": total_s, "prefill_s": prefill_s, "decode_steps": steps,
+            "step_overhead_fraction": 1 - forward_s / step_s if step_s else None}
+
+
+def bench_transformers(args, prompts) -> dict:
+    import transformers
+
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+
+    def generate(new_tokens):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0)
+
+    generate(4)
+    prefill_s = timed(lambda: generate(1))
+    total_s = timed(lambda: generate(args.output_len))
+    n, inp, out = len(prompts), args.input_len, args.output_len
+    return {"engine": "transformers-generate", "dtype": str(dtype), "prefill_tok_s": n * inp / prefill_s,
+            "decode_tok_s": n * (out - 1) / max(total_s - prefill_s, 1e-9), "total_s": total_s,
+            "prefill_s": prefill_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="demo:base")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--mode", default=None, choices=("disaggregated", "colocated"))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    vocab = 1024
+    try:
+        from engine.config import ModelConfig
+        vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+    except (OSError, ValueError):
+        pass
+    prompts = seeded_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    results = [bench_pdserve(args, prompts)]
+    if args.compare_transformers:
+        results.append(bench_transformers(args, prompts))
+    for r in results:
+        overhead = r.get("step_overhead_fraction")
+        print(f"{r['engine']:<28} {r['dtype']:<15} prefill {r['prefill_tok_s']:9.1f} tok/s   "
+              f"decode {r['decode_tok_s']:8.1f} tok/s" + (f"   step overhead {overhead:.1%}" if overhead else ""))
+    if len(results) == 2:
+        print(f"decode speed-up over transformers: {results[0]['decode_tok_s'] / results[1]['decode_tok_s']:.2f}x")
+    record = {"args": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
+                                              "cores": len(os.sched_getaffinity(0)),
+                                              "torch": torch.__version__}, "results": results}
+    if args.result_json:
+        with open(args.result_json, "wb") as f:
+            f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
