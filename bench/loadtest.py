@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
 import math
+import os
+import platform
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import aiohttp
@@ -259,6 +263,7 @@ def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, 
     """The --result-json document: run description, summary, every request."""
     return _json_safe({
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_description(),
         "label": label,
         "base_url": endpoint.base_url,
         "model": endpoint.model,
@@ -271,6 +276,25 @@ def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, 
     })
 
 
+def machine_description() -> str:
+    """CPU model, core counts, OS and the versions that matter, in one line."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{cpu}, {os.cpu_count()} cores ({usable} usable), {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}, torch {_version('torch')}, transformers {_version('transformers')}")
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def write_json(path: str | Path, document: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +302,9 @@ def write_json(path: str | Path, document: dict) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Options:
+class Options:
+    """Everything the flags say besides the endpoint, validated."""
+
     workload: WorkloadSpec
     traffic: TrafficSpec
     slo: dict[str, float]
@@ -286,15 +312,14 @@ class _Options:
     metrics: tuple[str, ...]
 
 
-def _options(args: argparse.Namespace) -> _Options:
+def options_from_args(args: argparse.Namespace) -> Options:
+    """Workload, traffic and metric options; raises ValueError (OSError for a dataset file) on bad ones."""
     workload = workload_from_args(args)
     build_workload(workload)  # validates, loads a dataset file
-    if args.extra_body is not None and not isinstance(args.extra_body, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    return _Options(workload, traffic_from_args(args), *metric_options(args))
+    return Options(workload, traffic_from_args(args), *metric_options(args))
 
 
-async def _run(args: argparse.Namespace, options: _Options) -> int:
+async def _run(args: argparse.Namespace, options: Options) -> int:
     model = args.model or await resolve_model(args.base_url, args.api_key)
     endpoint = endpoint_from_args(args, model)
     samples = build_workload(options.workload)
@@ -324,7 +349,9 @@ def run(args: argparse.Namespace) -> int:
     server could not be reached, 2 on invalid flags or an unreadable dataset.
     """
     try:
-        options = _options(args)
+        options = options_from_args(args)
+        if args.extra_body is not None and not isinstance(args.extra_body, dict):
+            raise ValueError("--extra-body must be a JSON object")
     except (ValueError, OSError) as error:
         print(f"pdserve bench: error: {error}", file=sys.stderr)
         return 2

@@ -85,10 +85,14 @@ def distribution(values: Sequence[float], percentiles: Iterable[float]) -> dict[
     percentiles = tuple(percentiles)
     if not values:
         return {"mean": 0.0, "median": 0.0, "std": 0.0} | {_pname(p): 0.0 for p in percentiles}
-    mean = math.fsum(values) / len(values)
+    mean = _mean(values)
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
     stats = {"mean": mean, "median": percentile(values, 50), "std": std}
     return stats | {_pname(p): percentile(values, p) for p in percentiles}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else 0.0
 
 
 def _pname(p: float) -> str:
@@ -157,6 +161,8 @@ def summarize(
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "requests_without_usage": sum(not r.usage_reported for r in ok),
+        "mean_input_tokens_short": _mean([r.input_tokens for r in ok if r.kind == "short"]),
+        "mean_input_tokens_long": _mean([r.input_tokens for r in ok if r.kind == "long"]),
         "request_throughput": len(ok) / duration,
         "request_goodput": sum(meets_slo(r, slo) for r in ok) / duration if slo else None,
         "output_throughput": output_tokens / duration,
@@ -199,3 +205,33 @@ def _metric_rows(name: str, percentiles: Iterable[float]) -> list[tuple[str, str
     label = METRIC_LABELS[name]
     rows = [(f"Mean {label} (ms):", f"mean_{name}_ms"), (f"Median {label} (ms):", f"median_{name}_ms")]
     return rows + [(f"P{p:g} {label} (ms):", f"{_pname(p)}_{name}_ms") for p in percentiles]
+
+
+COMPARISON_ROWS = (
+    ("mean prompt tokens, short streams", "mean_input_tokens_short"),
+    ("mean prompt tokens, long prompts", "mean_input_tokens_long"),
+    ("request throughput (req/s)", "request_throughput"),
+    ("output throughput (tok/s)", "output_throughput"),
+    ("goodput (req/s)", "request_goodput"),
+) + tuple(
+    (f"{stat} {label} (ms)", f"{stat}_{name}_ms")
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("short_itl", "short-stream ITL"),
+                        ("e2el", "E2E latency"))
+    for stat in ("mean", "median", "p90", "p99")
+)
+
+
+def markdown_comparison(columns: Sequence[tuple[str, dict | None, float]]) -> str:
+    """A Markdown table with one column per (title, summary or None if it failed, start-up seconds)."""
+    def row(label: str, cells: Iterable[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    summaries = [summary or {} for _, summary, _ in columns]
+    lines = [row("metric", (title for title, _, _ in columns)), "|---|" + "---:|" * len(columns),
+             row("status", ("ok" if s.get("completed") else "**failed**" for s in summaries)),
+             row("requests ok / failed", (f"{s['completed']} / {s['failed']}" if s else "-" for s in summaries)),
+             row("server start-up (s)", (f"{t:.1f}" if s else "-" for s, (_, _, t) in zip(summaries, columns)))]
+    for label, key in COMPARISON_ROWS:
+        if any(s.get(key) is not None for s in summaries):
+            lines.append(row(label, ("-" if s.get(key) is None else f"{s[key]:.2f}" for s in summaries)))
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
 from bench.metrics import RequestRecord
 
@@ -44,7 +45,12 @@ def _strip(ax: Axes, label: str, records: Sequence[RequestRecord], color: str) -
 
 
 def plot_runs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | Path) -> None:
-    """Draw every run's TTFT and ITL CDFs on shared axes and one ITL-over-time strip each; save a PNG."""
+    """Draw every run's TTFT and ITL CDFs on shared axes and one ITL-over-time strip each; save a PNG.
+
+    Raises ValueError when `runs` is empty.
+    """
+    if not runs:
+        raise ValueError("nothing to plot")
     fig = Figure(figsize=(12, 4 + 2.2 * len(runs)), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(1 + len(runs), 2, height_ratios=[3.0] + [1.8] * len(runs))
@@ -59,13 +65,16 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | P
         ax.set_ylabel("fraction of samples")
         ax.grid(alpha=0.3)
         if ax.has_data():
-            ax.set_xscale("log")
+            ax.set_xscale("symlog", linthresh=1.0)  # ITL can be 0 when chunks arrive merged
+            ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.legend(fontsize=8)
     strip_axes = []
     for row, (color, (label, records)) in enumerate(zip(COLORS * len(runs), runs)):
-        ax = fig.add_subplot(grid[1 + row, :], sharex=strip_axes[0] if strip_axes else None)
+        first = strip_axes[0] if strip_axes else None
+        ax = fig.add_subplot(grid[1 + row, :], sharex=first, sharey=first)
         _strip(ax, label, records, color)
         strip_axes.append(ax)
+    strip_axes[0].set_ylim(bottom=0)
     strip_axes[-1].set_xlabel("time since start (s)")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -3,6 +3,7 @@ OpenAI-compatible aiohttp server with controlled faults, the CLI end to end, the
 seeded workloads, and (once the server exists) a real pdserve server."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -10,7 +11,6 @@ import math
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench import loadtest
+from bench import compare, loadtest
 from bench.metrics import summarize
 from bench.sse_client import EndpointConfig
 from bench.workloads import (
@@ -38,7 +38,8 @@ class FakeOpenAI:
     """Streams `max_tokens` chunks "t0 ", "t1 ", ... in awkward network pieces; the path's
     first segment picks the behaviour."""
 
-    def __init__(self) -> None:
+    def __init__(self, root_mode: str = "ok") -> None:
+        self.root_mode = root_mode
         self.payloads: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -48,6 +49,10 @@ class FakeOpenAI:
         app.router.add_post("/{mode}/v1/completions", self.generate)
         app.router.add_post("/{mode}/v1/chat/completions", self.generate)
         app.router.add_get("/{mode}/v1/models", self.models)
+        app.router.add_get("/health", self.models)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
         self.app = app
 
     async def models(self, request: web.Request) -> web.Response:
@@ -56,7 +61,11 @@ class FakeOpenAI:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()
         self.payloads.append(payload)
-        mode = request.match_info["mode"]
+        mode = request.match_info.get("mode", self.root_mode)
+        if mode == "hf":  # transformers serve: 422 on vLLM's fields, no [DONE]
+            if "ignore_eos" in payload or "generation_config" not in payload:
+                return web.json_response({"detail": "Unexpected fields"}, status=422)
+            mode = "nodone"
         if mode == "flaky":
             mode = ("fail500", "truncate", "ok")[next(self.counter) % 3]
         if mode == "fail500":
@@ -109,6 +118,11 @@ class FakeOpenAI:
         stream = b"".join(f": keep-alive\r\n\r\ndata: {e}\r\n\r\n".encode() for e in events)
         cuts = list(range(0, len(stream), 37)) + [len(stream)]
         return [stream[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def serve_fake(port: int, mode: str) -> None:
+    """Run FakeOpenAI as a server process (for bench.compare); "mode" applies to /v1/... at the root."""
+    web.run_app(FakeOpenAI(root_mode=mode).app, host="127.0.0.1", port=port, print=None)
 
 
 @pytest.fixture
@@ -309,37 +323,112 @@ def test_arrival_gaps_have_the_gamma_mean_and_variance():
     assert again == offsets[:10].tolist()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _fake_spec(name: str, title: str, mode: str, **overrides) -> compare.ServerSpec:
+    code = f"import sys; from tests.test_bench_loadtest import serve_fake; serve_fake(int(sys.argv[1]), {mode!r})"
+    return compare.ServerSpec(name, title, (sys.executable, "-c", code, "{port}"), **overrides)
 
 
-def _wait_ready(process: subprocess.Popen, port: int, timeout: float) -> None:
-    import urllib.request
+def _compare_args(tmp_path: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return parser.parse_args([
+        "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "40", "--output-len", "4",
+        "--long-fraction", "0.34", "--request-rate", "inf", "--num-warmups", "1", "--disable-tqdm",
+        "--result-json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
+        "--log-dir", str(tmp_path / "logs"), "--results-md", str(tmp_path / "RESULTS.md"), "--server-timeout", "60"])
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "server exited before it was ready"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)  # polling a starting process, not synchronising test logic
-    raise AssertionError("server not ready in time")
+
+def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
+    args = _compare_args(tmp_path)
+    options = loadtest.options_from_args(args)
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\nhand-written notes\n")
+    hf = dict(length_control="generation-config", require_done=False)
+    specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"),
+             _fake_spec("pdserve-colocated", "pdserve colocated", "ok"),
+             _fake_spec("transformers", "transformers serve", "hf", **hf)]
+    assert compare.run_comparison(specs, args, options, "MODEL", "python -m bench.compare --first") == 0
+    document = json.loads((tmp_path / "c.json").read_text())
+    for server in document["servers"]:
+        assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
+        assert server["summary"]["total_output_tokens"] == 24 and len(server["requests"]) == 6
+    assert set(document["targets"]) == {target[0] for target in compare.TARGETS}
+    assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    first = md.read_text()
+    assert "| status | ok | ok | ok |" in first and "--first" in first
+
+    broken = compare.ServerSpec("transformers", "transformers serve",
+                                (sys.executable, "-c", "import sys; print('no fastapi here'); sys.exit(3)"), **hf)
+    specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"), broken]
+    assert compare.run_comparison(specs, args, options, "MODEL", "python -m bench.compare --second") == 1
+    document = json.loads((tmp_path / "c.json").read_text())
+    error = document["servers"][1]["error"]
+    assert "exited with code 3" in error and "no fastapi here" in error
+    assert document["targets"]["output tok/s >= 2 x transformers serve"] == "n/a (transformers serve failed)"
+    second = md.read_text()
+    assert second.startswith("# results\n\nhand-written notes\n")
+    assert second.count(compare.SECTION_BEGIN) == 1 and second.count(compare.SECTION_END) == 1
+    assert "--second" in second and "--first" not in second and "| status | ok | **failed** |" in second
+
+
+STUBBORN_SERVER = """
+import http.server, json, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "stubborn"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_managed_server_escalates_to_sigkill(tmp_path):
+    port = compare.free_port()
+    argv = [sys.executable, "-c", STUBBORN_SERVER, str(port)]
+    with compare.ManagedServer(argv, tmp_path / "s.log", {}, grace=0.5) as server:
+        assert server.wait_ready(f"http://127.0.0.1:{port}", timeout=60) == "stubborn"
+    assert server.process.returncode == -9
+
+
+def test_managed_server_readiness_failures_and_sigterm(tmp_path):
+    exits = [sys.executable, "-c", "import sys; print('bad flag --x'); sys.exit(3)"]
+    with compare.ManagedServer(exits, tmp_path / "a.log", {}, grace=5) as server:
+        with pytest.raises(RuntimeError, match="exited with code 3 before it was ready: bad flag --x"):
+            server.wait_ready(f"http://127.0.0.1:{compare.free_port()}", timeout=60)
+    silent = [sys.executable, "-c", "import time; print('loading'); time.sleep(600)"]
+    with compare.ManagedServer(silent, tmp_path / "b.log", {}, grace=30) as server:
+        with pytest.raises(RuntimeError, match="not ready after 1 s"):
+            server.wait_ready(f"http://127.0.0.1:{compare.free_port()}", timeout=1.0)
+    assert server.process.returncode == -15
+
+
+def test_server_specs_commands():
+    specs = compare.server_specs("/m", ["pdserve-colocated", "pdserve-disaggregated"], ["--dtype", "float32"], [])
+    shown = [compare.display_command([part.replace("{port}", "9") for part in spec.argv]) for spec in specs]
+    assert shown == [
+        "pdserve serve --model /m --port 9 --mode colocated --prefill-device cpu --decode-device cpu --dtype float32",
+        "pdserve serve --model /m --port 9 --mode disaggregated --prefill-device cpu --decode-device cpu --dtype float32",
+    ]
+    (hf,) = compare.server_specs("/m", ["transformers"], [], ["--dtype", "bfloat16"])
+    assert compare.display_command([p.replace("{port}", "9") for p in hf.argv]) == (
+        "transformers serve /m --continuous-batching --device cpu --host 127.0.0.1 --port 9 --dtype bfloat16")
+    assert (hf.length_control, hf.require_done, hf.env["HF_HUB_OFFLINE"]) == ("generation-config", False, "1")
 
 
 @pytest.mark.skipif(not (REPO / "server" / "app.py").exists(), reason="server/app.py not written yet")
 def test_pdserve_bench_against_real_server(tmp_path):
     from engine.demo_model import default_model_dir
 
-    model_dir = default_model_dir("tiny")
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir),
-                               "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _wait_ready(server, port, timeout=240)
+    port = compare.free_port()
+    serve = [sys.executable, "-m", "server.cli", "serve", "--model", str(default_model_dir("tiny")), "--port", str(port)]
+    with compare.ManagedServer(serve, tmp_path / "server.log", {}, grace=30) as server:
+        server.wait_ready(f"http://127.0.0.1:{port}", timeout=240)
         out = tmp_path / "bench.json"
         bench = subprocess.run(
             [sys.executable, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
@@ -347,19 +436,14 @@ def test_pdserve_bench_against_real_server(tmp_path):
              "--output-len", "4", "--long-fraction", "0.34", "--request-rate", "inf", "--temperature", "0",
              "--result-json", str(out), "--disable-tqdm"],
             cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert bench.returncode == 0, bench.stderr
-        assert "Serving Benchmark Result" in bench.stdout
-        document = json.loads(out.read_text())
-        summary = document["summary"]
-        assert (summary["completed"], summary["failed"]) == (6, 0)
-        assert summary["total_output_tokens"] == 6 * 4 and summary["requests_without_usage"] == 0
-        assert [r["kind"] for r in document["requests"]].count("long") == 2
-        for record in document["requests"]:
-            assert record["output_tokens"] == 4 and record["prompt_tokens"] > 0 and len(record["itl"]) <= 3
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    assert bench.returncode == 0, bench.stderr
+    assert "Serving Benchmark Result" in bench.stdout
+    document = json.loads(out.read_text())
+    summary = document["summary"]
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_output_tokens"] == 6 * 4 and summary["requests_without_usage"] == 0
+    assert [r["kind"] for r in document["requests"]].count("long") == 2
+    for record in document["requests"]:
+        assert record["output_tokens"] == 4 and record["prompt_tokens"] > 0 and len(record["itl"]) <= 3
+    long_tokens = [r["prompt_tokens"] for r in document["requests"] if r["kind"] == "long"]
+    assert min(long_tokens) > max(r["prompt_tokens"] for r in document["requests"] if r["kind"] == "short")

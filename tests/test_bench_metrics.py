@@ -78,6 +78,7 @@ def test_summary_counts_throughput_and_distributions():
     assert summary["total_input_tokens"] == 97 + 97 + 900 + 100  # record 3 has no usage: its estimate
     assert summary["total_output_tokens"] == 4 + 3 + 8 + 1
     assert summary["requests_without_usage"] == 1
+    assert (summary["mean_input_tokens_short"], summary["mean_input_tokens_long"]) == ((97 + 97 + 100) / 3, 900)
     assert summary["request_throughput"] == pytest.approx(4 / 4.0)
     assert summary["output_throughput"] == pytest.approx(16 / 4.0)
     assert summary["total_token_throughput"] == pytest.approx((1194 + 16) / 4.0)
