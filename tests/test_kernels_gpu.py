@@ -4,14 +4,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON, INTERPRETED
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_ref, rotary_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
-from tests.conftest_kernels import LAYER, cu_seqlens_of, make_paged_batch, poisoned_outputs, rel_err
+from tests.conftest_kernels import request_triton_interpreter
+
+request_triton_interpreter()  # NOTE: a no-op with CUDA; without, it keeps test_kernels_triton.py in-process
+
+from kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
+from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton  # noqa: E402
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
+from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+from tests.conftest_kernels import LAYER, cu_seqlens_of, make_paged_batch, poisoned_outputs, rel_err  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON or INTERPRETED,
