@@ -29,7 +29,7 @@ from pathlib import Path
 from bench import loadtest
 from bench.metrics import RequestRecord, markdown_comparison, summarize
 from bench.sse_client import EndpointConfig
-from bench.workloads import build_workload
+from bench.workloads import add_traffic_arguments, add_workload_arguments, build_workload, warmup_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_NAMES = ("pdserve-disaggregated", "pdserve-colocated", "transformers")
@@ -152,7 +152,8 @@ def transformers_unavailable() -> str:
     return f"transformers serve needs {' and '.join(missing)}, not installed here" if missing else ""
 
 
-def server_specs(model_dir: str, names: list[str], pdserve_args: list[str], transformers_args: list[str]) -> list[ServerSpec]:
+def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
+                 transformers_args: list[str]) -> list[ServerSpec]:
     """The servers to compare, in `names` order."""
     pdserve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", "{port}"]
     devices = ["--prefill-device", "cpu", "--decode-device", "cpu"]
@@ -204,39 +205,38 @@ async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse
     endpoint = EndpointConfig(base_url=base_url, model=model, endpoint=args.endpoint,
                               length_control=spec.length_control, temperature=args.temperature,
                               require_done=spec.require_done, request_timeout=args.request_timeout)
-    warmups = itertools.islice(build_workload(loadtest.warmup_spec(options.workload)), options.traffic.num_warmups)
+    warmups = itertools.islice(build_workload(warmup_spec(options.workload)), options.traffic.num_warmups)
     return await loadtest.benchmark(endpoint, build_workload(options.workload), options.traffic, warmups,
                                     progress=not args.disable_tqdm)
 
 
+DISAGG, COLOC, HF = SERVER_NAMES
 TARGETS = (  # (what, server, reference, summary key, factor, "le" | "ge")
-    ("short-stream p99 ITL <= 1/2 x colocated", "pdserve-disaggregated", "pdserve-colocated", "p99_short_itl_ms", 0.5, "le"),
-    ("output tok/s >= 2 x transformers serve", "pdserve-disaggregated", "transformers", "output_throughput", 2.0, "ge"),
-    ("p99 TTFT <= 1/4 x transformers serve", "pdserve-disaggregated", "transformers", "p99_ttft_ms", 0.25, "le"),
-    ("p99 ITL <= 1/4 x transformers serve", "pdserve-disaggregated", "transformers", "p99_itl_ms", 0.25, "le"),
+    ("short-stream p99 ITL <= 1/2 x colocated", DISAGG, COLOC, "p99_short_itl_ms", 0.5, "le"),
+    ("output tok/s >= 2 x transformers serve", DISAGG, HF, "output_throughput", 2.0, "ge"),
+    ("p99 TTFT <= 1/4 x transformers serve", DISAGG, HF, "p99_ttft_ms", 0.25, "le"),
+    ("p99 ITL <= 1/4 x transformers serve", DISAGG, HF, "p99_itl_ms", 0.25, "le"),
 )
 
 
 def evaluate_targets(outcomes: list[ServerOutcome]) -> list[tuple[str, str]]:
     """(target, verdict with the numbers) for each target whose two servers were part of the run."""
     by_name = {outcome.spec.name: outcome for outcome in outcomes}
-    verdicts = []
-    for what, name, reference, key, factor, relation in TARGETS:
-        if name not in by_name or reference not in by_name:
-            continue
-        pair = (by_name[name], by_name[reference])
-        failed = [o.spec.title for o in pair if not o.ok]
-        if failed:
-            verdicts.append((what, f"n/a ({' and '.join(failed)} failed)"))
-            continue
-        if key not in pair[0].summary or key not in pair[1].summary:
-            verdicts.append((what, f"n/a ({key} not measured)"))
-            continue
-        value, base = pair[0].summary[key], pair[1].summary[key]
-        met = value <= factor * base if relation == "le" else value >= factor * base
-        ratio = f"{value / base:.2f}x" if base else "inf"
-        verdicts.append((what, f"{value:.2f} vs {base:.2f} ({ratio}): {'met' if met else 'NOT met'}"))
-    return verdicts
+    return [(what, _verdict(by_name[name], by_name[reference], key, factor, relation))
+            for what, name, reference, key, factor, relation in TARGETS
+            if name in by_name and reference in by_name]
+
+
+def _verdict(outcome: ServerOutcome, reference: ServerOutcome, key: str, factor: float, relation: str) -> str:
+    failed = [o.spec.title for o in (outcome, reference) if not o.ok]
+    if failed:
+        return f"n/a ({' and '.join(failed)} failed)"
+    if key not in outcome.summary or key not in reference.summary:
+        return f"n/a ({key} not measured)"
+    value, base = outcome.summary[key], reference.summary[key]
+    met = value <= factor * base if relation == "le" else value >= factor * base
+    ratio = f"{value / base:.2f}x" if base else "inf"
+    return f"{value:.2f} vs {base:.2f} ({ratio}): {'met' if met else 'NOT met'}"
 
 
 def _shown_path(path: str) -> str:
@@ -244,31 +244,39 @@ def _shown_path(path: str) -> str:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(resolved)
 
 
+def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
+    w, t = options.workload, options.traffic
+    shape = {
+        "mixed": f"short {w.short_input_len} / long {w.long_input_len} prompt words, {w.long_fraction:.0%} long, "
+                 f"{w.output_len} output tokens",
+        "random": f"input {w.random_input_len} words, output {w.random_output_len} tokens, "
+                  f"range ratio {w.random_range_ratio:g}",
+        "sharegpt": f"ShareGPT file {w.dataset_path}",
+    }[w.name]
+    api = "chat/completions" if args.endpoint == "chat" else "completions"
+    return (f"{w.name} ({shape}); {t.num_prompts} requests at {t.request_rate:g} req/s (burstiness "
+            f"{t.burstiness:g}), max concurrency {t.max_concurrency or 'none'}, seed {t.seed}, {t.num_warmups} "
+            f"warm-ups; /v1/{api}, temperature {args.temperature:g}")
+
+
 def render_section(args: argparse.Namespace, options: loadtest.Options, model_dir: str,
                    outcomes: list[ServerOutcome], command: str, date: str) -> str:
     """The Markdown section bench.compare owns in bench/RESULTS.md."""
-    w, t = options.workload, options.traffic
-    lengths = (f"short {w.short_input_len} / long {w.long_input_len} prompt words, {w.long_fraction:.0%} long, "
-               f"{w.output_len} output tokens" if w.name == "mixed" else
-               f"input {w.random_input_len}, output {w.random_output_len}, range ratio {w.random_range_ratio}"
-               if w.name == "random" else f"ShareGPT file {w.dataset_path}")
     lines = [
         "## Serving comparison: pdserve disaggregated vs colocated vs transformers serve", "",
         f"- Command: `{command}`", f"- Date: {date}", f"- Machine: {loadtest.machine_description()}",
-        f"- Model: `{model_dir}`",
-        f"- Workload: {w.name} ({lengths}); {t.num_prompts} requests, {t.request_rate:g} req/s "
-        f"(burstiness {t.burstiness:g}), max concurrency {t.max_concurrency or 'none'}, seed {t.seed}, "
-        f"{t.num_warmups} warm-ups; /v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}, "
-        f"temperature {args.temperature:g}", "",
-        markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]), "", "Targets (pdserve disaggregated against the reference):", "",
+        f"- Model: `{model_dir}`", f"- Workload: {_workload_line(args, options)}", "",
+        markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]), "",
+        "Targets (pdserve disaggregated against the reference):", "",
     ]
     lines += [f"- {what}: {verdict}" for what, verdict in evaluate_targets(outcomes)] or ["- none evaluated"]
-    lines += ["", "Servers:", ""] + [f"- {o.spec.title}: `{o.command}`" + ("" if o.ok else f" -- failed: {o.error}")
-                                     for o in outcomes]
+    lines += ["", "Servers:", ""]
+    lines += [f"- {o.spec.title}: `{o.command}`" + ("" if o.ok else f" -- failed: {o.error}") for o in outcomes]
     lines += ["", f"Plot: `{_shown_path(args.plot)}`; per-request data: `{_shown_path(args.result_json)}`.",
-              "transformers serve never sends `data: [DONE]`: its streams count as complete on a finish_reason and "
-              "a clean end of stream; its output lengths are pinned by a per-request `generation_config` "
-              "(no EOS, min_new_tokens = max_new_tokens). pdserve gets max_tokens = min_tokens with ignore_eos."]
+              "Prompt lengths are in words; the server-reported prompt tokens are in the table. transformers "
+              "serve never sends `data: [DONE]`: its streams count as complete on a finish_reason and a clean end "
+              "of stream; its output lengths are pinned by a per-request `generation_config` (no EOS, "
+              "min_new_tokens = max_new_tokens). pdserve gets max_tokens = min_tokens with ignore_eos."]
     return "\n".join(lines)
 
 
@@ -296,8 +304,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--pdserve-args", default="", help="extra flags for both pdserve servers, one string")
     parser.add_argument("--transformers-args", default="", help="extra flags for transformers serve, one string")
-    loadtest.add_workload_arguments(parser)
-    loadtest.add_traffic_arguments(parser)
+    add_workload_arguments(parser)
+    add_traffic_arguments(parser)
     loadtest.add_metric_arguments(parser)
     parser.set_defaults(dataset_name="mixed", num_prompts=40, request_rate=2.0, short_input_len=64,
                         long_input_len=1024, output_len=32, long_fraction=0.1, num_warmups=2)

@@ -19,8 +19,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -29,7 +29,18 @@ from tqdm import tqdm
 
 from bench.metrics import LATENCY_METRICS, RequestRecord, format_summary, parse_slo, summarize
 from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
-from bench.workloads import SampleRequest, TrafficSpec, WorkloadSpec, arrival_offsets, build_workload
+from bench.workloads import (
+    SampleRequest,
+    TrafficSpec,
+    WorkloadSpec,
+    add_traffic_arguments,
+    add_workload_arguments,
+    arrival_offsets,
+    build_workload,
+    traffic_from_args,
+    warmup_spec,
+    workload_from_args,
+)
 
 
 class BenchError(Exception):
@@ -59,34 +70,6 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, all included")
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload")
-    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt"), default=None,
-                       help="default: sharegpt with --dataset-path, else random")
-    group.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
-    group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")
-    group.add_argument("--random-input-len", type=int, default=1024)
-    group.add_argument("--random-output-len", type=int, default=128)
-    group.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
-    group.add_argument("--short-input-len", type=int, default=128, help="mixed: prompt tokens of a short chat")
-    group.add_argument("--long-input-len", type=int, default=2048, help="mixed: prompt tokens of a long document")
-    group.add_argument("--output-len", type=int, default=128, help="mixed: output tokens of every request")
-    group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long-document prompts")
-    group.add_argument("--long-threshold", type=int, default=1024,
-                       help="random/sharegpt: prompts of at least this many tokens are tagged long")
-
-
-def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("traffic")
-    group.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
-    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    group.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    group.add_argument("--num-prompts", type=int, default=1000)
-    group.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
-
-
 def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("metrics")
     group.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME_ms=VALUE",
@@ -108,31 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-tqdm", action="store_true")
 
 
-def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
-    return WorkloadSpec(
-        name=name, seed=args.seed, random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
-        short_input_len=args.short_input_len, long_input_len=args.long_input_len, output_len=args.output_len,
-        long_fraction=args.long_fraction, dataset_path=args.dataset_path,
-        sharegpt_output_len=args.sharegpt_output_len, long_threshold=args.long_threshold,
-    )
-
-
-def warmup_spec(workload: WorkloadSpec) -> WorkloadSpec:
-    """The same workload on another seed: warm-up prompts never repeat measured ones."""
-    return replace(workload, seed=workload.seed + 1_000_003)
-
-
-def traffic_from_args(args: argparse.Namespace) -> TrafficSpec:
-    if not args.request_rate > 0 or not args.burstiness > 0:
-        raise ValueError("--request-rate and --burstiness must be positive")
-    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        raise ValueError("--num-prompts and --max-concurrency must be at least 1")
-    return TrafficSpec(args.request_rate, args.burstiness, args.max_concurrency, args.num_prompts,
-                       args.duration, args.seed, args.num_warmups)
-
-
 def metric_options(args: argparse.Namespace) -> tuple[dict[str, float], tuple[float, ...], tuple[str, ...]]:
     """(slo, percentiles, metrics) from the metric flags; raises ValueError on bad values."""
     slo = parse_slo(args.slo or ())
@@ -144,7 +102,8 @@ def metric_options(args: argparse.Namespace) -> tuple[dict[str, float], tuple[fl
     return slo, percentiles, metrics
 
 
-async def _warm_up(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest]) -> None:
+async def _warm_up(session: aiohttp.ClientSession, endpoint: EndpointConfig,
+                   samples: Iterable[SampleRequest]) -> None:
     for index, sample in enumerate(samples):
         record = await send_request(session, endpoint, sample, index, time.perf_counter())
         if not record.success:
@@ -163,6 +122,9 @@ def _cancelled_record(index: int, sample: SampleRequest, offset: float) -> Reque
                          error="cancelled: still running at the overall bound (--duration + --request-timeout)")
 
 
+Scheduled = tuple[int, SampleRequest, float]  # (index, sample, due offset in s)
+
+
 async def benchmark(
     endpoint: EndpointConfig,
     samples: Iterable[SampleRequest],
@@ -179,32 +141,36 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=traffic.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warm_up(session, endpoint, warmups)
-        semaphore = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
-        total = None if traffic.duration else traffic.num_prompts
-        with tqdm(total=total, disable=not progress, unit="req") as bar:
+        with tqdm(total=None if traffic.duration else traffic.num_prompts, disable=not progress, unit="req") as bar:
             origin = time.perf_counter()
-            tasks: dict[asyncio.Task, tuple[int, SampleRequest, float]] = {}
-            schedule = zip(range(traffic.num_prompts), samples, arrival_offsets(
-                traffic.request_rate, traffic.burstiness, traffic.seed))
-            for index, sample, offset in schedule:
-                if traffic.duration is not None and max(offset, time.perf_counter() - origin) >= traffic.duration:
-                    break
-                await asyncio.sleep(max(0.0, origin + offset - time.perf_counter()))
-                task = asyncio.create_task(_limited(semaphore, send_request(session, endpoint, sample, index, origin)))
-                task.add_done_callback(lambda _: bar.update(1))
-                tasks[task] = (index, sample, offset)
-            records = await _collect(tasks, _bound(traffic, endpoint, origin, time.perf_counter()))
+            tasks = await _send_all(session, endpoint, samples, traffic, origin, bar)
+            records = await _collect(tasks, _bound(traffic, endpoint, origin))
             duration = time.perf_counter() - origin
     return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration)
 
 
-def _bound(traffic: TrafficSpec, endpoint: EndpointConfig, origin: float, now: float) -> float | None:
+async def _send_all(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest],
+                    traffic: TrafficSpec, origin: float, bar: tqdm) -> dict[asyncio.Task, Scheduled]:
+    semaphore = asyncio.Semaphore(traffic.max_concurrency) if traffic.max_concurrency else None
+    offsets = arrival_offsets(traffic.request_rate, traffic.burstiness, traffic.seed)
+    tasks: dict[asyncio.Task, Scheduled] = {}
+    for index, sample, offset in zip(range(traffic.num_prompts), samples, offsets):
+        if traffic.duration is not None and max(offset, time.perf_counter() - origin) >= traffic.duration:
+            break
+        await asyncio.sleep(max(0.0, origin + offset - time.perf_counter()))
+        task = asyncio.create_task(_limited(semaphore, send_request(session, endpoint, sample, index, origin)))
+        task.add_done_callback(lambda _: bar.update(1))
+        tasks[task] = (index, sample, offset)
+    return tasks
+
+
+def _bound(traffic: TrafficSpec, endpoint: EndpointConfig, origin: float) -> float | None:
     if traffic.duration is None:
         return None
-    return max(0.0, origin + traffic.duration - now) + endpoint.request_timeout
+    return max(0.0, origin + traffic.duration - time.perf_counter()) + endpoint.request_timeout
 
 
-async def _collect(tasks: dict[asyncio.Task, tuple[int, SampleRequest, float]], bound: float | None) -> list[RequestRecord]:
+async def _collect(tasks: dict[asyncio.Task, Scheduled], bound: float | None) -> list[RequestRecord]:
     if not tasks:
         return []
     done, pending = await asyncio.wait(tasks, timeout=bound)

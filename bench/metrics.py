@@ -177,7 +177,8 @@ def summarize(
     return summary
 
 
-def format_summary(summary: dict, percentiles: Iterable[float] = (90, 99), title: str = "Serving Benchmark Result") -> str:
+def format_summary(summary: dict, percentiles: Iterable[float] = (90, 99),
+                   title: str = "Serving Benchmark Result") -> str:
     """The summary as vLLM's fixed-width result table."""
     rows = [
         ("Successful requests:", summary["completed"]),

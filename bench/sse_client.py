@@ -9,7 +9,6 @@ failures with the reason recorded.
 """
 from __future__ import annotations
 
-import asyncio
 import codecs
 import json
 import re
@@ -88,7 +87,8 @@ class EndpointConfig:
 
     `length_control` says how to pin the output length: "vllm" sends
     max_tokens + min_tokens + ignore_eos; "generation-config" sends
-    transformers serve's `generation_config` JSON (max/min_new_tokens, no EOS);
+    transformers serve's `generation_config` JSON (max/min_new_tokens, no EOS,
+    sampling only with a positive temperature);
     "max-tokens" sends max_tokens only.
     """
 
@@ -129,7 +129,8 @@ def build_payload(endpoint: EndpointConfig, sample: SampleRequest) -> dict[str, 
     if endpoint.length_control == "vllm":
         payload |= {"min_tokens": sample.output_len, "ignore_eos": True}
     elif endpoint.length_control == "generation-config":
-        config = {"max_new_tokens": sample.output_len, "min_new_tokens": sample.output_len, "do_sample": False}
+        config = {"max_new_tokens": sample.output_len, "min_new_tokens": sample.output_len,
+                  "do_sample": bool(endpoint.temperature)}
         payload["generation_config"] = json.dumps(config)
     return payload | endpoint.extra_body
 

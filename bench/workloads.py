@@ -7,12 +7,13 @@ vocabularies). The server's `usage.prompt_tokens` gives the real count.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +203,56 @@ def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float
     while True:
         yield offset
         offset += float(rng.gamma(burstiness, scale))
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt"), default=None,
+                       help="default: sharegpt with --dataset-path, else random")
+    group.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+    group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")
+    group.add_argument("--random-input-len", type=int, default=1024)
+    group.add_argument("--random-output-len", type=int, default=128)
+    group.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
+    group.add_argument("--short-input-len", type=int, default=128, help="mixed: prompt tokens of a short chat")
+    group.add_argument("--long-input-len", type=int, default=2048, help="mixed: prompt tokens of a long document")
+    group.add_argument("--output-len", type=int, default=128, help="mixed: output tokens of every request")
+    group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long-document prompts")
+    group.add_argument("--long-threshold", type=int, default=1024,
+                       help="random/sharegpt: prompts of at least this many tokens are tagged long")
+
+
+def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("traffic")
+    group.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    group.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    group.add_argument("--num-prompts", type=int, default=1000)
+    group.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-warmups", type=int, default=0, help="unrecorded requests sent first, one at a time")
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    return WorkloadSpec(
+        name=name, seed=args.seed, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+        short_input_len=args.short_input_len, long_input_len=args.long_input_len, output_len=args.output_len,
+        long_fraction=args.long_fraction, dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len, long_threshold=args.long_threshold,
+    )
+
+
+def warmup_spec(workload: WorkloadSpec) -> WorkloadSpec:
+    """The same workload on another seed: warm-up prompts never repeat measured ones."""
+    return replace(workload, seed=workload.seed + 1_000_003)
+
+
+def traffic_from_args(args: argparse.Namespace) -> TrafficSpec:
+    if not args.request_rate > 0 or not args.burstiness > 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--num-prompts and --max-concurrency must be at least 1")
+    return TrafficSpec(args.request_rate, args.burstiness, args.max_concurrency, args.num_prompts,
+                       args.duration, args.seed, args.num_warmups)

@@ -198,6 +198,16 @@ async def test_mixed_faults_counts_and_concurrency_cap(fake):
     assert 1 <= fake.max_in_flight <= 2
 
 
+async def test_duration_bounds_the_sending(fake):
+    rate, duration = 40.0, 0.25
+    due = sum(1 for offset in itertools.islice(arrival_offsets(rate, 1.0, 0), 1000) if offset < duration)
+    samples = itertools.cycle(_samples())
+    spec = TrafficSpec(request_rate=rate, num_prompts=1000, duration=duration)
+    result = await loadtest.benchmark(_endpoint(fake, "ok"), samples, spec, progress=False)
+    assert 0 < len(result.records) <= due < 1000
+    assert all(r.success for r in result.records)
+
+
 async def test_stalled_server_times_out_instead_of_hanging(fake):
     result = await _bench(_endpoint(fake, "hang", request_timeout=0.5), _samples()[:3])
     assert [r.error for r in result.records] == ["timeout after 0.5 s"] * 3

@@ -126,6 +126,8 @@ def test_payload_length_controls():
     assert hf["messages"] == [{"role": "user", "content": "a b c"}] and "prompt" not in hf
     assert json.loads(hf["generation_config"]) == {"max_new_tokens": 17, "min_new_tokens": 17, "do_sample": False}
     assert "ignore_eos" not in hf and hf["temperature"] == 0.0
+    sampled = build_payload(_endpoint(length_control="generation-config", temperature=0.7), sample)
+    assert json.loads(sampled["generation_config"])["do_sample"] is True
     plain = build_payload(_endpoint(length_control="max-tokens", extra_body={"top_k": 5}), sample)
     assert plain["max_tokens"] == 17 and "min_tokens" not in plain and plain["top_k"] == 5
 
@@ -136,18 +138,22 @@ def test_endpoint_urls():
     assert EndpointConfig("http://h:1", "m", api_key="k").headers == {"Authorization": "Bearer k"}
 
 
+def _delta(content: str) -> str:
+    return json.dumps({"choices": [{"delta": {"content": content}, "finish_reason": None}]})
+
+
 def test_stream_bookkeeping_times_content_chunks_only():
     stream = _Stream(start=10.0, endpoint="chat")
-    delta = lambda content: json.dumps({"choices": [{"delta": {"content": content}, "finish_reason": None}]})  # noqa: E731
     stream.on_event(json.dumps({"choices": [{"delta": {"role": "assistant"}}]}), 10.1)
     for content, now in [("a", 10.5), ("", 10.6), ("b", 10.75), ("c", 11.0)]:
-        stream.on_event(delta(content), now)
+        stream.on_event(_delta(content), now)
     stream.on_event(json.dumps({"choices": [{"delta": {}, "finish_reason": "length"}]}), 11.1)
     stream.on_event(json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}), 11.2)
     stream.on_event("[DONE]", 11.3)
     assert stream.first_token == 10.5
     assert stream.itl == pytest.approx([0.25, 0.25])
-    assert (stream.finish_reason, stream.usage["completion_tokens"], stream.done, stream.end) == ("length", 3, True, 11.3)
+    assert (stream.finish_reason, stream.usage["completion_tokens"]) == ("length", 3)
+    assert (stream.done, stream.end) == (True, 11.3)
 
 
 @pytest.mark.parametrize("data", [
