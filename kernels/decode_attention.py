@@ -45,12 +45,12 @@ def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mi
                          layer, scale_log2, stride_qs, stride_qh,
                          stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
                          stride_ms, stride_mh, stride_msplit, stride_ls, stride_lh,
-                         block_size, group, head_dim,
-                         NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                         group, head_dim, num_splits, PAGE_SIZE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, context_len)
     if end <= start:
@@ -68,8 +68,8 @@ def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mi
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         valid = pos < end
-        block = tl.load(block_tables_ptr + seq * stride_bts + pos // block_size, mask=valid, other=0)
-        rows = block.to(tl.int64) * stride_pb + (pos % block_size) * stride_ps  # [BLOCK_N]
+        block = tl.load(block_tables_ptr + seq * stride_bts + pos // PAGE_SIZE, mask=valid, other=0)
+        rows = block.to(tl.int64) * stride_pb + (pos % PAGE_SIZE) * stride_ps  # [BLOCK_N]
         kv_mask = valid[:, None] & (d < head_dim)[None, :]
         k = tl.load(kv_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(kv_base + stride_pkv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -92,17 +92,17 @@ def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mi
 @jit
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, context_lens_ptr, out_ptr,
                           stride_ms, stride_mh, stride_msplit, stride_ls, stride_lh,
-                          stride_os, stride_oh, head_dim,
-                          NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_os, stride_oh, head_dim, num_splits,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     m_i = -1.0e30
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(NUM_SPLITS):
+    for split in range(num_splits):
         if split * per_split < context_len:
             lse = tl.load(mid_lse_ptr + seq * stride_ls + head * stride_lh + split)
             part = tl.load(mid_o_ptr + seq * stride_ms + head * stride_mh + split * stride_msplit + d,
@@ -158,11 +158,11 @@ def decode_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
         block_tables.stride(0), *mid_o.stride()[:3], *mid_lse.stride()[:2],
-        block_size, group, head_dim,
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        group, head_dim, num_splits, PAGE_SIZE=block_size,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4, num_stages=2)
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         mid_o, mid_lse, context_lens, out, *mid_o.stride()[:3], *mid_lse.stride()[:2],
-        out.stride(0), out.stride(1), head_dim,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        out.stride(0), out.stride(1), head_dim, num_splits,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
     return out

@@ -36,7 +36,7 @@ def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
 def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
                     layer, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
-                    block_size, group, num_seqs, num_tiles, HEAD_DIM: tl.constexpr,
+                    group, num_seqs, num_tiles, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # NOTE: sequence b owns tiles [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1); the last tiles start first
@@ -75,8 +75,8 @@ def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, 
         for tile in range(diagonal * stage, diagonal + (kv_end - diagonal) * stage, BLOCK_N):
             pos = tile + n
             in_context = pos < context_len
-            block = tl.load(table + pos // block_size, mask=in_context, other=0)
-            rows = block.to(tl.int64) * stride_pb + (pos % block_size) * stride_ps  # [BLOCK_N]
+            block = tl.load(table + pos // PAGE_SIZE, mask=in_context, other=0)
+            rows = block.to(tl.int64) * stride_pb + (pos % PAGE_SIZE) * stride_ps  # [BLOCK_N]
             kv_mask = in_context[:, None] & d_mask[None, :]
             k = tl.load(kv_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(kv_base + stride_pkv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -134,7 +134,7 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        block_tables.stride(0), block_size, num_q_heads // num_kv_heads, num_seqs, num_tiles,
+        block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles, PAGE_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
     return out

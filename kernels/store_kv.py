@@ -21,7 +21,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, 
 def _store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, layer,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph,
-                     block_size, num_kv_heads, head_dim,
+                     num_kv_heads, head_dim, PAGE_SIZE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -32,8 +32,8 @@ def _store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, layer,
     mask = (heads < num_kv_heads) & (dims < head_dim)
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    row = (pool_ptr + (slot // block_size) * stride_pb + layer * stride_pl
-           + (slot % block_size) * stride_ps + heads * stride_ph + dims)
+    row = (pool_ptr + (slot // PAGE_SIZE) * stride_pb + layer * stride_pl
+           + (slot % PAGE_SIZE) * stride_ps + heads * stride_ph + dims)
     tl.store(row, key.to(pool_ptr.dtype.element_ty), mask=mask)
     tl.store(row + stride_pkv, value.to(pool_ptr.dtype.element_ty), mask=mask)
 
@@ -54,5 +54,5 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tenso
         key, value, kv_pool, slot_mapping, layer,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        block_size, num_kv_heads, head_dim,
+        num_kv_heads, head_dim, PAGE_SIZE=block_size,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim))
