@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
 
 
-def gather_kv(kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [0, num_tokens) of every sequence: two [S, num_tokens, Hkv, D] tensors.
+def gather_blocks(kv_pool: torch.Tensor, layer: int,
+                  block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every block in the tables, one copy per layer: two [S, Hkv, blocks * bs, D] views.
 
-    Positions past a sequence's blocks read block 0 (callers mask them)."""
-    block_size = kv_pool.shape[3]
-    positions = torch.arange(num_tokens, device=kv_pool.device)
-    blocks = block_tables[:, positions // block_size].long().clamp_min(0)  # [S, n]
-    offsets = (positions % block_size).expand_as(blocks)
-    return kv_pool[:, layer, 0][blocks, offsets], kv_pool[:, layer, 1][blocks, offsets]
+    Entries past a sequence's blocks (any value, -1 included) read block 0; callers mask them."""
+    num_seqs, width = block_tables.shape
+    block_size, num_kv_heads, head_dim = kv_pool.shape[3:]
+    ids = block_tables.reshape(-1).long().clamp_min(0)
+    kv = kv_pool[:, layer].index_select(0, ids)  # [S * width, 2, bs, Hkv, D]
+    kv = kv.view(num_seqs, width, 2, block_size, num_kv_heads, head_dim)
+    k = kv[:, :, 0].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = kv[:, :, 1].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    return k, v
 
 
 def decode_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
@@ -23,21 +27,15 @@ def decode_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                          scale: float) -> torch.Tensor:
     # q: [S, Hq, D]; block_tables: [S, max_blocks]; context_lens: [S]
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = kv_pool.shape[4]
-    group = num_q_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    k, v = gather_kv(kv_pool, layer, block_tables, max_len)  # [S, n, Hkv, D]
-    k = k.float().permute(0, 2, 3, 1)  # [S, Hkv, D, n]
-    v = v.float().transpose(1, 2)  # [S, Hkv, n, D]
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k) * scale  # [S, Hkv, G, n]
-    positions = torch.arange(max_len, device=q.device)
-    padding = positions[None, :] >= context_lens[:, None].to(q.device)  # [S, n]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v)  # [S, Hkv, G, D]
-    out.masked_fill_((context_lens == 0).to(q.device).view(-1, 1, 1, 1), 0.0)  # NOTE: empty context -> 0
-    return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
-
+    k, v = gather_blocks(kv_pool, layer, block_tables)  # [S, Hkv, n, D]
+    positions = torch.arange(k.shape[2], device=q.device)
+    visible = positions[None, :] < context_lens[:, None].to(q.device)  # [S, n]
+    visible[:, 0] |= context_lens == 0  # NOTE: an empty context attends to one row, zeroed below
+    out = F.scaled_dot_product_attention(q.view(num_seqs, num_q_heads, 1, head_dim), k.to(q.dtype),
+                                         v.to(q.dtype), attn_mask=visible[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    out = out.view(num_seqs, num_q_heads, head_dim)
+    return out.masked_fill((context_lens == 0).to(q.device).view(-1, 1, 1), 0.0)
 
 
 @jit

@@ -5,30 +5,32 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
-from kernels.decode_attention import gather_kv
+from kernels.decode_attention import gather_blocks
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                           block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     # q: [T, Hq, D]; cu_seqlens_q: [S+1]; context_lens: [S]; block_tables: [S, max_blocks]
-    num_q_heads = q.shape[1]
-    group = num_q_heads // kv_pool.shape[4]
+    block_size = kv_pool.shape[3]
     out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
         start, end = bounds[seq], bounds[seq + 1]
         if end == start:
             continue
-        k, v = gather_kv(kv_pool, layer, block_tables[seq:seq + 1], context_len)  # [1, n, Hkv, D]
-        k = k[0].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, n, D]
-        v = v[0].float().transpose(0, 1).repeat_interleave(group, dim=0)
-        q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [q_len, n]
-        qs = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        num_blocks = -(-context_len // block_size)
+        k, v = gather_blocks(kv_pool, layer, block_tables[seq:seq + 1, :num_blocks])  # [1, Hkv, n, D]
+        k, v = k[:, :, :context_len].to(q.dtype), v[:, :, :context_len].to(q.dtype)
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        q_len = end - start
+        if q_len == context_len:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
