@@ -84,20 +84,18 @@ class ManagedServer:
         self.stop()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the group, wait up to `grace` s for the server, then SIGKILL whatever of it is left."""
+        if self.process is None:
             return
         self._signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=self.grace)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.process.wait()
+        self._signal(signal.SIGKILL)
+        self.process.wait()
 
     def _signal(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)  # NOTE: its own session: the group is the server and its children
-        except ProcessLookupError:
-            pass
 
     def log_tail(self, lines: int = 6) -> str:
         text = self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path.exists() else ""
@@ -246,10 +244,11 @@ def _shown_path(path: str) -> str:
 
 def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
     w, t = options.workload, options.traffic
+    unit = "words" if w.tokens_per_word == 1.0 else f"tokens (at {w.tokens_per_word:.2f} tokens/word)"
     shape = {
-        "mixed": f"short {w.short_input_len} / long {w.long_input_len} prompt words, {w.long_fraction:.0%} long, "
+        "mixed": f"short {w.short_input_len} / long {w.long_input_len} prompt {unit}, {w.long_fraction:.0%} long, "
                  f"{w.output_len} output tokens",
-        "random": f"input {w.random_input_len} words, output {w.random_output_len} tokens, "
+        "random": f"input {w.random_input_len} {unit}, output {w.random_output_len} tokens, "
                   f"range ratio {w.random_range_ratio:g}",
         "sharegpt": f"ShareGPT file {w.dataset_path}",
     }[w.name]
@@ -273,7 +272,8 @@ def render_section(args: argparse.Namespace, options: loadtest.Options, model_di
     lines += ["", "Servers:", ""]
     lines += [f"- {o.spec.title}: `{o.command}`" + ("" if o.ok else f" -- failed: {o.error}") for o in outcomes]
     lines += ["", f"Plot: `{_shown_path(args.plot)}`; per-request data: `{_shown_path(args.result_json)}`.",
-              "Prompt lengths are in words; the server-reported prompt tokens are in the table. transformers "
+              "Prompt lengths are sized from a word list; the server-reported prompt tokens are in the table. "
+              "transformers "
               "serve never sends `data: [DONE]`: its streams count as complete on a finish_reason and a clean end "
               "of stream; its output lengths are pinned by a per-request `generation_config` (no EOS, "
               "min_new_tokens = max_new_tokens). pdserve gets max_tokens = min_tokens with ignore_eos."]
@@ -357,6 +357,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     or SIGTERM (servers are stopped in every case).
     """
     names = [name.strip() for name in args.servers.split(",") if name.strip()]
+    model_dir = args.model or default_model_dir()
+    if args.tokenizer is None and (Path(model_dir) / "tokenizer.json").is_file():
+        args.tokenizer = model_dir  # size prompts in the served model's tokens
     try:
         options = loadtest.options_from_args(args)
         if not names or set(names) - set(SERVER_NAMES):
@@ -364,7 +367,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"bench.compare: error: {error}", file=sys.stderr)
         return 2
-    model_dir = args.model or default_model_dir()
     specs = server_specs(model_dir, names, shlex.split(args.pdserve_args), shlex.split(args.transformers_args))
     command = shlex.join(["python", "-m", "bench.compare", *(sys.argv[1:] if argv is None else argv)])
     return run_comparison(specs, args, options, model_dir, command)

@@ -183,7 +183,7 @@ async def _collect(tasks: dict[asyncio.Task, Scheduled], bound: float | None) ->
 async def resolve_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
     """The id of the first model the server lists at GET /v1/models.
 
-    Raises BenchError when the server cannot be reached or lists none.
+    Raises BenchError when the server cannot be reached, answers badly or lists none.
     """
     url = f"{base_url.rstrip('/').removesuffix('/v1')}/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -191,12 +191,9 @@ async def resolve_model(base_url: str, api_key: str | None = None, timeout: floa
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             async with session.get(url, headers=headers) as response:
                 response.raise_for_status()
-                models = (await response.json()).get("data") or []
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
+                return (await response.json())["data"][0]["id"]
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError, LookupError, TypeError) as error:
         raise BenchError(f"cannot list models at {url}: {type(error).__name__}: {error}") from None
-    if not models:
-        raise BenchError(f"{url} lists no model")
-    return models[0]["id"]
 
 
 def endpoint_from_args(args: argparse.Namespace, model: str) -> EndpointConfig:
@@ -218,16 +215,15 @@ def _json_safe(value):
 
 
 def arguments_dict(args: argparse.Namespace) -> dict:
-    """The parsed flags as JSON-safe values (callables, e.g. a subcommand handler, left out)."""
-    plain = {k: v for k, v in vars(args).items() if not callable(v)}
-    return _json_safe({k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
-                       for k, v in plain.items()})
+    """The parsed flags as plain values (callables, e.g. a subcommand handler, left out)."""
+    plain = (str, int, float, bool, list, dict, type(None))
+    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items() if not callable(v)}
 
 
 def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, workload: WorkloadSpec,
                     summary: dict, records: Iterable[RequestRecord], arguments: dict) -> dict:
     """The --result-json document: run description, summary, every request."""
-    return _json_safe({
+    return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_description(),
         "label": label,
@@ -239,7 +235,7 @@ def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, 
         "arguments": arguments,
         "summary": summary,
         "requests": [record.to_json() for record in records],
-    })
+    }
 
 
 def machine_description() -> str:
@@ -262,9 +258,10 @@ def _version(package: str) -> str:
 
 
 def write_json(path: str | Path, document: dict) -> None:
+    """Write `document` as strict JSON (inf and nan become strings), creating parent folders."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(_json_safe(document), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
 @dataclass(frozen=True, slots=True)

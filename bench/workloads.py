@@ -2,8 +2,9 @@
 and their arrival times.
 
 No tokenizer is needed: prompts of about N tokens are N words drawn from a
-fixed list of short, common English words (one token each in most BPE
-vocabularies). The server's `usage.prompt_tokens` gives the real count.
+fixed list of short, common English words (one token each in most large BPE
+vocabularies). Given a tokenizer, the word count is scaled by its measured
+tokens per word. The server's `usage.prompt_tokens` gives the real count.
 """
 from __future__ import annotations
 
@@ -80,11 +81,27 @@ class WorkloadSpec:
     dataset_path: str | None = None
     sharegpt_output_len: int | None = None
     long_threshold: int = 1024
+    tokens_per_word: float = 1.0  # of the target tokenizer over WORDS; see tokens_per_word()
 
 
-def word_prompt(rng: random.Random, num_tokens: int) -> str:
-    """A prompt of `num_tokens` words drawn from WORDS."""
-    return " ".join(rng.choices(WORDS, k=max(1, num_tokens)))
+def word_prompt(rng: random.Random, num_tokens: int, tokens_per_word: float = 1.0) -> str:
+    """A prompt of about `num_tokens` tokens: round(num_tokens / tokens_per_word) words drawn from WORDS."""
+    return " ".join(rng.choices(WORDS, k=max(1, round(num_tokens / tokens_per_word))))
+
+
+def tokens_per_word(tokenizer_path: str | Path) -> float:
+    """How many tokens a WORDS word averages under a tokenizer.json (or a model folder holding one).
+
+    Raises FileNotFoundError when there is no tokenizer file.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_path)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path}")
+    sample = word_prompt(random.Random(0), 4096)
+    return len(Tokenizer.from_file(str(path)).encode(sample, add_special_tokens=False).ids) / 4096
 
 
 def approx_tokens(text: str) -> int:
@@ -123,15 +140,16 @@ def random_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRe
         raise ValueError("random input and output lengths must be at least 1")
     input_range = _length_range(spec.random_input_len, spec.random_range_ratio)
     output_range = _length_range(spec.random_output_len, spec.random_range_ratio)
-    return _random_stream(rng, input_range, output_range, spec.long_threshold)
+    return _random_stream(rng, input_range, output_range, spec.long_threshold, spec.tokens_per_word)
 
 
 def _random_stream(rng: random.Random, input_range: tuple[int, int], output_range: tuple[int, int],
-                   long_threshold: int) -> Iterator[SampleRequest]:
+                   long_threshold: int, tokens_per_word: float) -> Iterator[SampleRequest]:
     while True:
         prompt_len = rng.randint(*input_range)
         output_len = rng.randint(*output_range)
-        yield SampleRequest(word_prompt(rng, prompt_len), prompt_len, output_len, _kind(prompt_len, long_threshold))
+        prompt = word_prompt(rng, prompt_len, tokens_per_word)
+        yield SampleRequest(prompt, prompt_len, output_len, _kind(prompt_len, long_threshold))
 
 
 def mixed_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
@@ -152,7 +170,8 @@ def _mixed_stream(rng: random.Random, spec: WorkloadSpec, phase: float) -> Itera
     for i in itertools.count():
         is_long = math.floor((i + 1) * fraction + phase) > math.floor(i * fraction + phase)
         prompt_len = spec.long_input_len if is_long else spec.short_input_len
-        yield SampleRequest(word_prompt(rng, prompt_len), prompt_len, spec.output_len, "long" if is_long else "short")
+        prompt = word_prompt(rng, prompt_len, spec.tokens_per_word)
+        yield SampleRequest(prompt, prompt_len, spec.output_len, "long" if is_long else "short")
 
 
 def load_sharegpt(path: str | Path, fixed_output_len: int | None) -> list[tuple[str, int, int]]:
@@ -220,6 +239,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long-document prompts")
     group.add_argument("--long-threshold", type=int, default=1024,
                        help="random/sharegpt: prompts of at least this many tokens are tagged long")
+    group.add_argument("--tokenizer", default=None,
+                       help="tokenizer.json or model folder: size random/mixed prompts in its tokens "
+                            "(default: one token per word)")
 
 
 def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +263,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         short_input_len=args.short_input_len, long_input_len=args.long_input_len, output_len=args.output_len,
         long_fraction=args.long_fraction, dataset_path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len, long_threshold=args.long_threshold,
+        tokens_per_word=tokens_per_word(args.tokenizer) if args.tokenizer else 1.0,
     )
 
 

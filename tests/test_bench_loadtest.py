@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from bench.workloads import (
     arrival_offsets,
     build_workload,
     load_sharegpt,
+    tokens_per_word,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +70,8 @@ class FakeOpenAI:
             mode = "nodone"
         if mode == "flaky":
             mode = ("fail500", "truncate", "ok")[next(self.counter) % 3]
+        if mode == "dies":  # only ever run in a server subprocess: the third request kills it mid-stream
+            mode = "exit" if next(self.counter) == 2 else "ok"
         if mode == "fail500":
             return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}}, status=500)
         self.in_flight += 1
@@ -83,11 +87,13 @@ class FakeOpenAI:
         chat = "messages" in payload
         count = payload["max_tokens"]
         events = [self._chunk(chat, f"t{i} ", None) for i in range(count)]
-        if mode in ("truncate", "reset", "hang", "error"):
+        if mode in ("truncate", "reset", "hang", "error", "exit"):
             events = events[: count // 2]
         pieces = self._pieces(events)
         for piece in pieces:
             await response.write(piece)
+        if mode == "exit":
+            os._exit(1)
         if mode == "hang":
             await self.never.wait()
         if mode == "reset":
@@ -251,6 +257,8 @@ async def test_cli_end_to_end_writes_json_and_plot(fake, tmp_path):
     assert summary["total_output_tokens"] == 50 and summary["request_goodput"] > 0
     assert document["model"] == "fake-model"  # from GET /v1/models
     assert document["arguments"]["dataset_name"] == "mixed" and document["traffic"]["request_rate"] == 200.0
+    assert document["arguments"]["request_timeout"] == 300.0
+    assert document["arguments"]["slo"] == ["ttft_ms=60000", "tpot_ms=60000"]
     assert [r["kind"] for r in document["requests"]].count("long") == 2
     assert all(len(r["itl"]) == 4 and r["output_tokens"] == 5 for r in document["requests"])
     assert len(fake.payloads) == 12  # 2 warm-ups + 10 measured
@@ -262,6 +270,7 @@ async def test_cli_exit_codes(fake, tmp_path):
     assert await asyncio.to_thread(loadtest.main, bad_slo) == 2
     missing = ["--dataset-path", str(tmp_path / "missing.json")]
     assert await asyncio.to_thread(loadtest.main, missing) == 2
+    assert await asyncio.to_thread(loadtest.main, ["--tokenizer", str(tmp_path)]) == 2
     failing = ["--base-url", f"{fake.base}/fail500", "--model", "m", "--num-prompts", "2", "--disable-tqdm"]
     assert await asyncio.to_thread(loadtest.main, failing) == 1
     unreachable = ["--base-url", f"{fake.base}/x/y", "--num-prompts", "1"]
@@ -281,12 +290,31 @@ def test_random_workload_lengths_within_range():
     spec = WorkloadSpec(name="random", random_input_len=100, random_output_len=20, random_range_ratio=0.25,
                         long_threshold=120)
     samples = list(itertools.islice(build_workload(spec), 500))
-    assert {s.prompt_len for s in samples} <= set(range(75, 126)) and {s.output_len for s in samples} <= set(range(15, 26))
+    assert {s.prompt_len for s in samples} <= set(range(75, 126))
+    assert {s.output_len for s in samples} <= set(range(15, 26))
     assert min(s.prompt_len for s in samples) == 75 and max(s.prompt_len for s in samples) == 125
     assert all(len(s.prompt.split()) == s.prompt_len for s in samples)
     assert all(s.kind == ("long" if s.prompt_len >= 120 else "short") for s in samples)
     with pytest.raises(ValueError):
         build_workload(WorkloadSpec(name="random", random_range_ratio=1.0))
+
+
+def test_prompts_sized_in_a_real_tokenizers_tokens():
+    from tokenizers import Tokenizer
+
+    from engine.demo_model import default_model_dir
+
+    model_dir = default_model_dir("tiny")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ratio = tokens_per_word(model_dir)
+    assert ratio == tokens_per_word(model_dir / "tokenizer.json") and ratio > 1.5  # the demo BPE splits words
+    spec = WorkloadSpec(name="mixed", seed=9, short_input_len=256, long_input_len=2048, long_fraction=0.5,
+                        tokens_per_word=ratio)
+    for sample in itertools.islice(build_workload(spec), 6):
+        measured = len(tokenizer.encode(sample.prompt, add_special_tokens=False).ids)
+        assert measured == pytest.approx(sample.prompt_len, rel=0.1)
+    with pytest.raises(FileNotFoundError):
+        tokens_per_word(model_dir / "missing")
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 1 / 3, 1.0])
@@ -363,6 +391,7 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
         assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
         assert server["summary"]["total_output_tokens"] == 24 and len(server["requests"]) == 6
     assert set(document["targets"]) == {target[0] for target in compare.TARGETS}
+    assert document["traffic"]["request_rate"] == "inf" and document["model"] == "MODEL"
     assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     first = md.read_text()
@@ -398,6 +427,18 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
+async def test_server_dying_mid_run_gives_errors_not_a_hang(tmp_path):
+    port = compare.free_port()
+    code = f"import sys; from tests.test_bench_loadtest import serve_fake; serve_fake({port}, 'dies')"
+    with compare.ManagedServer([sys.executable, "-c", code], tmp_path / "s.log", {}, grace=5) as server:
+        await asyncio.to_thread(server.wait_ready, f"http://127.0.0.1:{port}", 60)
+        endpoint = EndpointConfig(f"http://127.0.0.1:{port}", "fake-model")
+        result = await _bench(endpoint, _samples()[:6], max_concurrency=1)
+    assert [r.success for r in result.records] == [True, True, False, False, False, False]
+    assert "Connect" not in result.records[2].error and all("Connect" in r.error for r in result.records[3:])
+    assert server.process.returncode == 1
+
+
 def test_managed_server_escalates_to_sigkill(tmp_path):
     port = compare.free_port()
     argv = [sys.executable, "-c", STUBBORN_SERVER, str(port)]
@@ -421,10 +462,9 @@ def test_managed_server_readiness_failures_and_sigterm(tmp_path):
 def test_server_specs_commands():
     specs = compare.server_specs("/m", ["pdserve-colocated", "pdserve-disaggregated"], ["--dtype", "float32"], [])
     shown = [compare.display_command([part.replace("{port}", "9") for part in spec.argv]) for spec in specs]
-    assert shown == [
-        "pdserve serve --model /m --port 9 --mode colocated --prefill-device cpu --decode-device cpu --dtype float32",
-        "pdserve serve --model /m --port 9 --mode disaggregated --prefill-device cpu --decode-device cpu --dtype float32",
-    ]
+    common = "--prefill-device cpu --decode-device cpu --dtype float32"
+    assert shown == [f"pdserve serve --model /m --port 9 --mode colocated {common}",
+                     f"pdserve serve --model /m --port 9 --mode disaggregated {common}"]
     (hf,) = compare.server_specs("/m", ["transformers"], [], ["--dtype", "bfloat16"])
     assert compare.display_command([p.replace("{port}", "9") for p in hf.argv]) == (
         "transformers serve /m --continuous-batching --device cpu --host 127.0.0.1 --port 9 --dtype bfloat16")
@@ -436,7 +476,8 @@ def test_pdserve_bench_against_real_server(tmp_path):
     from engine.demo_model import default_model_dir
 
     port = compare.free_port()
-    serve = [sys.executable, "-m", "server.cli", "serve", "--model", str(default_model_dir("tiny")), "--port", str(port)]
+    model_dir = str(default_model_dir("tiny"))
+    serve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port)]
     with compare.ManagedServer(serve, tmp_path / "server.log", {}, grace=30) as server:
         server.wait_ready(f"http://127.0.0.1:{port}", timeout=240)
         out = tmp_path / "bench.json"
