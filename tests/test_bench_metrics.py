@@ -136,3 +136,11 @@ def test_record_json_round_trip_and_summary_table():
     assert f"{'Request goodput (req/s):':<40}0.75 " in table
     assert "P99 short ITL (ms):" in table and "Median TTFT (ms):" in table
     assert "error x2: HTTP 500: boom" in table
+
+
+def test_token_emission_times_for_the_itl_strip():
+    from bench.plot import token_times
+
+    record = _record(0, ttft=0.5, itl=(0.1, 0.2, 0.05), send=1.0)
+    assert token_times(record) == pytest.approx([(1.6, 100.0), (1.8, 200.0), (1.85, 50.0)])
+    assert token_times(_record(1, itl=(), output_tokens=1)) == []
