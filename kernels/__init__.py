@@ -7,11 +7,13 @@ TRITON_INTERPRET=1). Without Triton installed the reference is always used.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
-from kernels._triton import HAS_TRITON
+from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
@@ -21,6 +23,10 @@ from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
            "use_triton"]
+
+
+_INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
+# NOTE: Triton's interpreter keeps the launch grid in globals: two actor threads must take turns.
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -34,8 +40,10 @@ def use_triton(x: torch.Tensor) -> bool:
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slots [T]; slot -1 skips."""
-    kernel = store_kv_triton if use_triton(key) else store_kv_ref
-    kernel(key, value, kv_pool, layer, slot_mapping)
+    if not use_triton(key):
+        return store_kv_ref(key, value, kv_pool, layer, slot_mapping)
+    with _INTERPRETER_LOCK:
+        store_kv_triton(key, value, kv_pool, layer, slot_mapping)
 
 
 def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
@@ -43,8 +51,10 @@ def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_t
     """Attention of one query token per sequence, q [S, Hq, D], over its paged context; returns [S, Hq, D].
 
     context_lens [S] counts the current token, whose K/V must already be stored."""
-    kernel = decode_attention_triton if use_triton(q) else decode_attention_ref
-    return kernel(q, kv_pool, layer, block_tables, context_lens, scale)
+    if not use_triton(q):
+        return decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
+    with _INTERPRETER_LOCK:
+        return decode_attention_triton(q, kv_pool, layer, block_tables, context_lens, scale)
 
 
 def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seqlens_q: torch.Tensor,
@@ -53,24 +63,32 @@ def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seq
 
     Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last positions of its
     context_lens[b] tokens (all K/V already stored)."""
-    kernel = prefill_attention_triton if use_triton(q) else prefill_attention_ref
-    return kernel(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
+    if not use_triton(q):
+        return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
+    with _INTERPRETER_LOCK:
+        return prefill_attention_triton(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """norm(x) * weight for x [T, H]; with residual returns (norm(x + residual) * weight, x + residual)."""
-    kernel = rms_norm_triton if use_triton(x) else rms_norm_ref
-    return kernel(x, weight, eps, residual)
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps, residual)
+    with _INTERPRETER_LOCK:
+        return rms_norm_triton(x, weight, eps, residual)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding of q [T, Hq, D], k [T, Hkv, D]; cos_sin [P, D] = [cos | sin]; new (q, k)."""
-    kernel = rotary_triton if use_triton(q) else rotary_ref
-    return kernel(q, k, positions, cos_sin)
+    if not use_triton(q):
+        return rotary_ref(q, k, positions, cos_sin)
+    with _INTERPRETER_LOCK:
+        return rotary_triton(q, k, positions, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
-    kernel = silu_and_mul_triton if use_triton(x) else silu_and_mul_ref
-    return kernel(x)
+    if not use_triton(x):
+        return silu_and_mul_ref(x)
+    with _INTERPRETER_LOCK:
+        return silu_and_mul_triton(x)

@@ -1,10 +1,15 @@
 """Fixtures shared by every test module."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():                 # NOTE: before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,33 @@
+"""The whole model through the Triton kernels (the interpreter on CPU) against the torch path."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from kernels._triton import HAS_TRITON
+from tests.models import demo_checkpoint, engine_config
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def greedy_tokens(mode: str) -> list[tuple[int, ...]]:
+    prompts = [[5, 9, 300, 41], list(range(3, 60)), [700] * 23]
+    llm = LLM(config=engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32, block_size=16))
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_triton_kernels_give_the_same_greedy_tokens(monkeypatch, mode):
+    if os.environ.get("TRITON_INTERPRET") != "1" and not __import__("torch").cuda.is_available():
+        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    expected = greedy_tokens(mode)
+    monkeypatch.setenv("PDSERVE_KERNELS", "triton")
+    assert greedy_tokens(mode) == expected
