@@ -7,6 +7,7 @@ from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    cache, scheduler = CacheConfig(), SchedulerConfig()   # NOTE: slotted classes hold no defaults
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face style model directory; default: the built-in demo model "
@@ -22,17 +23,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
     g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p"), default=None,
                    help="force a KV transfer backend (default: chosen automatically)")
-    g.add_argument("--kv-cache-memory", default=CacheConfig.kv_cache_memory,
+    g.add_argument("--kv-cache-memory", default=cache.kv_cache_memory,
                    help="KV cache budget: bytes (e.g. 4GiB) or a fraction of free device memory")
-    g.add_argument("--kv-watermark", type=float, default=CacheConfig.kv_watermark,
+    g.add_argument("--kv-watermark", type=float, default=cache.kv_watermark,
                    help="decode pool usage above which no new sequence is admitted")
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+    g.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
                    help="most sequences decoded at once")
-    g.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
+    g.add_argument("--max-prefill-tokens", type=int, default=scheduler.max_prefill_tokens,
                    help="token budget of one prefill step; longer prompts run in chunks")
-    g.add_argument("--max-queue", type=int, default=SchedulerConfig.max_queue,
+    g.add_argument("--max-queue", type=int, default=scheduler.max_queue,
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
