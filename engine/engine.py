@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.actor import Actor
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -70,6 +72,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
