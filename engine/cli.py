@@ -25,6 +25,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from engine.kv_transfer import TransferUnavailable
     from engine.llm import LLM
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -34,7 +35,11 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(config=engine_config_from_args(args))
+    try:
+        llm = LLM(config=engine_config_from_args(args))
+    except (OSError, ValueError, TransferUnavailable) as e:
+        print(f"pdserve generate: error: {e}", file=sys.stderr)
+        return 2
     try:
         inputs = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p
                   for p in prompts]
