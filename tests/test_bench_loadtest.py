@@ -407,8 +407,13 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     assert document["targets"]["output tok/s >= 2 x transformers serve"] == "n/a (transformers serve failed)"
     second = md.read_text()
     assert second.startswith("# results\n\nhand-written notes\n")
-    assert second.count(compare.SECTION_BEGIN) == 1 and second.count(compare.SECTION_END) == 1
+    begin, end = compare.section_markers("default")
+    assert second.count(begin) == 1 and second.count(end) == 1
     assert "--second" in second and "--first" not in second and "| status | ok | **failed** |" in second
+    compare.replace_section(md, "saturated", "## another workload")
+    compare.replace_section(md, "saturated", "## another workload, again")
+    third = md.read_text()
+    assert third.startswith(second) and third.count("## another workload") == 1 and "again" in third
 
 
 STUBBORN_SERVER = """

@@ -18,7 +18,8 @@ def _chunk(text: str, finish: str | None = None) -> str:
 
 def _sample_stream(rng: random.Random, newline: str = "\n") -> tuple[bytes, list[str]]:
     """A realistic stream with keep-alives, comments, other fields, non-ASCII text; and its event data."""
-    events = [_chunk(rng.choice(["héllo", " wörld", " 日本", " 🙂", "\\n", " x"])) for _ in range(rng.randint(3, 8))]
+    texts = ["héllo", " wörld", " 日本", " 🙂", "\\n", " x"]
+    events = [_chunk(rng.choice(texts)) for _ in range(rng.randint(3, 8))]
     events.append(_chunk("", "length"))
     events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(events) - 1}}))
     events.insert(1, '{"choices": [],\n"usage": null}')
