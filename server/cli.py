@@ -110,6 +110,11 @@ def _engine_cli():
     return cli
 
 
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    _engine_cli().add_generate_arguments(parser)
+    parser.set_defaults(**_engine_defaults())
+
+
 def _loadtest():
     from bench import loadtest
 
@@ -121,8 +126,8 @@ COMMANDS = {
     "systemd-unit": Command("print a systemd unit that serves with the given options (any `pdserve serve` "
                             "option is accepted and goes into ExecStart)", add_unit_arguments, run_systemd_unit,
                             passthrough=True),
-    "generate": Command("offline generation for prompts given or read from stdin",
-                        lambda p: _engine_cli().add_generate_arguments(p), lambda a: _engine_cli().run_generate(a)),
+    "generate": Command("offline generation for prompts given or read from stdin", _add_generate_arguments,
+                        lambda a: _engine_cli().run_generate(a)),
     "make-model": Command("write the demo checkpoint into a directory",
                           lambda p: _engine_cli().add_make_model_arguments(p),
                           lambda a: _engine_cli().run_make_model(a)),

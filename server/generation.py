@@ -107,11 +107,12 @@ class Generation:
                 await sse.send(self._with_usage_field(first))
         async with aclosing(merge(self.streams)) as events:
             async for index, event in events:
+                chunk = self._on_event(index, event)
                 if event.finish_reason is FinishReason.ERROR:
                     await sse.send(self._engine_error(event).body())
                     await sse.done()
                     return
-                if (chunk := self._on_event(index, event)) is not None:
+                if chunk is not None:
                     await sse.send(self._with_usage_field(chunk))
         if self.parsed.include_usage:
             await sse.send(self.fmt.usage_chunk(self.usage()))
@@ -120,9 +121,9 @@ class Generation:
     async def collect(self) -> web.Response:
         async with aclosing(merge(self.streams)) as events:
             async for index, event in events:
+                self._on_event(index, event)
                 if event.finish_reason is FinishReason.ERROR:
                     raise self._engine_error(event)
-                self._on_event(index, event)
         body = self.fmt.response(self.choices, self.usage(), self.with_logprobs)
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
@@ -143,7 +144,8 @@ class Generation:
         delta = choice.add(event, self.fmt.token_text)
         if event.finished:
             self._observe_finished(choice, now)
-        if not (delta.text or event.finished or (self.with_logprobs and delta.logprobs)):
+        if event.finish_reason is FinishReason.ERROR or not (
+                delta.text or event.finished or (self.with_logprobs and delta.logprobs)):
             return None
         return self.fmt.chunk(index, delta, self.with_logprobs, choice.finish_reason)
 

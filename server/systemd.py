@@ -21,7 +21,8 @@ CACHE_DIR = "/var/cache/pdserve"
 def sd_notify(message: str, env: Mapping[str, str] = os.environ) -> bool:
     """Send `message` ("READY=1", "WATCHDOG=1", ...) to $NOTIFY_SOCKET; False when there is none.
 
-    A socket name starting with '@' is in the abstract namespace.
+    A socket name starting with '@' is in the abstract namespace. Never blocks: a message the
+    manager's full queue cannot take is dropped.
     """
     address = env.get("NOTIFY_SOCKET")
     if not address:
@@ -29,9 +30,12 @@ def sd_notify(message: str, env: Mapping[str, str] = os.environ) -> bool:
     if address.startswith("@"):
         address = "\0" + address[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
             sock.connect(address)
             sock.sendall(message.encode())
+    except BlockingIOError:
+        logger.debug("sd_notify(%r): the manager's queue is full; dropped", message)
+        return False
     except OSError as e:
         logger.warning("sd_notify(%r) to %r failed: %s", message, env.get("NOTIFY_SOCKET"), e)
         return False

@@ -42,18 +42,24 @@ def engines(tiny_model_dir):
 
 @pytest.fixture
 async def serve():
-    """`await serve(engine, **server_config)` -> base URL of a running server; closed after the test."""
+    """`await serve(engine, **server_config)` -> base URL of a running server (its app: `serve.apps[url]`)."""
     servers: list[TestServer] = []
 
     async def start(engine: Engine, **overrides) -> str:
         server = TestServer(create_app(ServerConfig(engine=engine.config, **overrides), engine))
         await server.start_server()
         servers.append(server)
-        return str(server.make_url("")).rstrip("/")
+        base = str(server.make_url("")).rstrip("/")
+        start.apps[base] = server.app
+        return base
 
+    async def close_all() -> None:
+        for server in servers:
+            await server.close()
+
+    start.apps, start.close_all = {}, close_all
     yield start
-    for server in servers:
-        await server.close()
+    await close_all()
 
 
 def client(base: str, api_key: str = "unused") -> openai.AsyncOpenAI:

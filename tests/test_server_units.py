@@ -1,0 +1,214 @@
+"""Server pieces that need no engine: request parsing, metrics text, sd_notify, the unit file, the CLI."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.messages import ActorStats, EngineStats
+from engine.sampling_params import SamplingParams
+from server import cli
+from server.errors import APIError
+from server.metrics import Metrics
+from server.protocol import load_json_object, parse_chat, parse_completion
+from server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
+
+
+# request parsing
+
+def test_completion_prompt_forms_and_sampling_fields():
+    parsed = parse_completion({"prompt": ["a", "b"], "temperature": 1, "top_k": 5, "stop": "##", "seed": 3,
+                               "stop_token_ids": [7, 8], "logprobs": 2, "n": 3, "priority": -1,
+                               "stream": True, "stream_options": {"include_usage": True}, "unknown": {"x": 1}},
+                              max_n=4)
+    assert parsed.prompts == ("a", "b") and parsed.n == 3 and parsed.priority == -1
+    assert parsed.stream and parsed.include_usage and parsed.max_tokens is None
+    params = parsed.sampling_params(prompt_len=10, max_model_len=64)
+    assert params == SamplingParams(max_tokens=54, temperature=1.0, top_k=5, stop=("##",), seed=3,
+                                    stop_token_ids=(7, 8), logprobs=2)
+    assert isinstance(params.temperature, float)
+    assert parse_completion({"prompt": [5, 6, 7]}, 1).prompts == ((5, 6, 7),)
+    assert parse_completion({"prompt": [[5], [6, 7]]}, 1).prompts == ((5,), (6, 7))
+
+
+def test_chat_messages_logprobs_and_max_completion_tokens():
+    parsed = parse_chat({"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]},
+                                      {"role": "assistant", "content": None, "name": "bot"}],
+                         "logprobs": True, "top_logprobs": 4, "max_tokens": 3, "max_completion_tokens": 9},
+                        max_n=1)
+    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                               {"role": "assistant", "content": "", "name": "bot"})
+    assert parsed.max_tokens == 9 and parsed.max_tokens_param == "max_completion_tokens"
+    assert parsed.sampling["logprobs"] == 4
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 1).sampling["logprobs"] == 0
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, 1).sampling["logprobs"] is None
+
+
+@pytest.mark.parametrize("body", [b"", b"nul", b"\"text\"", b"{\"a\": NaN}", b"{\"a\": 1e999}"])
+def test_bodies_that_are_not_json_objects(body):
+    with pytest.raises(APIError) as e:
+        load_json_object(body)
+    assert e.value.status == 400 and e.value.body()["error"]["code"] == "invalid_json"
+
+
+def test_context_window_arithmetic():
+    parsed = parse_completion({"prompt": "x", "max_tokens": 6}, 1)
+    assert parsed.sampling_params(prompt_len=10, max_model_len=16).max_tokens == 6
+    for prompt_len, param in ((11, "max_tokens"), (16, "prompt"), (40, "prompt")):
+        with pytest.raises(APIError) as e:
+            parsed.sampling_params(prompt_len=prompt_len, max_model_len=16)
+        assert e.value.param == param and e.value.code == "context_length_exceeded"
+
+
+# metrics
+
+def test_metrics_text_parses_and_reads_the_engine_at_scrape_time():
+    current = {"stats": None}
+    transfers = [[0.002, 0.004], []]
+    metrics = Metrics(lambda: current["stats"], lambda: transfers.pop(0) if transfers else [])
+    assert "pdserve_kv_blocks_used" not in metrics.render().decode()      # no engine yet
+    current["stats"] = EngineStats((ActorStats("colocated", 3, 2, 17, 64, 9, 1.0),), running=3, waiting=2,
+                                   num_unfinished=5)
+    metrics.observe_finished("length", prompt_tokens=7, output_tokens=4, e2e=0.3)
+    metrics.ttft.observe(0.05)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    value = {(s.name, tuple(s.labels.items())): s.value for f in families.values() for s in f.samples}
+    assert value[("pdserve_kv_blocks_used", (("actor", "colocated"),))] == 17
+    assert value[("pdserve_kv_blocks_total", (("actor", "colocated"),))] == 64
+    assert value[("pdserve_requests_running", ())] == 3 and value[("pdserve_requests_waiting", ())] == 2
+    assert value[("pdserve_kv_transfer_seconds_count", ())] == 2
+    assert value[("pdserve_kv_transfer_seconds_sum", ())] == pytest.approx(0.006)
+    assert value[("pdserve_requests_finished_total", (("finish_reason", "length"),))] == 1
+    assert value[("pdserve_requests_finished_total", (("finish_reason", "abort"),))] == 0
+    assert value[("pdserve_prompt_tokens_total", ())] == 7 and value[("pdserve_generation_tokens_total", ())] == 4
+    assert families["pdserve_time_to_first_token_seconds"].type == "histogram"
+    other = Metrics(lambda: None, lambda: [])
+    assert "pdserve_prompt_tokens_total 0.0" in other.render().decode()          # registries are separate
+
+
+# systemd
+
+@pytest.fixture(params=["path", "abstract"])
+def notify_socket(request, tmp_path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if request.param == "path":
+        address = name = str(tmp_path / "notify")
+    else:
+        name = f"@pdserve-test-{uuid.uuid4().hex}"
+        address = "\0" + name[1:]
+    sock.bind(address)
+    sock.settimeout(10)
+    yield sock, name
+    sock.close()
+
+
+def test_sd_notify_reaches_path_and_abstract_sockets(notify_socket):
+    sock, name = notify_socket
+    assert sd_notify("READY=1\nSTATUS=up", {"NOTIFY_SOCKET": name})
+    assert sock.recv(4096) == b"READY=1\nSTATUS=up"
+    assert not sd_notify("READY=1", {})
+
+
+def test_sd_notify_never_blocks_on_a_full_queue(notify_socket):
+    sock, name = notify_socket
+    sent = [sd_notify("WATCHDOG=1", {"NOTIFY_SOCKET": name}) for _ in range(2000)]
+    assert sent[0] and not sent[-1]                      # the kernel queue filled up; later pings are dropped
+    assert sock.recv(64) == b"WATCHDOG=1"
+
+
+async def test_watchdog_pings_from_the_loop(notify_socket):
+    sock, name = notify_socket
+    env = {"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "20000", "WATCHDOG_PID": str(os.getpid())}
+    interval = watchdog_interval(env)
+    assert interval == pytest.approx(0.01)
+    assert watchdog_interval({**env, "WATCHDOG_PID": "1"}) is None and watchdog_interval({}) is None
+    task = asyncio.get_running_loop().create_task(watchdog(interval, env))
+    try:
+        loop = asyncio.get_running_loop()
+        pings = [await loop.run_in_executor(None, sock.recv, 64) for _ in range(3)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert pings == [b"WATCHDOG=1"] * 3
+
+
+def test_systemd_unit_command(capsys):
+    assert cli.main(["systemd-unit", "--model", "/srv/models/my 100%", "--port", "9000", "--mode", "colocated",
+                     "--shutdown-timeout", "12", "--unit-user", "llm"]) == 0
+    unit = capsys.readouterr().out
+    lines = unit.splitlines()
+    exec_start = next(line for line in lines if line.startswith("ExecStart="))
+    assert exec_start == (f"ExecStart={sys.executable} -m server.cli serve --model '/srv/models/my 100%%' "
+                          "--port 9000 --mode colocated --shutdown-timeout 12")
+    for line in ("Type=notify", "Restart=on-failure", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "PrivateTmp=yes", "ProtectHome=read-only", "Environment=PDSERVE_CACHE=/var/cache/pdserve",
+                 "CacheDirectory=pdserve", "User=llm", "TimeoutStopSec=27", "WatchdogSec=30"):
+        assert line in lines, line
+    with pytest.raises(SystemExit):
+        cli.main(["systemd-unit", "--port", "not-a-port"])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_file_passes_systemd_analyze(tmp_path):
+    path = tmp_path / "pdserve-test.service"
+    path.write_text(render_unit(["--model", "demo:tiny", "--host", "0.0.0.0"]))
+    result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    problems = [line for line in result.stderr.splitlines() if path.name in line]
+    assert result.returncode == 0 and not problems, result.stderr
+
+
+# the CLI
+
+def test_no_command_serves_with_default_options(monkeypatch):
+    seen = []
+    serve = dataclasses.replace(cli.COMMANDS["serve"], run=lambda args: seen.append(args) or 0)
+    monkeypatch.setitem(cli.COMMANDS, "serve", serve)
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert cli.main([]) == 0 and cli.main(["--port", "9001", "--max-body-bytes", "1MiB"]) == 0
+    default, custom = (cli.server_config_from_args(args) for args in seen)
+    assert (default.host, default.port, default.api_key, default.engine.model) == ("127.0.0.1", 8000, None, None)
+    assert default.engine.cache == CacheConfig() and default.engine.scheduler == SchedulerConfig()
+    assert custom.port == 9001 and custom.max_body_bytes == 2**20
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    parser = cli.argparse.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    assert cli.server_config_from_args(parser.parse_args([])).api_key == "from-env"
+    assert cli.server_config_from_args(parser.parse_args(["--api-key", "flag"])).api_key == "flag"
+
+
+def test_delegated_commands(tmp_path, tiny_model_dir, capsys):
+    assert cli.main(["make-model", str(tmp_path / "m"), "--size", "tiny"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert cli.main(["generate", "--model", str(tiny_model_dir), "--kv-cache-memory", "64MiB",
+                     "--max-model-len", "64", "--max-tokens", "3", "--ignore-eos", "hello"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["prompt"] == "hello" and len(record["token_ids"]) == 3
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "--request-rate" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["no-such-command"])
+    assert e.value.code == 2
+
+
+def test_serve_does_not_import_the_benchmark_stack():
+    code = ("import sys; from server import cli; p = cli.argparse.ArgumentParser(); cli.add_serve_arguments(p); "
+            "import server.serve; print(sorted(m for m in ('matplotlib', 'bench') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(cli.__file__))).stdout
+    assert out.strip() == "[]"
