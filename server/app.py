@@ -68,9 +68,10 @@ async def access_log_middleware(request: web.Request, handler) -> web.StreamResp
         return response
     finally:
         ttft = f"{record.ttft:.3f}s" if record.ttft is not None else "-"
-        access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs',
+        access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s',
                            request.remote, request.method, request.path, status, record.request_id,
-                           record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start)
+                           record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start,
+                           record.finish_reasons)
 
 
 @web.middleware

@@ -55,6 +55,8 @@ def from_http_exception(error: web.HTTPException) -> APIError:
     status = error.status
     if status == 413:
         return APIError(413, f"request body too large: {error.text or ''}".strip(), code="request_too_large")
-    reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else error.reason
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return APIError(status, reason, code=code)
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = error.reason
+    return APIError(status, reason, code={404: "not_found", 405: "method_not_allowed"}.get(status))

@@ -84,13 +84,14 @@ class Generation:
                 choice.finish_reason = FinishReason.ABORT.value
                 self._observe_finished(choice, now)
         self.access.output_tokens = sum(c.num_output_tokens for c in self.choices)
+        self.access.finish_reasons = ",".join(c.finish_reason or "-" for c in self.choices)
         self.metrics.drain_transfer_times()
         self.state.discard(self)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         sse = SSEWriter(request)
-        await sse.prepare()
         try:
+            await sse.prepare()
             await self._write_events(sse)
         except ConnectionResetError:
             pass                                   # the client left; close() aborts what is unfinished

@@ -31,10 +31,9 @@ def setup_routes(app: web.Application) -> None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    state.running_engine()
+    tokenizer = state.running_engine().tokenizer
     parsed = parse_chat(load_json_object(await request.read()), state.config.max_n)
     model = state.check_model(parsed.model)
-    tokenizer = state.running_engine().tokenizer
     size = sum(len(m["content"]) for m in parsed.messages)
     prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
@@ -43,10 +42,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    state.running_engine()
+    tokenizer = state.running_engine().tokenizer
     parsed = parse_completion(load_json_object(await request.read()), state.config.max_n)
     model = state.check_model(parsed.model)
-    tokenizer = state.running_engine().tokenizer
     size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
     prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)
     echoes = [_echo(tokenizer, p) if parsed.echo else "" for p in parsed.prompts]

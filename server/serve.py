@@ -42,7 +42,7 @@ async def serve(config: ServerConfig) -> int:
         sd_notify("STATUS=loading the model")
         await runner.setup()                                  # loads the model and starts the engine
         await web.TCPSite(runner, config.host, config.port).start()
-        _announce_ready(config, tasks)
+        _announce_ready(runner, tasks)
         await stop.wait()
         await _drain(app, config)
     finally:
@@ -60,9 +60,11 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def _announce_ready(config: ServerConfig, tasks: set[asyncio.Task]) -> None:
-    logger.info("listening on http://%s:%d", config.host, config.port)
-    sd_notify(f"READY=1\nSTATUS=listening on {config.host}:{config.port}")
+def _announce_ready(runner: web.AppRunner, tasks: set[asyncio.Task]) -> None:
+    where = ", ".join(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                      for host, port, *_ in runner.addresses)
+    logger.info("listening on %s", where)
+    sd_notify(f"READY=1\nSTATUS=listening on {where}")
     interval = watchdog_interval()
     if interval is not None:
         tasks.add(asyncio.get_running_loop().create_task(watchdog(interval), name="pdserve-watchdog"))

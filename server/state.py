@@ -26,6 +26,7 @@ class AccessRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float | None = None
+    finish_reasons: str = "-"                  # one per choice, comma-separated
 
 
 class ServerState:
