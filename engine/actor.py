@@ -36,6 +36,7 @@ class Actor(abc.ABC):
         self.steps = 0
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + execute + postprocess, summed over steps
+        self.step_started_at: float | None = None   # time.monotonic() while a step runs on the device
         self._mailbox: deque = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -60,6 +61,11 @@ class Actor(abc.ABC):
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def stepping(self, stall_seconds: float) -> bool:
+        """Alive, and not stuck inside one device step for longer than `stall_seconds`."""
+        started = self.step_started_at
+        return self.alive and (started is None or time.monotonic() - started < stall_seconds)
+
     # messages
     def send(self, message) -> None:
         self._mailbox.append(message)
@@ -78,12 +84,15 @@ class Actor(abc.ABC):
             if batch is None:
                 await self.idle(loop)
                 continue
+            self.step_started_at = time.monotonic()
             try:
                 result = await loop.run_in_executor(self._executor, self.execute, batch)
             except Exception as e:                     # a failed step fails its sequences, not the actor
                 logger.exception("%s step failed", self.name)
                 self.fail(batch, f"{type(e).__name__}: {e}")
                 continue
+            finally:
+                self.step_started_at = None
             self.postprocess(batch, result)
             self.steps += 1
             self.step_seconds += time.perf_counter() - started

@@ -106,8 +106,9 @@ class Engine:
         for actor in self.actors:
             actor.close()
 
-    def healthy(self) -> bool:
-        return self._running and all(actor.alive for actor in self.actors)
+    def healthy(self, stall_seconds: float = 300.0) -> bool:
+        """Running, and every actor alive and not stuck in one step for over `stall_seconds`."""
+        return self._running and all(actor.stepping(stall_seconds) for actor in self.actors)
 
     def submit(self, request: Request) -> RequestStream:
         """Queue `request`; returns its event stream.

@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.args import add_engine_args, engine_config_from_args
-from engine.config import CacheConfig, SchedulerConfig
 from engine.memory import parse_memory
 from server.config import ServerConfig
 
@@ -42,19 +41,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    parser.set_defaults(**_engine_defaults())
     add_server_args(parser)
-
-
-def _engine_defaults() -> dict:
-    """Engine option defaults read from config instances.
-
-    NOTE: engine.args takes them from the slotted config classes, where they are member descriptors.
-    """
-    cache, scheduler = CacheConfig(), SchedulerConfig()
-    return {"kv_cache_memory": cache.kv_cache_memory, "kv_watermark": cache.kv_watermark,
-            "block_size": cache.block_size, "max_num_seqs": scheduler.max_num_seqs,
-            "max_prefill_tokens": scheduler.max_prefill_tokens, "max_queue": scheduler.max_queue}
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -112,7 +99,6 @@ def _engine_cli():
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     _engine_cli().add_generate_arguments(parser)
-    parser.set_defaults(**_engine_defaults())
 
 
 def _loadtest():

@@ -206,3 +206,20 @@ def test_event_loop_keeps_ticking_during_a_long_prefill():
     start, end = max(step_windows, key=lambda w: w[1] - w[0])
     beats_during_prefill = sum(start < b < end for b in beats)
     assert beats_during_prefill >= 10
+
+
+def test_health_reports_an_actor_stuck_in_one_step():
+    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated"))
+
+    async def scenario():
+        assert engine.healthy()
+        engine.actors[1].step_started_at = time.monotonic() - 10.0      # as if one step hung for 10 s
+        assert engine.healthy(stall_seconds=60.0)
+        assert not engine.healthy(stall_seconds=5.0)
+        engine.actors[1].step_started_at = None
+        await engine.actors[0].stop()
+        assert not engine.healthy()
+
+    asyncio.run(run_engine(engine, scenario()))
+    assert not engine.healthy()
+    engine.close()
