@@ -45,7 +45,7 @@ def test_multibyte_characters_split_across_tokens(tok):
 def test_matches_tokenizers_decode_stream(tok, demo_dir):
     """Per-token deltas agree with the `tokenizers` library's own incremental decoder."""
     backend = HFTokenizer.from_file(str(demo_dir / "tokenizer.json"))
-    rng = random.Random()
+    rng = random.Random(0)
     for _ in range(20):
         ids = tok.encode(_random_text(rng, rng.randrange(1, 60)))
         reference = DecodeStream(skip_special_tokens=True)
@@ -55,7 +55,7 @@ def test_matches_tokenizers_decode_stream(tok, demo_dir):
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_token_ids(tok, skip_special_tokens):
-    rng = random.Random()
+    rng = random.Random(0)
     valid_utf8 = 0
     for _ in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 48))]
@@ -76,7 +76,7 @@ def test_special_tokens_skipped_or_kept(tok):
 
 
 def test_prompt_context(tok):
-    rng = random.Random()
+    rng = random.Random(0)
     for _ in range(20):
         prompt, output = tok.encode(_random_text(rng, 30)), tok.encode(_random_text(rng, 30))
         deltas = _stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), output)
@@ -98,7 +98,7 @@ def test_decodes_a_bounded_window(tok):
             lengths.append(len(ids))
             return tok.decode(ids, skip_special_tokens)
 
-    ids = tok.encode(_random_text(random.Random(), 600))
+    ids = tok.encode(_random_text(random.Random(1), 600))
     assert "".join(_stream(IncrementalDetokenizer(Spy(), prompt_token_ids=ids[:50]), ids)) == tok.decode(ids)
     assert max(lengths) <= 12
 
@@ -153,7 +153,7 @@ def test_after_stop_everything_is_swallowed():
 
 
 def test_stop_matcher_against_brute_force():
-    rng = random.Random()
+    rng = random.Random(0)
     for _ in range(2000):
         text = "".join(rng.choice("abc😀") for _ in range(rng.randrange(0, 30)))
         stops = ["".join(rng.choice("abc😀") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
