@@ -11,6 +11,7 @@ import torch
 from engine.actor import Actor
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.memory import keep_freed_memory_in_process
 from engine.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
 from engine.tokenizer import Tokenizer
 from engine.topology import build_actors, make_plan, resolve_model_dir
@@ -78,6 +79,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.plan = make_plan(config, self.model_config)
+        if "cpu" in (self.plan.prefill_device.type, self.plan.decode_device.type):
+            keep_freed_memory_in_process()
         self.actors: list[Actor] = build_actors(config, self.model_config, self.plan, self.eos_token_ids,
                                                 self._on_token)
         pool_tokens = min(a.runner.num_blocks * a.runner.block_size for a in self.actors)

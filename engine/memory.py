@@ -51,3 +51,28 @@ def num_kv_blocks(spec: str, share: float, device: torch.device, config: ModelCo
         raise ValueError(f"kv-cache-memory {spec!r} leaves no room for a single KV block "
                          f"({kv_block_bytes(config, block_size, dtype)} bytes) on {device}")
     return min(blocks, max_useful_blocks)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 * 2**20          # glibc's ceiling on 64-bit
+
+
+def keep_freed_memory_in_process() -> bool:
+    """Stop glibc from returning every freed multi-MB tensor to the OS (CPU inference only).
+
+    A decode step allocates and frees dozens of megabyte-sized tensors. With glibc's
+    defaults each one is a fresh mmap whose pages fault in again on every step, which
+    cost a third of a CPU decode step (bench/RESULTS.md). Returns False where not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+                    and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False

@@ -9,16 +9,15 @@ from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
 
 def gather_blocks(kv_pool: torch.Tensor, layer: int,
                   block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of every block in the tables, one copy per layer: two [S, Hkv, blocks * bs, D] views.
+    """K and V of every block in the tables, one copy each: two [S, Hkv, blocks * bs, D] views.
 
     Entries past a sequence's blocks (any value, -1 included) read block 0; callers mask them."""
     num_seqs, width = block_tables.shape
     block_size, num_kv_heads, head_dim = kv_pool.shape[3:]
     ids = block_tables.reshape(-1).long().clamp_min(0)
-    kv = kv_pool[:, layer].index_select(0, ids)  # [S * width, 2, bs, Hkv, D]
-    kv = kv.view(num_seqs, width, 2, block_size, num_kv_heads, head_dim)
-    k = kv[:, :, 0].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = kv[:, :, 1].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    rows = kv_pool.view(kv_pool.shape[0], -1, block_size * num_kv_heads * head_dim)  # [N, L * 2, bs*Hkv*D]
+    k, v = (rows[:, 2 * layer + i].index_select(0, ids)  # [S * width, bs*Hkv*D]: one memcpy per block
+            .view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2) for i in (0, 1))
     return k, v
 
 

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, suppress
+from dataclasses import replace
 
 import orjson
 from aiohttp import web
@@ -49,7 +50,8 @@ class Generation:
             for j in range(n):
                 index = p * n + j
                 self.choices.append(Choice(index, len(ids), echoes[p]))
-                requests.append(Request(request_id if single else f"{request_id}-{index}", ids, params,
+                choice_params = params if params.seed is None else replace(params, seed=params.seed + j)
+                requests.append(Request(request_id if single else f"{request_id}-{index}", ids, choice_params,
                                         self.parsed.priority))
         return requests
 

@@ -151,12 +151,15 @@ async def test_seeded_choices_repeat_and_max_tokens_defaults_to_the_context_left
     base = await serve(engine)
     prompt = "a seeded prompt"
     async with client(base) as c:
-        first = await c.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=8, seed=1234, n=2)
-        again = await c.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=8, seed=1234)
+        first = await c.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=8, seed=1234, n=2,
+                                           extra_body={"ignore_eos": True})
+        again = await c.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=8, seed=1234,
+                                           extra_body={"ignore_eos": True})
         rest = await c.completions.create(model=tiny_model_dir.name, prompt=prompt, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert [c.index for c in first.choices] == [0, 1]
-    assert first.choices[0].text == first.choices[1].text == again.choices[0].text
+    assert first.choices[0].text == again.choices[0].text           # choice i samples with seed + i
+    assert first.choices[1].text != first.choices[0].text
     prompt_len = len(engine.tokenizer.encode(prompt))
     assert rest.choices[0].finish_reason == "length"
     assert rest.usage.completion_tokens == MAX_MODEL_LEN - prompt_len
