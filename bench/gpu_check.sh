@@ -9,6 +9,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET PDSERVE_KERNELS
 status=0
 
+# NOTE: the lent GPU machine has torch, triton, cupy, aiohttp and uvloop but no network. Prepare the
+# rest here (`pip download -d .wheels orjson safetensors tokenizers jinja2 prometheus_client tqdm
+# pytest pytest-asyncio pytest-timeout --python-version 3.11 --only-binary=:all:`) and carry `.wheels`.
+if [ -d .wheels ]; then
+    python -m pip install -q --no-index --find-links .wheels orjson safetensors tokenizers jinja2 \
+        prometheus_client tqdm pytest pytest-asyncio pytest-timeout || status=1
+fi
+
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 

@@ -153,12 +153,13 @@ class Engine:
         if stream is None:
             return
         stream.queue.put_nowait(self._final_event(stream, FinishReason.ABORT))
-        for actor in self.actors:
-            actor.send(Abort(request_id))
+        self._abort_in_actors(request_id)
 
     def _on_token(self, sampled: SampledToken) -> None:
         stream = self._streams.get(sampled.request_id)
-        if stream is None:                     # already aborted or stopped by a stop string
+        if stream is None:                     # aborted or stopped while in flight between actors
+            if sampled.finish_reason is None:
+                self._abort_in_actors(sampled.request_id)
             return
         if sampled.finish_reason is FinishReason.ERROR:
             self._streams.pop(sampled.request_id)
@@ -173,6 +174,7 @@ class Engine:
         elif reason is not None:
             tail, stopped = stream.stops.feed(stream.detokenizer.flush())
             text += tail if stopped else tail + stream.stops.flush()
+            reason = FinishReason.STOP if stopped else reason
         event = TokenEvent(sampled.request_id, (sampled.token_id,), text,
                            (sampled.logprob,) if sampled.logprob else (), reason,
                            num_prompt_tokens=len(stream.request.prompt_token_ids),
@@ -181,8 +183,11 @@ class Engine:
         if reason is not None:
             del self._streams[sampled.request_id]
             if sampled.finish_reason is None:      # a stop string: the actors still hold the sequence
-                for actor in self.actors:
-                    actor.send(Abort(sampled.request_id))
+                self._abort_in_actors(sampled.request_id)
+
+    def _abort_in_actors(self, request_id: str) -> None:
+        for actor in self.actors:
+            actor.send(Abort(request_id))
 
     @staticmethod
     def _final_event(stream: _Stream, reason: FinishReason, error: str | None = None) -> TokenEvent:

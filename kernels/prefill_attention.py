@@ -5,33 +5,50 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
-from kernels.decode_attention import gather_blocks
+from kernels.decode_attention import decode_attention_ref, gather_blocks
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                           block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     # q: [T, Hq, D]; cu_seqlens_q: [S+1]; context_lens: [S]; block_tables: [S, max_blocks]
-    block_size = kv_pool.shape[3]
+    # NOTE: sequences of one shape run as one batched call; one-token rows (decode rows of a mixed
+    # colocated step) all go through the decode path together, whatever their context.
     out = torch.empty_like(q)
-    bounds = cu_seqlens_q.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
-        start, end = bounds[seq], bounds[seq + 1]
-        if end == start:
-            continue
-        num_blocks = -(-context_len // block_size)
-        k, v = gather_blocks(kv_pool, layer, block_tables[seq:seq + 1, :num_blocks])  # [1, Hkv, n, D]
-        k, v = k[:, :, :context_len].to(q.dtype), v[:, :, :context_len].to(q.dtype)
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        q_len = end - start
-        if q_len == context_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    bounds, lengths = cu_seqlens_q.tolist(), context_lens.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for seq, context_len in enumerate(lengths):
+        q_len = bounds[seq + 1] - bounds[seq]
+        if q_len:
+            groups.setdefault((q_len, 0 if q_len == 1 else context_len), []).append(seq)
+    for (q_len, context_len), seqs in groups.items():
+        rows = torch.cat([torch.arange(bounds[s], bounds[s] + q_len) for s in seqs]).to(q.device)
+        index = torch.tensor(seqs, device=q.device)
+        if q_len == 1:
+            out[rows] = decode_attention_ref(q[rows], kv_pool, layer, block_tables[index], context_lens[index],
+                                             scale)
         else:
-            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-            causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+            qs = q[rows].view(len(seqs), q_len, *q.shape[1:])
+            out[rows] = _same_shape_prefill(qs, kv_pool, layer, block_tables[index], context_len,
+                                            scale).flatten(0, 1)
     return out
+
+
+def _same_shape_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                        context_len: int, scale: float) -> torch.Tensor:
+    # q: [m, q_len, Hq, D], every sequence with `context_len` tokens of context; returns the same shape
+    q_len = q.shape[1]
+    num_blocks = -(-context_len // kv_pool.shape[3])
+    k, v = gather_blocks(kv_pool, layer, block_tables[:, :num_blocks])  # [m, Hkv, n, D]
+    k, v = k[:, :, :context_len].to(q.dtype), v[:, :, :context_len].to(q.dtype)
+    qs = q.transpose(1, 2)  # [m, Hq, q_len, D]
+    if q_len == context_len:
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
 
 
 @jit
