@@ -163,7 +163,8 @@ def _validate(c: ModelConfig, path: Path) -> None:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: str = "0.5"     # bytes ("2GiB", "500000000") or a fraction of free device memory
+    kv_cache_memory: str | None = None   # bytes ("2GiB") or a fraction of free device memory; None:
+    #                                      2GiB per CPU, 0.8 of each GPU's free memory
     kv_watermark: float = 0.9
 
 

@@ -36,15 +36,20 @@ def free_device_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+DEFAULT_KV_BUDGET = {"cpu": "2GiB", "cuda": "0.8"}
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elements = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
-def num_kv_blocks(spec: str, share: float, device: torch.device, config: ModelConfig,
+def num_kv_blocks(spec: str | None, share: float, device: torch.device, config: ModelConfig,
                   block_size: int, dtype: torch.dtype, max_useful_blocks: int) -> int:
-    """Blocks that fit `share` of the budget `spec` (never more), capped at what can ever be used."""
-    absolute, fraction = parse_memory(spec)
+    """Blocks that fit `share` of the budget `spec` (never more), capped at what can ever be used.
+
+    `spec` None means the device type's default (DEFAULT_KV_BUDGET)."""
+    absolute, fraction = parse_memory(spec or DEFAULT_KV_BUDGET[device.type])
     budget = absolute if absolute is not None else int(fraction * free_device_memory(device))
     blocks = int(budget * share) // kv_block_bytes(config, block_size, dtype)
     if blocks < 1:
