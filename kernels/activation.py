@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import jit, tl
-import torch.nn.functional as F
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    # x: [T, 2I] -> [T, I]
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    # x: [T, 2I] -> [T, I], in x's dtype like transformers' LlamaMLP
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @jit

@@ -7,9 +7,10 @@ from kernels._triton import jit, next_power_of_2, tl
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    # x: [T, H, D]; cos, sin: [T, 1, D/2]; in x's dtype, like transformers' apply_rotary_pos_emb
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
