@@ -223,3 +223,56 @@ def test_health_reports_an_actor_stuck_in_one_step():
     asyncio.run(run_engine(engine, scenario()))
     assert not engine.healthy()
     engine.close()
+
+
+class SlowHandle:
+    """A copy that reports done only after a few polls (a copy still in flight on a device)."""
+
+    def __init__(self, inner, polls: int) -> None:
+        self.inner, self.polls, self.nbytes = inner, polls, inner.nbytes
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0 and self.inner.done()
+
+    def wait(self) -> None:
+        self.polls = -1
+        self.inner.wait()
+
+    @property
+    def seconds(self):
+        return self.inner.seconds
+
+
+class SlowTransfer:
+    name = "slow"
+
+    def __init__(self, inner, polls: int) -> None:
+        self.inner, self.polls = inner, polls
+
+    def copy_blocks(self, *args):
+        return SlowHandle(self.inner.copy_blocks(*args), self.polls)
+
+
+def test_copies_in_flight_delay_admission_and_aborts_during_them_free_both_pools():
+    batch = prompts([30, 90, 7, 150, 64, 12], seed=8)
+    greedy = [Request(f"g{i}", p, GREEDY) for i, p in enumerate(batch)]
+    reference = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=32))
+    expected = asyncio.run(run_engine(reference, staggered(reference, greedy)))
+    reference.close()
+
+    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=32))
+    engine.actors[0].transfer = SlowTransfer(engine.actors[0].transfer, polls=3)
+    assert asyncio.run(run_engine(engine, staggered(engine, greedy))) == expected
+    assert_pools_free(engine)
+
+    async def abort_while_landing():
+        streams = [engine.submit(Request(f"a{i}", p, GREEDY)) for i, p in enumerate(batch)]
+        results = await asyncio.gather(*(abort_after(engine, s, 1) for s in streams))
+        await wait_idle(engine)
+        return results
+
+    results = asyncio.run(run_engine(engine, abort_while_landing()))
+    assert all(reason is FinishReason.ABORT and len(tokens) == 1 for tokens, reason in results)
+    assert_pools_free(engine)
+    engine.close()
