@@ -37,6 +37,8 @@ def _strip(ax: Axes, label: str, records: Sequence[RequestRecord], color: str) -
     if points:
         xs, ys = zip(*points)
         ax.scatter(xs, ys, s=3, color=color, alpha=0.6, linewidths=0)
+        if max(ys) > 0:             # log: a 50 ms rhythm and a 20 s stall both stay readable
+            ax.set_yscale("log")
     for record in records:
         if record.kind == "long":
             ax.axvline(record.send_time, color="black", linewidth=0.8, alpha=0.5, linestyle=":")
@@ -74,8 +76,6 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | P
         ax = fig.add_subplot(grid[1 + row, :], sharex=first, sharey=first)
         _strip(ax, label, records, color)
         strip_axes.append(ax)
-    for ax in strip_axes:           # log: a 50 ms rhythm and a 20 s stall both stay readable
-        ax.set_yscale("log")
     strip_axes[-1].set_xlabel("time since start (s)")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
