@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.batch import Batch
-from engine.messages import ActorStats, FinishReason, SampledToken
+from engine.block_manager import BlockManager
+from engine.messages import ActorStats, FinishReason, SampledToken, TokenLogprob
+from engine.model_runner import ModelRunner
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +32,12 @@ class Actor(abc.ABC):
 
     name = "actor"
 
-    def __init__(self, device: torch.device, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
-        self.device = device
+    def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit,
+                 cpu_cores: tuple[int, ...] = ()) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.max_model_len = max_model_len
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.emit = emit
         self.cpu_cores = cpu_cores
         self.steps = 0
@@ -111,6 +118,19 @@ class Actor(abc.ABC):
     def pending_transfer(self):
         return None
 
+    def record_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Append a sampled token, stream it, and say whether the sequence is finished."""
+        seq.output_token_ids.append(token_id)
+        reason = seq.finish_reason(self.runner.eos_token_ids, self.max_model_len)
+        self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
+        return reason
+
+    def stats(self) -> ActorStats:
+        running, waiting = self.queue_lengths()
+        return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=self.blocks.num_used,
+                          kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
+                          last_step_time=self.last_step_time, alive=self.alive)
+
     def fail(self, batch: Batch, error: str) -> None:
         for chunk in batch.chunks:
             self.drop(chunk.seq)
@@ -147,5 +167,5 @@ class Actor(abc.ABC):
         """Forget `seq` and free its blocks (it failed or was aborted)."""
 
     @abc.abstractmethod
-    def stats(self) -> ActorStats:
-        """A snapshot of queue lengths and KV usage."""
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) sequences, for stats()."""

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from engine.actor import Actor, Emit
 from engine.batch import Batch
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.messages import Abort, ActorStats, Request, SampledToken
+from engine.messages import Abort, Request
 from engine.model_runner import ModelRunner
 from engine.scheduler import DecodeScheduler, PrefillScheduler
 from engine.sequence import Sequence
@@ -16,14 +15,10 @@ class ColocatedActor(Actor):
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
                  max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
-        super().__init__(runner.device, emit, cpu_cores)
-        self.runner = runner
-        self.max_model_len = max_model_len
+        super().__init__(runner, max_model_len, emit, cpu_cores)
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.kv_watermark = kv_watermark
-        self.eos_token_ids = runner.eos_token_ids
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.prefill = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                         reserve=self._has_room)
         self.decode = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self.prefill.add)
@@ -61,10 +56,7 @@ class ColocatedActor(Actor):
         for chunk, (token_id, logprob) in zip(batch.sampled, result):
             seq = chunk.seq
             was_prefill = self.prefill.is_admitted(seq)
-            seq.output_token_ids.append(token_id)
-            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
-            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
-            if reason is not None:
+            if self.record_token(seq, token_id, logprob) is not None:
                 self.drop(seq)
             elif was_prefill:
                 self.prefill.remove(seq)
@@ -75,7 +67,5 @@ class ColocatedActor(Actor):
         self.decode.remove(seq)
         self.blocks.free(seq.request_id)
 
-    def stats(self) -> ActorStats:
-        return ActorStats(self.name, running=len(self.decode), waiting=len(self.prefill),
-                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self.decode), len(self.prefill)

@@ -5,9 +5,8 @@ from collections.abc import Callable
 
 from engine.actor import Actor, Emit
 from engine.batch import Batch
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.messages import Abort, ActorStats, KVHandoff, Preempted, SampledToken
+from engine.messages import Abort, KVHandoff, Preempted
 from engine.model_runner import ModelRunner
 from engine.scheduler import DecodeScheduler
 from engine.sequence import Sequence
@@ -20,13 +19,9 @@ class DecodeActor(Actor):
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
                  max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
-        super().__init__(runner.device, emit, cpu_cores)
-        self.runner = runner
-        self.max_model_len = max_model_len
+        super().__init__(runner, max_model_len, emit, cpu_cores)
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
-        self.eos_token_ids = runner.eos_token_ids
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back)
         self.landing: list[tuple[Sequence, tuple]] = []
         self.send_to_prefill: Callable[[object], None] = lambda message: None
@@ -82,10 +77,7 @@ class DecodeActor(Actor):
         for chunk, (token_id, logprob) in zip(batch.chunks, result):
             seq = chunk.seq
             seq.num_computed_tokens = chunk.stop
-            seq.output_token_ids.append(token_id)
-            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
-            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
-            if reason is not None:
+            if self.record_token(seq, token_id, logprob) is not None:
                 self.drop(seq)
 
     def drop(self, seq: Sequence) -> None:
@@ -99,7 +91,5 @@ class DecodeActor(Actor):
     def pending_transfer(self):
         return next((t for _, transfers in self.landing for t in transfers if not t.done()), None)
 
-    def stats(self) -> ActorStats:
-        return ActorStats(self.name, running=len(self.scheduler), waiting=len(self.landing),
-                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self.scheduler), len(self.landing)

@@ -4,15 +4,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.actor import Actor, Emit
 from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager, blocks_for
+from engine.block_manager import blocks_for
 from engine.config import SchedulerConfig
 from engine.decode_actor import DecodeActor
 from engine.kv_transfer import KVTransfer
-from engine.messages import Abort, ActorStats, KVHandoff, Preempted, Request, SampledToken
+from engine.messages import Abort, KVHandoff, Preempted, Request
 from engine.model_runner import ModelRunner
 from engine.scheduler import PrefillScheduler
 from engine.sequence import Sequence
@@ -37,13 +35,9 @@ class PrefillActor(Actor):
     def __init__(self, runner: ModelRunner, decode: DecodeActor, transfer: KVTransfer,
                  config: SchedulerConfig, max_model_len: int, emit: Emit,
                  cpu_cores: tuple[int, ...] = ()) -> None:
-        super().__init__(runner.device, emit, cpu_cores)
-        self.runner = runner
+        super().__init__(runner, max_model_len, emit, cpu_cores)
         self.decode = decode
         self.transfer = transfer
-        self.max_model_len = max_model_len
-        self.eos_token_ids = runner.eos_token_ids
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                           reserve=self._reserve_decode_blocks)
         self.outgoing: dict[str, Outgoing] = {}
@@ -94,11 +88,8 @@ class PrefillActor(Actor):
             self.scheduler.advance(chunk)
         for chunk, (token_id, logprob) in zip(batch.sampled, result):
             seq = chunk.seq
-            seq.output_token_ids.append(token_id)
-            reason = seq.finish_reason(self.eos_token_ids, self.max_model_len)
-            self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
             out = self.outgoing[seq.request_id]
-            if reason is None:
+            if self.record_token(seq, token_id, logprob) is None:
                 self.decode.send(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
                                            tuple(out.transfers)))
                 out.handed_off = True
@@ -128,7 +119,5 @@ class PrefillActor(Actor):
     def pending_transfer(self):
         return next((t for out in self.retiring for t in out.transfers if not t.done()), None)
 
-    def stats(self) -> ActorStats:
-        return ActorStats(self.name, running=len(self.outgoing), waiting=len(self.scheduler),
-                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
-                          steps=self.steps, last_step_time=self.last_step_time, alive=self.alive)
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self.outgoing), len(self.scheduler)
