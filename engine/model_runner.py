@@ -58,12 +58,19 @@ class ModelRunner:
     def execute(self, batch: Batch) -> list[tuple[int, TokenLogprob | None]]:
         """Run one step; returns (token, logprob) for every chunk with `sample`, in batch order."""
         forward_batch = self.prepare(batch)
-        started = time.perf_counter()
+        if self.device.type != "cuda":
+            started = time.perf_counter()
+            logits = self.forward(forward_batch)
+            self.forward_seconds += time.perf_counter() - started
+            return self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         logits = self.forward(forward_batch)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.forward_seconds += time.perf_counter() - started
-        return self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
+        end.record()
+        sampled = self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
+        end.synchronize()                 # NOTE: already done once the sampler read its tokens back
+        self.forward_seconds += start.elapsed_time(end) / 1e3
+        return sampled
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """logits [S', V] fp32 of the rows in batch.logits_indices (a captured graph for decode)."""
