@@ -73,7 +73,7 @@ class Sampler:
                 seqs: Sequence[SamplingState]) -> torch.Tensor:
         x = logits / knobs.temperature.unsqueeze(1)  # [B, V]
         if knobs.use_top_p:
-            x = _top_k_top_p_sorted(x, knobs.top_k, knobs.top_p)
+            x = _top_k_top_p(x, knobs.top_k, knobs.top_p)
         elif knobs.max_top_k is not None:
             x = _top_k(x, knobs.top_k, knobs.max_top_k)
         if knobs.use_min_p:
@@ -141,6 +141,41 @@ def _top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor
     kth = largest.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))  # [B, 1]
     kth.masked_fill_(top_k.unsqueeze(1) >= x.shape[1], _NEG_INF)  # rows without top-k
     return x.masked_fill(x < kth, _NEG_INF)
+
+
+NUCLEUS_CANDIDATES = 256
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_top_k_top_p_sorted`'s result from the best NUCLEUS_CANDIDATES tokens instead of a full sort.
+
+    Exact: a row whose nucleus or top-k set is not inside the candidates, or whose top-k meets a
+    tie at the candidate edge, takes the full sort. x: [B, V]."""
+    vocab = x.shape[1]
+    k = min(vocab - 1, NUCLEUS_CANDIDATES)
+    if k < 1:
+        return _top_k_top_p_sorted(x, top_k, top_p)
+    vals, idx = x.topk(k + 1, dim=-1)  # [B, k + 1], best first; the last one only checks for ties
+    edge_tie = vals[:, k] == vals[:, k - 1]
+    vals, idx = vals[:, :k], idx[:, :k]
+    has_top_k = top_k < vocab
+    kth = vals.gather(1, (top_k.clamp(max=k) - 1).unsqueeze(1)).masked_fill_(~has_top_k.unsqueeze(1), _NEG_INF)
+    vals = vals.masked_fill(vals < kth, _NEG_INF)
+    normalizer = torch.where(has_top_k.unsqueeze(1), vals.logsumexp(-1, keepdim=True),
+                             x.logsumexp(-1, keepdim=True))
+    probs = (vals - normalizer).exp()  # [B, k], the row's own distribution
+    cumulative = probs.cumsum(dim=-1)
+    drop = ((cumulative - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    truncated = torch.full_like(x, _NEG_INF).scatter_(1, idx, vals.masked_fill(drop, _NEG_INF))
+    restricted = (has_top_k | (top_p < 1.0)).unsqueeze(1)
+    out = torch.where(restricted, truncated, x)
+    top_k_outside = has_top_k & (edge_tie | (top_k > k))
+    nucleus_outside = (top_p < 1.0) & ~has_top_k & (cumulative[:, -1] < top_p)
+    uncovered = top_k_outside | nucleus_outside
+    if bool(uncovered.any()):
+        rows = uncovered.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(x[rows], top_k[rows], top_p[rows])
+    return out
 
 
 def _top_k_top_p_sorted(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -312,3 +312,18 @@ def test_cuda_matches_cpu_for_greedy_and_is_seed_stable():
     assert cuda[2][0] == cuda[4][0] == cuda[5][0] == sampler(logits[2:3].cuda(), seqs[2:3])[0][0]
     assert cuda[3][1].logprob == pytest.approx(
         torch.log_softmax(logits[3, :VOCAB], -1)[cuda[3][0]].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
+def test_candidate_nucleus_equals_the_full_sort(scale):
+    from engine.sampler import _top_k_top_p, _top_k_top_p_sorted
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(12, 3000, generator=generator) * scale
+    x[3, :400] = 5.0                                    # a tie across the candidate edge
+    top_k = torch.tensor([3000, 40, 3000, 300, 1, 3000, 257, 3000, 2999, 3000, 10, 3000])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.99, 0.999, 0.8, 0.05, 0.7, 1.0])
+    expected = _top_k_top_p_sorted(x, top_k, top_p)
+    got = _top_k_top_p(x, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got[~torch.isinf(got)], expected[~torch.isinf(expected)], rtol=0, atol=0)
