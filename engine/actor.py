@@ -46,6 +46,7 @@ class Actor(abc.ABC):
         self.step_started_at: float | None = None   # time.monotonic() while a step runs on the device
         self._mailbox: deque = deque()
         self._wakeup = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}",
                                             initializer=self._init_thread)
@@ -53,13 +54,23 @@ class Actor(abc.ABC):
     # lifecycle
     def start(self) -> None:
         self._wakeup = asyncio.Event()
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pdserve-{self.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """Let the step in flight finish, apply the messages left (aborts free blocks), then stop."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        while self._mailbox:
+            self.handle(self._mailbox.popleft())
+        self.settle()
+
+    def settle(self) -> None:
+        """Stopped: wait for copies in flight and release what they held (actors with copies override)."""
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -83,7 +94,7 @@ class Actor(abc.ABC):
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             while self._mailbox:
                 self.handle(self._mailbox.popleft())
             started = time.perf_counter()

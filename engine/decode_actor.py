@@ -88,6 +88,12 @@ class DecodeActor(Actor):
         self.send_to_prefill(Preempted(seq.request, tuple(seq.output_token_ids)))
         self.on_blocks_freed()
 
+    def settle(self) -> None:
+        for _, transfers in self.landing:
+            for transfer in transfers:
+                transfer.wait()
+        self._admit_landed()
+
     def pending_transfer(self):
         return next((t for _, transfers in self.landing for t in transfers if not t.done()), None)
 

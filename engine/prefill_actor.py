@@ -119,5 +119,11 @@ class PrefillActor(Actor):
     def pending_transfer(self):
         return next((t for out in self.retiring for t in out.transfers if not t.done()), None)
 
+    def settle(self) -> None:
+        for out in self.retiring:
+            for transfer in out.transfers:
+                transfer.wait()
+        self._retire_landed()
+
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.outgoing), len(self.scheduler)

@@ -276,3 +276,27 @@ def test_copies_in_flight_delay_admission_and_aborts_during_them_free_both_pools
     assert all(reason is FinishReason.ABORT and len(tokens) == 1 for tokens, reason in results)
     assert_pools_free(engine)
     engine.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stopping_with_requests_in_flight_frees_every_block_and_the_engine_restarts(mode):
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32))
+    batch = prompts([5, 200, 40, 90], seed=9)
+
+    async def stop_midway():
+        await engine.start()
+        streams = [engine.submit(Request(f"m{i}", p, GREEDY)) for i, p in enumerate(batch)]
+        await streams[0].__anext__()                    # one has its first token, others are mid-prefill
+        await engine.stop()
+        return [event for stream in streams async for event in stream]
+
+    events = asyncio.run(stop_midway())
+    assert {e.finish_reason for e in events if e.finished} == {FinishReason.ABORT}
+    assert_pools_free(engine)
+    async def one_more():
+        return await collect(engine.submit(Request("after", batch[0], GREEDY)))
+
+    again = asyncio.run(run_engine(engine, one_more()))
+    assert again[1] is FinishReason.LENGTH and len(again[0]) == GREEDY.max_tokens
+    assert_pools_free(engine)
+    engine.close()
