@@ -3,23 +3,30 @@
     python -m bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
 
 Prefill tokens/s comes from a max_tokens=1 pass, decode tokens/s from the rest of a full pass.
-Prints one summary line and writes the full result as JSON.
+Each engine runs in its own fresh subprocess, one after the other in the same run (a CPU thread
+team one engine leaves behind slows the other: bench/RESULTS.md). Prints one summary line per
+engine and writes the full result as JSON.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
 import orjson
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.topology import resolve_model_dir
+
+
+RESULT_PREFIX = "offline-throughput-result: "
 
 
 def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -93,18 +100,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--result-json", default=None)
+    p.add_argument("--engine", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    torch.manual_seed(args.seed)
-    vocab = 1024
-    try:
-        from engine.config import ModelConfig
-        vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
-    except (OSError, ValueError):
-        pass
-    prompts = seeded_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    results = [bench_pdserve(args, prompts)]
-    if args.compare_transformers:
-        results.append(bench_transformers(args, prompts))
+    if args.engine:
+        return _run_one(args)
+    engines = ["pdserve"] + (["transformers"] if args.compare_transformers else [])
+    results = [_in_subprocess(args, engine) for engine in engines]
     for r in results:
         overhead = r.get("step_overhead_fraction")
         print(f"{r['engine']:<28} {r['dtype']:<15} prefill {r['prefill_tok_s']:9.1f} tok/s   "
@@ -118,6 +119,24 @@ def main(argv=None) -> int:
         with open(args.result_json, "wb") as f:
             f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2))
     return 0
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+    prompts = seeded_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    result = bench_pdserve(args, prompts) if args.engine == "pdserve" else bench_transformers(args, prompts)
+    print(RESULT_PREFIX + orjson.dumps(result).decode())
+    return 0
+
+
+def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
+    child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+             if value is not None and name not in ("result_json", "compare_transformers", "engine")]
+    out = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *child, f"--engine={engine}"],
+                         check=True, capture_output=True, text=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith(RESULT_PREFIX))
+    return orjson.loads(line[len(RESULT_PREFIX):])
 
 
 if __name__ == "__main__":

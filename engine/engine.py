@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -81,8 +82,8 @@ class Engine:
         self.plan = make_plan(config, self.model_config)
         if "cpu" in (self.plan.prefill_device.type, self.plan.decode_device.type):
             keep_freed_memory_in_process()
-        self.actors: list[Actor] = build_actors(config, self.model_config, self.plan, self.eos_token_ids,
-                                                self._on_token)
+        self.actors: list[Actor] = on_single_threaded_loader(build_actors, config, self.model_config,
+                                                             self.plan, self.eos_token_ids, self._on_token)
         pool_tokens = min(a.runner.num_blocks * a.runner.block_size for a in self.actors)
         self.max_model_len = min(self.plan.max_model_len, pool_tokens)
         self._streams: dict[str, _Stream] = {}
@@ -211,6 +212,16 @@ class Engine:
         drained = list(times)
         times.clear()
         return drained
+
+
+def on_single_threaded_loader(fn, *args):
+    """Run `fn(*args)` on a short-lived thread limited to one intra-op thread.
+
+    NOTE: a thread that runs multi-threaded CPU ops keeps an OpenMP team alive; with one left behind by
+    loading, every CPU actor step ran about 25% slower (bench/RESULTS.md, "thread teams").
+    """
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as loader:
+        return loader.submit(fn, *args).result()
 
 
 def _with_arrival_time(request: Request) -> Request:
