@@ -58,19 +58,24 @@ class Actor(abc.ABC):
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pdserve-{self.name}")
 
     async def stop(self) -> None:
-        """Let the step in flight finish, apply the messages left (aborts free blocks), then stop."""
+        """Stop stepping once the step in flight has finished (its results are recorded)."""
         if self._task is None:
             return
         self._stopping = True
         self._wakeup.set()
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
+
+    def drain(self) -> bool:
+        """Apply the messages left in the mailbox (a stopped actor); True if there were any."""
+        had_mail = bool(self._mailbox)
         while self._mailbox:
             self.handle(self._mailbox.popleft())
-        self.settle()
+        return had_mail
 
+    @abc.abstractmethod
     def settle(self) -> None:
-        """Stopped: wait for copies in flight and release what they held (actors with copies override)."""
+        """Stopped and drained: end every sequence held, wait for copies in flight, free every block."""
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -117,7 +122,7 @@ class Actor(abc.ABC):
             self.last_step_time = time.monotonic()
 
     async def idle(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Nothing to schedule: wait for a message, a poke, or a pending copy to land."""
+        """Nothing to schedule: wait for a copy this actor tracks to land, else for a message or a poke."""
         pending = self.pending_transfer()
         if pending is not None and not self._mailbox:
             await loop.run_in_executor(self._executor, pending.wait)
@@ -127,6 +132,7 @@ class Actor(abc.ABC):
             await self._wakeup.wait()
 
     def pending_transfer(self):
+        """A copy whose landing this actor still has to act on, or None."""
         return None
 
     def record_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> FinishReason | None:

@@ -62,6 +62,10 @@ class ColocatedActor(Actor):
                 self.prefill.remove(seq)
                 self.decode.add(seq)
 
+    def settle(self) -> None:
+        for seq in [*self.prefill.sequences(), *self.decode.running]:
+            self.drop(seq)
+
     def drop(self, seq: Sequence) -> None:
         self.prefill.remove(seq)
         self.decode.remove(seq)

@@ -89,13 +89,18 @@ class DecodeActor(Actor):
         self.on_blocks_freed()
 
     def settle(self) -> None:
-        for _, transfers in self.landing:
+        for seq, transfers in self.landing:
             for transfer in transfers:
                 transfer.wait()
+            seq.aborted = True
         self._admit_landed()
+        for seq in list(self.scheduler.running):
+            self.drop(seq)
 
     def pending_transfer(self):
-        return next((t for _, transfers in self.landing for t in transfers if not t.done()), None)
+        tracked = [t for _, transfers in self.landing for t in transfers]
+        # NOTE: a done one too when nothing else is left: it landed after schedule() and still needs admitting
+        return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.scheduler), len(self.landing)

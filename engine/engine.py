@@ -99,12 +99,17 @@ class Engine:
         self._running = True
 
     async def stop(self) -> None:
-        """Abort every unfinished request and stop the actors (the model stays loaded)."""
+        """Abort every unfinished request and stop the actors, holding no KV block (the model stays loaded)."""
         self._running = False
         for request_id in list(self._streams):
             self.abort(request_id)
         for actor in self.actors:
             await actor.stop()
+        delivered = True
+        while delivered:                      # NOTE: a message handled by one actor can send another
+            delivered = any([actor.drain() for actor in self.actors])
+        for actor in self.actors:
+            actor.settle()
 
     def close(self) -> None:
         for actor in self.actors:

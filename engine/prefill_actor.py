@@ -117,9 +117,13 @@ class PrefillActor(Actor):
         self.retiring = still_copying
 
     def pending_transfer(self):
-        return next((t for out in self.retiring for t in out.transfers if not t.done()), None)
+        tracked = [t for out in self.retiring for t in out.transfers]
+        # NOTE: a done one too when nothing else is left: it landed after schedule() and still needs retiring
+        return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
 
     def settle(self) -> None:
+        for seq in list(self.scheduler.sequences()):
+            self.drop(seq)
         for out in self.retiring:
             for transfer in out.transfers:
                 transfer.wait()
