@@ -95,8 +95,8 @@ class Generation:
         try:
             await sse.prepare()
             await self._write_events(sse)
-        except ConnectionResetError:
-            pass                                   # the client left; close() aborts what is unfinished
+        except ConnectionResetError:               # the client left; close() aborts what is unfinished
+            return sse.response
         except Exception:
             logger.exception("stream %s failed", self.access.request_id)
             with suppress(ConnectionResetError):

@@ -292,11 +292,17 @@ def test_torch_backend_on_one_cuda_device_waits_for_producer_and_completes_by_ev
     check_cuda_copy(transfer, torch.device("cuda:0"), torch.device("cuda:0"))
 
 
+needs_cupy_cuda = pytest.mark.skipif(not cupy_runtime_works(), reason="CuPy cannot use CUDA here")
+
+
+def peers_can_access() -> bool:
+    return torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
+
+
 @gpu
 @needs_cuda
+@needs_cupy_cuda
 def test_cupy_memcpy_peer_path_on_one_device():
-    if not cupy_runtime_works():
-        pytest.skip("CuPy cannot use CUDA here")
     device = torch.device("cuda:0")
     check_cuda_copy(CupyP2PTransfer(import_cupy_runtime(), device, device), device, device, seed=3)
 
@@ -304,12 +310,10 @@ def test_cupy_memcpy_peer_path_on_one_device():
 @gpu
 @needs_cuda
 @needs_two_gpus
+@needs_cupy_cuda
+@pytest.mark.skipif(not peers_can_access(), reason="cuda:0 cannot access cuda:1 as a peer")
 def test_cupy_p2p_between_two_devices():
-    if not cupy_runtime_works():
-        pytest.skip("CuPy cannot use CUDA here")
     src, dst = torch.device("cuda:0"), torch.device("cuda:1")
-    if not torch.cuda.can_device_access_peer(0, 1):
-        pytest.skip("cuda:0 cannot access cuda:1 as a peer")
     transfer = select_transfer(src, dst)
     assert transfer.name == "cupy-p2p"
     check_cuda_copy(transfer, src, dst, seed=5)
