@@ -138,7 +138,7 @@ def free_port() -> int:
 
 
 def default_model_dir() -> str:
-    from engine.demo_model import default_model_dir as demo_dir
+    from engine.model.demo import default_model_dir as demo_dir
 
     return str(demo_dir("base"))
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import BlockManager
 from engine.config import ModelConfig
-from engine.messages import Request
-from engine.model_runner import ModelRunner, load_model
-from engine.sequence import Sequence
+from engine.core.messages import Request
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
 
 

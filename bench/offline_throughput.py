@@ -22,7 +22,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.topology import resolve_model_dir
 
 

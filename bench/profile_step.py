@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import BlockManager
 from engine.config import DTYPES, ModelConfig
-from engine.memory import keep_freed_memory_in_process
-from engine.messages import Request
-from engine.model_runner import ModelRunner, load_model
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.worker.memory import keep_freed_memory_in_process
+from engine.core.messages import Request
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
 
 GREEDY = SamplingParams(temperature=0.0)

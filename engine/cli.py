@@ -7,7 +7,7 @@ import sys
 import orjson
 
 from engine.args import add_engine_args, engine_config_from_args
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.kv_transfer import TransferUnavailable
+    from engine.transfer.base import TransferUnavailable
     from engine.llm import LLM
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -62,7 +62,7 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.demo_model import make_model
+    from engine.model.demo import make_model
 
     path = make_model(args.out_dir, size=args.size, arch=args.arch, seed=args.seed)
     print(path)

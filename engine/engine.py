@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.actor import Actor
+from engine.actors.base import Actor
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.memory import keep_freed_memory_in_process
-from engine.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.worker.memory import keep_freed_memory_in_process
+from engine.core.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
+from engine.text.tokenizer import Tokenizer
 from engine.topology import build_actors, make_plan, resolve_model_dir
 
 logger = logging.getLogger(__name__)

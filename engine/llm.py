@@ -8,8 +8,8 @@ from typing import Sequence
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.messages import FinishReason, Request, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.messages import FinishReason, Request, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

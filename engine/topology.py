@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from engine.actor import Actor, Emit
-from engine.block_manager import blocks_for
-from engine.colocated_actor import ColocatedActor
+from engine.actors.base import Actor, Emit
+from engine.core.block_manager import blocks_for
+from engine.actors.colocated import ColocatedActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.decode_actor import DecodeActor
-from engine.kv_transfer import select_transfer
-from engine.memory import num_kv_blocks
-from engine.model_runner import ModelRunner, load_model
-from engine.prefill_actor import PrefillActor
+from engine.actors.decode import DecodeActor
+from engine.transfer.base import select_transfer
+from engine.worker.memory import num_kv_blocks
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.actors.prefill import PrefillActor
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Plan:
 
 def resolve_model_dir(model: str | None) -> Path:
     """A checkpoint directory; None or 'demo[:size[:arch]]' means the built-in demo model."""
-    from engine.demo_model import default_model_dir
+    from engine.model.demo import default_model_dir
 
     if model is None or model.startswith("demo"):
         parts = (model or "demo").split(":")

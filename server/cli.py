@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.args import add_engine_args, engine_config_from_args
-from engine.memory import parse_memory
+from engine.worker.memory import parse_memory
 from server.config import ServerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.messages import TokenEvent, TokenLogprob
-from engine.tokenizer import Tokenizer
+from engine.core.messages import TokenEvent, TokenLogprob
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

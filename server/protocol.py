@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.errors import APIError, bad_request
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

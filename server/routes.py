@@ -10,7 +10,7 @@ import jinja2
 import orjson
 from aiohttp import web
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from server.errors import APIError, bad_request
 from server.generation import Generation
 from server.metrics import CONTENT_TYPE

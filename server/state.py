@@ -8,7 +8,7 @@ from typing import Protocol
 from aiohttp import web
 
 from engine.engine import Engine
-from engine.messages import EngineStats
+from engine.core.messages import EngineStats
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics

@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     PDSERVE_CACHE points there for the rest of the session, so `--model demo:tiny` and
     subprocesses started by tests find the same checkpoint.
     """
-    from engine.demo_model import default_model_dir
+    from engine.model.demo import default_model_dir
 
     patch = pytest.MonkeyPatch()
     patch.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.demo_model import make_model
+from engine.model.demo import make_model
 from tests.hf_models import make_hf_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="pdserve-tests-"))

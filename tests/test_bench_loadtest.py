@@ -302,7 +302,7 @@ def test_random_workload_lengths_within_range():
 def test_prompts_sized_in_a_real_tokenizers_tokens():
     from tokenizers import Tokenizer
 
-    from engine.demo_model import default_model_dir
+    from engine.model.demo import default_model_dir
 
     model_dir = default_model_dir("tiny")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -478,7 +478,7 @@ def test_server_specs_commands():
 
 @pytest.mark.skipif(not (REPO / "server" / "app.py").exists(), reason="server/app.py not written yet")
 def test_pdserve_bench_against_real_server(tmp_path):
-    from engine.demo_model import default_model_dir
+    from engine.model.demo import default_model_dir
 
     port = compare.free_port()
     model_dir = str(default_model_dir("tiny"))

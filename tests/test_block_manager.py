@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager, NoFreeBlocks, blocks_for
+from engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.models import demo_checkpoint, engine_config
 
 

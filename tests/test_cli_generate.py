@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 def pdserve(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import BlockManager
 from engine.config import ModelConfig
-from engine.cuda_graph import batch_buckets
+from engine.worker.cuda_graph import batch_buckets
 from engine.llm import LLM
-from engine.messages import Request
-from engine.model_runner import ModelRunner, load_model
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.messages import Request
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from tests.models import demo_checkpoint, engine_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

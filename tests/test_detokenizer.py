@@ -7,9 +7,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.demo_model import make_model
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.tokenizer import Tokenizer
+from engine.model.demo import make_model
+from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.text.tokenizer import Tokenizer
 
 MULTIBYTE = "Größe 😀 你好，世界！🚀 👨‍👩‍👧‍👦 こんにちは 🇫🇷 ∑∫ done"
 

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from engine.engine import Engine
-from engine.messages import FinishReason, Request
-from engine.sampling_params import SamplingParams
+from engine.core.messages import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
 from tests.models import demo_checkpoint, engine_config
 
 MODES = ("disaggregated", "colocated")

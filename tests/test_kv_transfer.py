@@ -5,14 +5,14 @@ import types
 import pytest
 import torch
 
-from engine.kv_transfer import (
+from engine.transfer.base import (
     TorchTransfer,
     TransferUnavailable,
     coalesce_runs,
     select_transfer,
 )
-from engine import kv_transfer_cupy
-from engine.kv_transfer_cupy import CupyP2PTransfer, enable_peer_access, import_cupy_runtime
+from engine.transfer import cupy_p2p as kv_transfer_cupy
+from engine.transfer.cupy_p2p import CupyP2PTransfer, enable_peer_access, import_cupy_runtime
 
 BLOCK_GEOMETRY = (3, 2, 4, 2, 8)   # layers, k/v, block_size, kv_heads, head_dim
 

@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, ModelConfig
 from engine.engine import Engine
-from engine.messages import Request
-from engine.model_runner import load_model
-from engine.sampling_params import SamplingParams
-from engine.weights import WeightError
+from engine.core.messages import Request
+from engine.worker.model_runner import load_model
+from engine.core.sampling_params import SamplingParams
+from engine.model.weights import WeightError
 from tests.models import demo_checkpoint, engine_config
 
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 import transformers
 
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.llm import LLM
-from engine.messages import Request
-from engine.model_runner import ModelRunner, load_model
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.messages import Request
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 
 CHECKPOINTS = {

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from kernels._triton import HAS_TRITON
 from tests.models import demo_checkpoint, engine_config
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.penalties import apply_penalties
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.worker.penalties import apply_penalties
+from engine.worker.sampler import Sampler
+from engine.core.sampling_params import SamplingParams
 
 VOCAB = 1000
 PADDED = 1024
@@ -316,7 +316,7 @@ def test_cuda_matches_cpu_for_greedy_and_is_seed_stable():
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
 def test_candidate_nucleus_equals_the_full_sort(scale):
-    from engine.sampler import _top_k_top_p, _top_k_top_p_sorted
+    from engine.worker.sampler import _top_k_top_p, _top_k_top_p_sorted
 
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(12, 3000, generator=generator) * scale

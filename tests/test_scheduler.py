@@ -1,10 +1,10 @@
 """Scheduling policy on plain sequences: priority, chunking, interleaving, round robin, preemption."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.messages import Request
-from engine.scheduler import DecodeScheduler, PrefillScheduler
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from engine.core.messages import Request
+from engine.core.scheduler import DecodeScheduler, PrefillScheduler
+from engine.core.sequence import Sequence
 
 
 def seq(name: str, prompt_len: int, priority: int = 0) -> Sequence:

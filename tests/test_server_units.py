@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.messages import ActorStats, EngineStats
-from engine.sampling_params import SamplingParams
+from engine.core.messages import ActorStats, EngineStats
+from engine.core.sampling_params import SamplingParams
 from server import cli
 from server.errors import APIError
 from server.metrics import Metrics

@@ -1,4 +1,4 @@
-"""engine.tokenizer against transformers loading the same (demo) directory."""
+"""engine.text.tokenizer against transformers loading the same (demo) directory."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,9 @@ import jinja2.sandbox
 import pytest
 from transformers import AutoTokenizer
 
-from engine.demo_corpus import ENDOFTEXT, IM_END, IM_START
-from engine.demo_model import make_model
-from engine.tokenizer import Tokenizer
+from engine.model.demo_corpus import ENDOFTEXT, IM_END, IM_START
+from engine.model.demo import make_model
+from engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world 😀 你好，世界！",

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.actor import Actor, Emit
-from engine.batch import Batch
+from engine.actors.base import Actor, Emit
+from engine.core.batch import Batch
 from engine.config import SchedulerConfig
-from engine.messages import Abort, KVHandoff, Preempted
-from engine.model_runner import ModelRunner
-from engine.scheduler import DecodeScheduler
-from engine.sequence import Sequence
+from engine.core.messages import Abort, KVHandoff, Preempted
+from engine.worker.model_runner import ModelRunner
+from engine.core.scheduler import DecodeScheduler
+from engine.core.sequence import Sequence
 
 
 class DecodeActor(Actor):

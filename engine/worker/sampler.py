@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
-from engine.messages import TokenLogprob
-from engine.penalties import apply_penalties, mask_stop_tokens
-from engine.sampling_params import SamplingParams
+from engine.core.messages import TokenLogprob
+from engine.worker.penalties import apply_penalties, mask_stop_tokens
+from engine.core.sampling_params import SamplingParams
 
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63

@@ -5,9 +5,9 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence
 
 ReserveHook = Callable[[Sequence], bool]
 

@@ -5,8 +5,8 @@ import bisect
 
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.model import CausalLM
+from engine.model.forward_batch import ForwardBatch
+from engine.model.llama import CausalLM
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.batch import Batch
-from engine.block_manager import BlockManager
-from engine.messages import ActorStats, FinishReason, SampledToken, TokenLogprob
-from engine.model_runner import ModelRunner
-from engine.sequence import Sequence
+from engine.core.batch import Batch
+from engine.core.block_manager import BlockManager
+from engine.core.messages import ActorStats, FinishReason, SampledToken, TokenLogprob
+from engine.worker.model_runner import ModelRunner
+from engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from engine.kv_transfer import (
+from engine.transfer.base import (
     TransferHandle,
     TransferUnavailable,
     block_nbytes,

@@ -190,7 +190,7 @@ def select_transfer(
         raise ValueError(f"unknown KV transfer backend {forced!r}; valid: {', '.join(BACKEND_NAMES)}")
     if forced == "torch" or (forced is None and not _two_cuda_devices(src, dst)):
         return TorchTransfer()
-    from engine.kv_transfer_cupy import make_cupy_p2p
+    from engine.transfer.cupy_p2p import make_cupy_p2p
 
     if forced == "cupy-p2p":
         return make_cupy_p2p(src, dst)

@@ -4,16 +4,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.actor import Actor, Emit
-from engine.batch import Batch, ScheduledChunk
-from engine.block_manager import blocks_for
+from engine.actors.base import Actor, Emit
+from engine.core.batch import Batch, ScheduledChunk
+from engine.core.block_manager import blocks_for
 from engine.config import SchedulerConfig
-from engine.decode_actor import DecodeActor
-from engine.kv_transfer import KVTransfer
-from engine.messages import Abort, KVHandoff, Preempted, Request
-from engine.model_runner import ModelRunner
-from engine.scheduler import PrefillScheduler
-from engine.sequence import Sequence
+from engine.actors.decode import DecodeActor
+from engine.transfer.base import KVTransfer
+from engine.core.messages import Abort, KVHandoff, Preempted, Request
+from engine.worker.model_runner import ModelRunner
+from engine.core.scheduler import PrefillScheduler
+from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True, eq=False)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine import demo_corpus
-from engine.demo_corpus import ENDOFTEXT, IM_END, SPECIAL_TOKENS
+from engine.model import demo_corpus
+from engine.model.demo_corpus import ENDOFTEXT, IM_END, SPECIAL_TOKENS
 
 ARCHS = ("llama", "qwen2")
 LOGIT_STD = 3.0

@@ -6,9 +6,9 @@ from torch import nn
 
 import kernels
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.layers import Embedding, Linear, RMSNorm
-from engine.rope import cos_sin_table
+from engine.model.forward_batch import ForwardBatch
+from engine.model.layers import Embedding, Linear, RMSNorm
+from engine.model.rope import cos_sin_table
 
 
 class Attention(nn.Module):

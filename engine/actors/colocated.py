@@ -1,13 +1,13 @@
 """Colocated mode (the baseline): one device, chunked prefill mixed with decode in the same step."""
 from __future__ import annotations
 
-from engine.actor import Actor, Emit
-from engine.batch import Batch
+from engine.actors.base import Actor, Emit
+from engine.core.batch import Batch
 from engine.config import SchedulerConfig
-from engine.messages import Abort, Request
-from engine.model_runner import ModelRunner
-from engine.scheduler import DecodeScheduler, PrefillScheduler
-from engine.sequence import Sequence
+from engine.core.messages import Abort, Request
+from engine.worker.model_runner import ModelRunner
+from engine.core.scheduler import DecodeScheduler, PrefillScheduler
+from engine.core.sequence import Sequence
 
 
 class ColocatedActor(Actor):

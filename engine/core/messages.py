@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -81,7 +81,7 @@ class KVHandoff:
     request: Request
     num_computed_tokens: int
     output_token_ids: tuple[int, ...]
-    transfers: tuple = ()          # engine.kv_transfer.TransferHandle, one per started copy
+    transfers: tuple = ()          # engine.transfer.base.TransferHandle, one per started copy
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded in front of the output (leading-space rules of some decoders)

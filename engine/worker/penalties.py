@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.sampler import SamplingState
+    from engine.worker.sampler import SamplingState
 
 
 def mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[SamplingState],

@@ -6,14 +6,14 @@ import time
 
 import torch
 
-from engine.batch import Batch, ScheduledChunk
+from engine.core.batch import Batch, ScheduledChunk
 from engine.config import ModelConfig
-from engine.cuda_graph import DecodeGraphs
-from engine.forward_batch import ForwardBatch
-from engine.messages import TokenLogprob
-from engine.model import CausalLM
-from engine.sampler import Sampler
-from engine.weights import load_weights
+from engine.worker.cuda_graph import DecodeGraphs
+from engine.model.forward_batch import ForwardBatch
+from engine.core.messages import TokenLogprob
+from engine.model.llama import CausalLM
+from engine.worker.sampler import Sampler
+from engine.model.weights import load_weights
 
 
 @contextlib.contextmanager

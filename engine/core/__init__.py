@@ -1,0 +1,1 @@
+"""Plain-Python engine state: requests and messages, sequences, batches, block manager, schedulers."""

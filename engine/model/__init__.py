@@ -1,0 +1,1 @@
+"""Llama-family model, its layers and rotary tables, checkpoint loading, demo checkpoints."""

@@ -1,0 +1,1 @@
+"""Text: tokenizer and chat templates, incremental detokenizer, stop strings."""

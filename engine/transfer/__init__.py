@@ -1,0 +1,1 @@
+"""KV block transfer between two pools: torch copies and CuPy peer-to-peer."""
