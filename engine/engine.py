@@ -11,7 +11,8 @@ import torch
 
 from engine.actors.base import Actor
 from engine.config import EngineConfig, ModelConfig
-from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.stop_strings import StopStringMatcher
 from engine.worker.memory import keep_freed_memory_in_process
 from engine.core.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
 from engine.text.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from engine.core.block_manager import blocks_for
 from engine.actors.colocated import ColocatedActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.actors.decode import DecodeActor
-from engine.transfer.base import select_transfer
+from engine.transfer.select import select_transfer
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
 from engine.actors.prefill import PrefillActor

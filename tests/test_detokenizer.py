@@ -8,7 +8,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from engine.model.demo import make_model
-from engine.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer
 
 MULTIBYTE = "Größe 😀 你好，世界！🚀 👨‍👩‍👧‍👦 こんにちは 🇫🇷 ∑∫ done"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request
 from engine.worker.model_runner import ModelRunner
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, KVHandoff, Preempted
 from engine.worker.model_runner import ModelRunner
 from engine.core.scheduler import DecodeScheduler

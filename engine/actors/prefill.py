@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import blocks_for
-from engine.config import SchedulerConfig
+from engine.core.config import SchedulerConfig
 from engine.actors.decode import DecodeActor
 from engine.transfer.base import KVTransfer
 from engine.core.messages import Abort, KVHandoff, Preempted, Request

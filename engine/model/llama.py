@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers import Embedding, Linear, RMSNorm
 from engine.model.rope import cos_sin_table

@@ -1,20 +1,14 @@
-"""KV block transfer between two block-major pools: coalesced runs, torch backend, backend choice.
+"""What every KV transfer backend shares: the copy handle, the protocol, coalesced runs, checks.
 
 pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous, so a run of
 consecutive block ids is one contiguous memory range and moves in one copy.
 """
 from __future__ import annotations
 
-import logging
 import math
-import time
 from typing import Protocol, Sequence
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("torch", "cupy-p2p")
 
 
 class TransferUnavailable(RuntimeError):
@@ -120,86 +114,3 @@ def block_nbytes(pool: torch.Tensor) -> int:
 def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     # NOTE: a blocking end event lets wait() sleep instead of spinning a CPU core.
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)
-
-
-def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-    for src, dst, length in runs:
-        dst_pool[dst:dst + length].copy_(src_pool[src:src + length], non_blocking=True)
-
-
-class TorchTransfer:
-    """`copy_` per coalesced run; on CUDA on a transfer stream per device that waits on the caller's stream."""
-
-    name = "torch"
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def copy_blocks(
-        self,
-        src_pool: torch.Tensor,
-        dst_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> TransferHandle:
-        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
-        runs = coalesce_runs(src_block_ids, dst_block_ids)
-        nbytes = len(src_block_ids) * block_nbytes(src_pool)
-        device = _stream_device(src_pool.device, dst_pool.device)
-        if device is None or not runs:
-            return _copy_now(src_pool, dst_pool, runs, nbytes)
-        stream = self._stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        start, end = timing_events()
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            copy_runs(src_pool, dst_pool, runs)
-            end.record(stream)
-        return TransferHandle.pending(nbytes, start, end)
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
-
-
-def _stream_device(src: torch.device, dst: torch.device) -> torch.device | None:
-    """The CUDA device whose stream carries the copy (the source's when it is CUDA); None on CPU."""
-    if src.type == "cuda":
-        return src
-    return dst if dst.type == "cuda" else None
-
-
-def _copy_now(src_pool, dst_pool, runs, nbytes: int) -> TransferHandle:
-    start = time.perf_counter()
-    copy_runs(src_pool, dst_pool, runs)
-    return TransferHandle.finished(nbytes, time.perf_counter() - start)
-
-
-def select_transfer(
-    src_device: torch.device, dst_device: torch.device, forced: str | None = None
-) -> KVTransfer:
-    """Pick the KV transfer backend for copies from `src_device` to `dst_device`.
-
-    Without `forced`: "cupy-p2p" between two CUDA devices when CuPy, CUDA and peer access all
-    work, else "torch". Raises ValueError for an unknown `forced` name and TransferUnavailable
-    (with the reason) when the forced backend cannot work here.
-    """
-    src, dst = torch.device(src_device), torch.device(dst_device)
-    if forced is not None and forced not in BACKEND_NAMES:
-        raise ValueError(f"unknown KV transfer backend {forced!r}; valid: {', '.join(BACKEND_NAMES)}")
-    if forced == "torch" or (forced is None and not _two_cuda_devices(src, dst)):
-        return TorchTransfer()
-    from engine.transfer.cupy_p2p import make_cupy_p2p
-
-    if forced == "cupy-p2p":
-        return make_cupy_p2p(src, dst)
-    try:
-        return make_cupy_p2p(src, dst)
-    except TransferUnavailable as exc:
-        logger.info("KV transfer %s -> %s falls back to torch: %s", src, dst, exc)
-        return TorchTransfer()
-
-
-def _two_cuda_devices(src: torch.device, dst: torch.device) -> bool:
-    return src.type == "cuda" and dst.type == "cuda" and src != dst

@@ -7,7 +7,7 @@ import time
 import torch
 
 from engine.core.batch import Batch, ScheduledChunk
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.model.forward_batch import ForwardBatch
 from engine.core.messages import TokenLogprob

@@ -1,0 +1,20 @@
+"""Configuration of the KV cache and the schedulers (frozen: computed values are returned, not written back)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: str | None = None   # bytes ("2GiB") or a fraction of free device memory; None:
+    #                                      2GiB per CPU, 0.8 of each GPU's free memory
+    kv_watermark: float = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_prefill_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_queue: int = 1024

@@ -1,0 +1,63 @@
+"""The "torch" KV transfer backend: `copy_` per coalesced block run (CPU, same device, or any fallback)."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from engine.transfer.base import TransferHandle, block_nbytes, check_copy, coalesce_runs, timing_events
+
+
+def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    for src, dst, length in runs:
+        dst_pool[dst:dst + length].copy_(src_pool[src:src + length], non_blocking=True)
+
+
+class TorchTransfer:
+    """`copy_` per coalesced run; on CUDA on a transfer stream per device that waits on the caller's stream."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy_blocks(
+        self,
+        src_pool: torch.Tensor,
+        dst_pool: torch.Tensor,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> TransferHandle:
+        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
+        runs = coalesce_runs(src_block_ids, dst_block_ids)
+        nbytes = len(src_block_ids) * block_nbytes(src_pool)
+        device = _stream_device(src_pool.device, dst_pool.device)
+        if device is None or not runs:
+            return _copy_now(src_pool, dst_pool, runs, nbytes)
+        stream = self._stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        start, end = timing_events()
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            copy_runs(src_pool, dst_pool, runs)
+            end.record(stream)
+        return TransferHandle.pending(nbytes, start, end)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+
+def _stream_device(src: torch.device, dst: torch.device) -> torch.device | None:
+    """The CUDA device whose stream carries the copy (the source's when it is CUDA); None on CPU."""
+    if src.type == "cuda":
+        return src
+    return dst if dst.type == "cuda" else None
+
+
+def _copy_now(src_pool, dst_pool, runs, nbytes: int) -> TransferHandle:
+    start = time.perf_counter()
+    copy_runs(src_pool, dst_pool, runs)
+    return TransferHandle.finished(nbytes, time.perf_counter() - start)
