@@ -29,7 +29,12 @@ from pathlib import Path
 from bench import loadtest
 from bench.metrics import RequestRecord, markdown_comparison, summarize
 from bench.sse_client import EndpointConfig
-from bench.workloads import add_traffic_arguments, add_workload_arguments, build_workload, warmup_spec
+from bench.workloads import (
+    add_traffic_arguments,
+    add_workload_arguments,
+    build_workload,
+    warmup_spec,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_NAMES = ("pdserve-disaggregated", "pdserve-colocated", "transformers")
@@ -147,7 +152,10 @@ def transformers_unavailable() -> str:
     """Why `transformers serve` cannot run here ("" when it can): its serving extras, and
     accelerate (it loads models with a device_map), must be installed."""
     try:
-        from transformers.utils.import_utils import is_accelerate_available, is_serve_available
+        from transformers.utils.import_utils import (
+            is_accelerate_available,
+            is_serve_available,
+        )
     except ImportError:
         return "transformers is not installed"
     missing = [name for name, ok in (("fastapi+uvicorn (transformers[serving])", is_serve_available()),

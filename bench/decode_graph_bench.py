@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
-from engine.config import ModelConfig
 from engine.core.messages import Request
-from engine.worker.model_runner import ModelRunner, load_model
 from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
+from engine.worker.model_runner import ModelRunner, load_model
 
 
 def decode_batch(num_seqs: int, context: int, blocks: BlockManager) -> Batch:

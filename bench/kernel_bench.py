@@ -24,7 +24,11 @@ import torch
 
 from kernels._triton import HAS_TRITON
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton, default_num_splits
+from kernels.decode_attention import (
+    decode_attention_ref,
+    decode_attention_triton,
+    default_num_splits,
+)
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_ref, rotary_triton

@@ -27,7 +27,13 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from bench.metrics import LATENCY_METRICS, RequestRecord, format_summary, parse_slo, summarize
+from bench.metrics import (
+    LATENCY_METRICS,
+    RequestRecord,
+    format_summary,
+    parse_slo,
+    summarize,
+)
 from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
 from bench.workloads import (
     SampleRequest,

@@ -21,10 +21,9 @@ import orjson
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.llm import LLM
 from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 from engine.topology import resolve_model_dir
-
 
 RESULT_PREFIX = "offline-throughput-result: "
 

@@ -12,15 +12,15 @@ import time
 
 import torch
 
+from engine.config import DTYPES, ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
-from engine.config import DTYPES, ModelConfig
-from engine.worker.memory import keep_freed_memory_in_process
 from engine.core.messages import Request
-from engine.worker.model_runner import ModelRunner, load_model
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
+from engine.worker.memory import keep_freed_memory_in_process
+from engine.worker.model_runner import ModelRunner, load_model
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -25,8 +25,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.transfer.base import TransferUnavailable
     from engine.llm import LLM
+    from engine.transfer.base import TransferUnavailable
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.model.config import DTYPES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeConfig
+from engine.model.config import (
+    DTYPES,
+    SUPPORTED_ARCHITECTURES,
+    ConfigError,
+    ModelConfig,
+    RopeConfig,
+)
 
 __all__ = ["CacheConfig", "ConfigError", "DTYPES", "EngineConfig", "ModelConfig", "RopeConfig",
            "SUPPORTED_ARCHITECTURES", "SchedulerConfig"]

@@ -11,12 +11,19 @@ import torch
 
 from engine.actors.base import Actor
 from engine.config import EngineConfig, ModelConfig
+from engine.core.messages import (
+    Abort,
+    EngineStats,
+    FinishReason,
+    Request,
+    SampledToken,
+    TokenEvent,
+)
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.stop_strings import StopStringMatcher
-from engine.worker.memory import keep_freed_memory_in_process
-from engine.core.messages import Abort, EngineStats, FinishReason, Request, SampledToken, TokenEvent
 from engine.text.tokenizer import Tokenizer
 from engine.topology import build_actors, make_plan, resolve_model_dir
+from engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
 

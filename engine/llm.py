@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.core.messages import FinishReason, Request, TokenLogprob
 from engine.core.sampling_params import SamplingParams
+from engine.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)

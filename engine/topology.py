@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from engine.actors.base import Actor, Emit
-from engine.core.block_manager import blocks_for
 from engine.actors.colocated import ColocatedActor
-from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.actors.decode import DecodeActor
+from engine.actors.prefill import PrefillActor
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.core.block_manager import blocks_for
 from engine.transfer.select import select_transfer
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
-from engine.actors.prefill import PrefillActor
 
 logger = logging.getLogger(__name__)
 

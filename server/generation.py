@@ -11,8 +11,8 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 
-from engine.engine import EngineOverloaded, EngineStopped, RequestStream
 from engine.core.messages import FinishReason, Request, TokenEvent
+from engine.engine import EngineOverloaded, EngineStopped, RequestStream
 from server.errors import APIError, from_value_error
 from server.openai_format import ChatFormat, Choice, CompletionFormat
 from server.protocol import ParsedRequest

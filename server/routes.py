@@ -15,7 +15,12 @@ from server.errors import APIError, bad_request
 from server.generation import Generation
 from server.metrics import CONTENT_TYPE
 from server.openai_format import ChatFormat, CompletionFormat, TokenText
-from server.protocol import ParsedRequest, load_json_object, parse_chat, parse_completion
+from server.protocol import (
+    ParsedRequest,
+    load_json_object,
+    parse_chat,
+    parse_completion,
+)
 from server.state import ACCESS, STATE, AccessRecord
 
 OFF_LOOP_TOKENIZE_CHARS = 64 * 1024     # longer prompts are tokenized in a worker thread

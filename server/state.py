@@ -7,8 +7,8 @@ from typing import Protocol
 
 from aiohttp import web
 
-from engine.engine import Engine
 from engine.core.messages import EngineStats
+from engine.engine import Engine
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics

@@ -7,7 +7,13 @@ import random
 import pytest
 from openai._streaming import SSEDecoder
 
-from bench.sse_client import EndpointConfig, SSEParser, StreamError, _Stream, build_payload
+from bench.sse_client import (
+    EndpointConfig,
+    SSEParser,
+    StreamError,
+    _Stream,
+    build_payload,
+)
 from bench.workloads import SampleRequest
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
-from engine.llm import LLM
 from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 from tests.models import demo_checkpoint, engine_config
 
 

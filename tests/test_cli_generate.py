@@ -5,8 +5,8 @@ import json
 import subprocess
 import sys
 
-from engine.llm import LLM
 from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 
 
 def pdserve(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
-from engine.config import ModelConfig
-from engine.worker.cuda_graph import batch_buckets
-from engine.llm import LLM
 from engine.core.messages import Request
-from engine.worker.model_runner import ModelRunner, load_model
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
+from engine.llm import LLM
+from engine.worker.cuda_graph import batch_buckets
+from engine.worker.model_runner import ModelRunner, load_model
 from tests.models import demo_checkpoint, engine_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,8 +12,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from engine.model.demo import (
+    SIZES,
+    default_model_dir,
+    make_model,
+    model_config,
+    num_parameters,
+)
 from engine.model.demo_corpus import ENDOFTEXT, IM_END
-from engine.model.demo import SIZES, default_model_dir, make_model, model_config, num_parameters
 from engine.text.tokenizer import Tokenizer
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from engine.engine import Engine
 from engine.core.messages import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
+from engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 
 MODES = ("disaggregated", "colocated")

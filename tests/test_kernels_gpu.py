@@ -15,7 +15,13 @@ from kernels.prefill_attention import prefill_attention_ref, prefill_attention_t
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
 from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
-from tests.conftest_kernels import LAYER, cu_seqlens_of, make_paged_batch, poisoned_outputs, rel_err  # noqa: E402
+from tests.conftest_kernels import (  # noqa: E402
+    LAYER,
+    cu_seqlens_of,
+    make_paged_batch,
+    poisoned_outputs,
+    rel_err,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON or INTERPRETED,

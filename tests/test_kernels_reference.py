@@ -14,8 +14,11 @@ request_triton_interpreter()  # NOTE: before transformers imports triton, for te
 
 import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
-from transformers.models.llama.modeling_llama import (LlamaRMSNorm, LlamaRotaryEmbedding,  # noqa: E402
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 import kernels  # noqa: E402
 from kernels.activation import silu_and_mul_ref  # noqa: E402
@@ -24,8 +27,14 @@ from kernels.prefill_attention import prefill_attention_ref  # noqa: E402
 from kernels.rms_norm import rms_norm_ref  # noqa: E402
 from kernels.rotary import rotary_ref  # noqa: E402
 from kernels.store_kv import store_kv_ref  # noqa: E402
-from tests.conftest_kernels import (LAYER, cu_seqlens_of, make_paged_batch, naive_decode,  # noqa: E402
-                                    naive_prefill, rel_err)
+from tests.conftest_kernels import (  # noqa: E402
+    LAYER,
+    cu_seqlens_of,
+    make_paged_batch,
+    naive_decode,
+    naive_prefill,
+    rel_err,
+)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])

@@ -26,7 +26,13 @@ from kernels.prefill_attention import prefill_attention_ref, prefill_attention_t
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
-from tests.conftest_kernels import LAYER, cu_seqlens_of, make_paged_batch, poisoned_outputs, rel_err  # noqa: E402
+from tests.conftest_kernels import (  # noqa: E402
+    LAYER,
+    cu_seqlens_of,
+    make_paged_batch,
+    poisoned_outputs,
+    rel_err,
+)
 
 NO_CUDA = not torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and NO_CUDA), reason="needs triton and no CUDA device")

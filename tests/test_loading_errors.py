@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, ModelConfig
-from engine.engine import Engine
 from engine.core.messages import Request
-from engine.worker.model_runner import load_model
 from engine.core.sampling_params import SamplingParams
+from engine.engine import Engine
 from engine.model.weights import WeightError
+from engine.worker.model_runner import load_model
 from tests.models import demo_checkpoint, engine_config
 
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 import transformers
 
+from engine.config import ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
-from engine.config import ModelConfig
-from engine.llm import LLM
 from engine.core.messages import Request
-from engine.worker.model_runner import ModelRunner, load_model
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
+from engine.llm import LLM
+from engine.worker.model_runner import ModelRunner, load_model
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 
 CHECKPOINTS = {

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from engine.llm import LLM
 from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 from kernels._triton import HAS_TRITON
 from tests.models import demo_checkpoint, engine_config
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.worker.penalties import apply_penalties
 from engine.worker.sampler import Sampler
-from engine.core.sampling_params import SamplingParams
 
 VOCAB = 1000
 PADDED = 1024

@@ -9,8 +9,16 @@ import pytest
 
 from engine.engine import Engine
 from server.state import STATE
-from tests.test_server_api import MAX_MODEL_LEN, USER, client, engine_config, engines, finished, serve, \
-    wait_until_idle  # noqa: F401  (fixtures)
+from tests.test_server_api import (
+    MAX_MODEL_LEN,
+    USER,
+    client,
+    engine_config,
+    engines,
+    finished,
+    serve,
+    wait_until_idle,  # noqa: F401  (fixtures)
+)
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(MAX_MODEL_LEN * 2))
 

@@ -23,7 +23,6 @@ from server.metrics import Metrics
 from server.protocol import load_json_object, parse_chat, parse_completion
 from server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
 
-
 # request parsing
 
 def test_completion_prompt_forms_and_sampling_fields():

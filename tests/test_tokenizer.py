@@ -11,8 +11,8 @@ import jinja2.sandbox
 import pytest
 from transformers import AutoTokenizer
 
-from engine.model.demo_corpus import ENDOFTEXT, IM_END, IM_START
 from engine.model.demo import make_model
+from engine.model.demo_corpus import ENDOFTEXT, IM_END, IM_START
 from engine.text.tokenizer import Tokenizer
 
 TEXTS = [

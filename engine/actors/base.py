@@ -15,8 +15,8 @@ import torch
 from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
 from engine.core.messages import ActorStats, FinishReason, SampledToken, TokenLogprob
-from engine.worker.model_runner import ModelRunner
 from engine.core.sequence import Sequence
+from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

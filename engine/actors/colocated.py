@@ -5,9 +5,9 @@ from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request
-from engine.worker.model_runner import ModelRunner
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler
 from engine.core.sequence import Sequence
+from engine.worker.model_runner import ModelRunner
 
 
 class ColocatedActor(Actor):

@@ -7,9 +7,9 @@ from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, KVHandoff, Preempted
-from engine.worker.model_runner import ModelRunner
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
+from engine.worker.model_runner import ModelRunner
 
 
 class DecodeActor(Actor):

@@ -5,15 +5,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.actors.base import Actor, Emit
+from engine.actors.decode import DecodeActor
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import blocks_for
 from engine.core.config import SchedulerConfig
-from engine.actors.decode import DecodeActor
-from engine.transfer.base import KVTransfer
 from engine.core.messages import Abort, KVHandoff, Preempted, Request
-from engine.worker.model_runner import ModelRunner
 from engine.core.scheduler import PrefillScheduler
 from engine.core.sequence import Sequence
+from engine.transfer.base import KVTransfer
+from engine.worker.model_runner import ModelRunner
 
 
 @dataclass(slots=True, eq=False)

@@ -6,7 +6,13 @@ from typing import Sequence
 
 import torch
 
-from engine.transfer.base import TransferHandle, block_nbytes, check_copy, coalesce_runs, timing_events
+from engine.transfer.base import (
+    TransferHandle,
+    block_nbytes,
+    check_copy,
+    coalesce_runs,
+    timing_events,
+)
 
 
 def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:

@@ -7,13 +7,13 @@ import time
 import torch
 
 from engine.core.batch import Batch, ScheduledChunk
-from engine.model.config import ModelConfig
-from engine.worker.cuda_graph import DecodeGraphs
-from engine.model.forward_batch import ForwardBatch
 from engine.core.messages import TokenLogprob
+from engine.model.config import ModelConfig
+from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
-from engine.worker.sampler import Sampler
 from engine.model.weights import load_weights
+from engine.worker.cuda_graph import DecodeGraphs
+from engine.worker.sampler import Sampler
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 
 from engine.core.messages import TokenLogprob
-from engine.worker.penalties import apply_penalties, mask_stop_tokens
 from engine.core.sampling_params import SamplingParams
+from engine.worker.penalties import apply_penalties, mask_stop_tokens
 
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63
