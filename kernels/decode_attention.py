@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
+from kernels.kv_layout import KVLayout
 
 
 def gather_blocks(kv_pool: torch.Tensor, layer: int,
@@ -13,11 +14,11 @@ def gather_blocks(kv_pool: torch.Tensor, layer: int,
 
     Entries past a sequence's blocks (any value, -1 included) read block 0; callers mask them."""
     num_seqs, width = block_tables.shape
-    block_size, num_kv_heads, head_dim = kv_pool.shape[3:]
+    layout = KVLayout.of(kv_pool)
     ids = block_tables.reshape(-1).long().clamp_min(0)
-    rows = kv_pool.view(kv_pool.shape[0], -1, block_size * num_kv_heads * head_dim)  # [N, L * 2, bs*Hkv*D]
-    k, v = (rows[:, 2 * layer + i].index_select(0, ids)  # [S * width, bs*Hkv*D]: one memcpy per block
-            .view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2) for i in (0, 1))
+    k, v = (cache.flatten(1).index_select(0, ids)  # [S * width, bs*Hkv*D]: one memcpy per block
+            .view(num_seqs, width * layout.block_size, layout.num_kv_heads, layout.head_dim).transpose(1, 2)
+            for cache in layout.layer(kv_pool, layer))
     return k, v
 
 
@@ -130,10 +131,11 @@ def decode_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                             num_splits: int | None = None) -> torch.Tensor:
     """Paged split-K decode attention; q [S, Hq, D] -> [S, Hq, D] (see decode_attention_ref)."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_blocks, num_layers, two, block_size, num_kv_heads, pool_dim = kv_pool.shape
-    assert two == 2 and pool_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < num_layers
+    layout = KVLayout.of(kv_pool)
+    block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
+    assert layout.head_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < layout.num_layers
     assert q.dtype == kv_pool.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert q.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert q.stride(2) == 1
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1
     assert context_lens.dtype == torch.int32 and context_lens.shape == (num_seqs,) and context_lens.is_contiguous()
@@ -153,8 +155,7 @@ def decode_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_pool, block_tables, context_lens, mid_o, mid_lse,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        block_tables.stride(0), *mid_o.stride()[:3], *mid_lse.stride()[:2],
+        *layout.strides(kv_pool), block_tables.stride(0), *mid_o.stride()[:3], *mid_lse.stride()[:2],
         group, head_dim, num_splits, PAGE_SIZE=block_size,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", num_warps=4, num_stages=2)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
 from kernels.decode_attention import decode_attention_ref, gather_blocks
+from kernels.kv_layout import KVLayout
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
@@ -38,7 +39,7 @@ def _same_shape_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, bloc
                         context_len: int, scale: float) -> torch.Tensor:
     # q: [m, q_len, Hq, D], every sequence with `context_len` tokens of context; returns the same shape
     q_len = q.shape[1]
-    num_blocks = -(-context_len // kv_pool.shape[3])
+    num_blocks = -(-context_len // KVLayout.of(kv_pool).block_size)
     k, v = gather_blocks(kv_pool, layer, block_tables[:, :num_blocks])  # [m, Hkv, n, D]
     k, v = k[:, :, :context_len].to(q.dtype), v[:, :, :context_len].to(q.dtype)
     qs = q.transpose(1, 2)  # [m, Hq, q_len, D]
@@ -133,11 +134,12 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
 
     Launches without reading anything back to the host."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, num_layers, two, block_size, num_kv_heads, pool_dim = kv_pool.shape
+    layout = KVLayout.of(kv_pool)
+    block_size, num_kv_heads = layout.block_size, layout.num_kv_heads
     num_seqs = context_lens.shape[0]
-    assert two == 2 and pool_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < num_layers
+    assert layout.head_dim == head_dim and num_q_heads % num_kv_heads == 0 and 0 <= layer < layout.num_layers
     assert q.dtype == kv_pool.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert q.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert q.stride(2) == 1
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (num_seqs + 1,)
     assert context_lens.dtype == torch.int32 and context_lens.dim() == 1
     assert cu_seqlens_q.is_contiguous() and context_lens.is_contiguous()
@@ -152,8 +154,7 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     _prefill_kernel[(num_tiles, num_q_heads)](
         q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
         layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles, PAGE_SIZE=block_size,
+        *layout.strides(kv_pool), block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles, PAGE_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
     return out

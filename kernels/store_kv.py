@@ -4,17 +4,19 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
+from kernels.kv_layout import KVLayout
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                  slot_mapping: torch.Tensor) -> None:
     # key, value: [T, Hkv, D]; kv_pool: [N, L, 2, bs, Hkv, D]; slot_mapping: [T]
-    block_size = kv_pool.shape[3]
+    block_size = KVLayout.of(kv_pool).block_size
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    kv_pool[:, layer, 0][blocks, offsets] = key[valid].to(kv_pool.dtype)
-    kv_pool[:, layer, 1][blocks, offsets] = value[valid].to(kv_pool.dtype)
+    k_cache, v_cache = KVLayout.layer(kv_pool, layer)
+    k_cache[blocks, offsets] = key[valid].to(kv_pool.dtype)
+    v_cache[blocks, offsets] = value[valid].to(kv_pool.dtype)
 
 
 @jit
@@ -42,17 +44,16 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tenso
                     slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slot_mapping [T] (-1 skips)."""
     num_tokens, num_kv_heads, head_dim = key.shape
-    num_blocks, num_layers, two, block_size, pool_heads, pool_dim = kv_pool.shape
-    assert value.shape == key.shape and two == 2 and (pool_heads, pool_dim) == (num_kv_heads, head_dim)
+    layout = KVLayout.of(kv_pool)
+    assert value.shape == key.shape and (layout.num_kv_heads, layout.head_dim) == (num_kv_heads, head_dim)
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert slot_mapping.is_contiguous() and 0 <= layer < num_layers
-    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_pool.stride(5) == 1
+    assert slot_mapping.is_contiguous() and 0 <= layer < layout.num_layers
+    assert key.stride(2) == 1 and value.stride(2) == 1
     assert key.dtype == value.dtype and key.device == kv_pool.device == slot_mapping.device
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
         key, value, kv_pool, slot_mapping, layer,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
-        num_kv_heads, head_dim, PAGE_SIZE=block_size,
+        *layout.strides(kv_pool), num_kv_heads, head_dim, PAGE_SIZE=layout.block_size,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim))

@@ -1,14 +1,15 @@
 """What every KV transfer backend shares: the copy handle, the protocol, coalesced runs, checks.
 
-pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous, so a run of
-consecutive block ids is one contiguous memory range and moves in one copy.
+Pools are laid out as `kernels.kv_layout.KVLayout` says: a run of consecutive block ids is one
+contiguous memory range and moves in one copy.
 """
 from __future__ import annotations
 
-import math
 from typing import Protocol, Sequence
 
 import torch
+
+from kernels.kv_layout import KVLayout
 
 
 class TransferUnavailable(RuntimeError):
@@ -89,14 +90,14 @@ def check_copy(
     src_pool: torch.Tensor, dst_pool: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> None:
     """Raise ValueError unless the pools share block geometry and dtype and the ids fit them."""
-    if src_pool.dim() < 2 or src_pool.shape[1:] != dst_pool.shape[1:]:
+    if _layout_or_none(src_pool) is None or _layout_or_none(src_pool) != _layout_or_none(dst_pool):
         raise ValueError(f"pool block geometry differs: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}")
     if src_pool.dtype != dst_pool.dtype:
         raise ValueError(f"pool dtypes differ: {src_pool.dtype} vs {dst_pool.dtype}")
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination block ids")
-    _check_ids("source", src_ids, src_pool.shape[0])
-    _check_ids("destination", dst_ids, dst_pool.shape[0])
+    _check_ids("source", src_ids, KVLayout.num_blocks(src_pool))
+    _check_ids("destination", dst_ids, KVLayout.num_blocks(dst_pool))
     if len(set(dst_ids)) != len(dst_ids):
         raise ValueError("destination block ids repeat")
 
@@ -107,8 +108,15 @@ def _check_ids(side: str, ids: Sequence[int], num_blocks: int) -> None:
         raise ValueError(f"{side} block ids {bad[:8]} out of range [0, {num_blocks})")
 
 
+def _layout_or_none(pool: torch.Tensor) -> KVLayout | None:
+    try:
+        return KVLayout.of(pool)
+    except ValueError:
+        return None
+
+
 def block_nbytes(pool: torch.Tensor) -> int:
-    return math.prod(pool.shape[1:]) * pool.element_size()
+    return KVLayout.of(pool).block_bytes(pool.dtype)
 
 
 def timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:

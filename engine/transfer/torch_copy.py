@@ -13,11 +13,13 @@ from engine.transfer.base import (
     coalesce_runs,
     timing_events,
 )
+from kernels.kv_layout import KVLayout
 
 
 def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
     for src, dst, length in runs:
-        dst_pool[dst:dst + length].copy_(src_pool[src:src + length], non_blocking=True)
+        KVLayout.block_view(dst_pool, dst, length).copy_(KVLayout.block_view(src_pool, src, length),
+                                                          non_blocking=True)
 
 
 class TorchTransfer:

@@ -6,6 +6,7 @@ import re
 import torch
 
 from engine.model.config import ModelConfig
+from kernels.kv_layout import KVLayout
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -39,9 +40,12 @@ def free_device_memory(device: torch.device) -> int:
 DEFAULT_KV_BUDGET = {"cpu": "2GiB", "cuda": "0.8"}
 
 
+def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
+    return KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elements = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim
-    return elements * torch.empty((), dtype=dtype).element_size()
+    return kv_layout(config, block_size).block_bytes(dtype)
 
 
 def num_kv_blocks(spec: str | None, share: float, device: torch.device, config: ModelConfig,

@@ -13,6 +13,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
 from engine.model.weights import load_weights
 from engine.worker.cuda_graph import DecodeGraphs
+from engine.worker.memory import kv_layout
 from engine.worker.sampler import Sampler
 
 
@@ -46,9 +47,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
         self.forward_seconds = 0.0       # model forward + logits, summed over steps
-        # pool: [num_blocks, layers, 2 (k, v), block_size, kv_heads, head_dim]
-        self.kv_pool = torch.zeros(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim,
-                                   dtype=self.dtype, device=self.device)
+        self.kv_layout = kv_layout(c, block_size)
+        self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
         self.graphs = None
         if graph_max_batch and self.device.type == "cuda":
