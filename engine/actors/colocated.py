@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from engine.actors.base import Actor, Emit
+from engine.core.admission import can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request
@@ -24,11 +25,7 @@ class ColocatedActor(Actor):
         self.decode = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self.prefill.add)
 
     def _has_room(self, seq: Sequence) -> bool:
-        needed = self.blocks.blocks_needed(seq.request_id, seq.num_tokens + 1)
-        if self.blocks.num_sequences == 0:
-            return True
-        return (self.blocks.num_sequences < self.max_num_seqs
-                and self.blocks.usage_after(needed) <= self.kv_watermark)
+        return can_admit(self.blocks, seq.request_id, seq.num_tokens + 1, self.max_num_seqs, self.kv_watermark)
 
     def handle(self, message) -> None:
         if isinstance(message, Request):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.actors.base import Actor, Emit
+from engine.core.admission import can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, KVHandoff, Preempted
@@ -29,9 +30,7 @@ class DecodeActor(Actor):
 
     def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
         """Blocks for a sequence about to be prefilled, or None (back-pressure) above the watermark."""
-        needed = self.blocks.blocks_needed(request_id, num_tokens)
-        over_watermark = self.blocks.num_sequences and self.blocks.usage_after(needed) > self.kv_watermark
-        if self.blocks.num_sequences >= self.max_num_seqs or needed > self.blocks.num_free or over_watermark:
+        if not can_admit(self.blocks, request_id, num_tokens, self.max_num_seqs, self.kv_watermark):
             return None
         return tuple(self.blocks.grow(request_id, num_tokens))
 

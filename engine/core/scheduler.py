@@ -5,6 +5,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
+from engine.core.admission import can_admit
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence
@@ -60,7 +61,7 @@ class PrefillScheduler:
         return Batch(tuple(chunks), is_decode=False) if chunks else None
 
     def _admit(self, seq: Sequence) -> bool:
-        if not self.blocks.can_grow(seq.request_id, seq.num_tokens):
+        if not can_admit(self.blocks, seq.request_id, seq.num_tokens):
             return False
         if self.reserve is not None and not self.reserve(seq):
             return False
