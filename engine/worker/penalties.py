@@ -3,12 +3,10 @@ frequency and presence penalties (vLLM semantics), batched over rows."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.worker.sampler import SamplingState
+from engine.worker.sampling_state import SamplingState
 
 
 def mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[SamplingState],

@@ -7,25 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from engine.core.messages import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.worker.penalties import apply_penalties, mask_stop_tokens
+from engine.worker.sampling_state import SamplingState
 
 _SEED_MULTIPLIER = 1_000_003
 _SEED_MODULUS = 2**63
 _NEG_INF = float("-inf")
-
-
-class SamplingState(Protocol):
-    """What the engine's sequence objects provide to the sampler."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far, not the one being sampled
 
 
 def generation_seed(seed: int, position: int) -> int:

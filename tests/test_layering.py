@@ -1,0 +1,93 @@
+"""engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
+
+    front (engine/*.py)  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+
+worker/ sits above core/ because a model runner runs what the schedulers built (core's plain
+batches and sampling parameters); core/ never touches a tensor. model/, transfer/ and text/ are
+peers: none imports another. Every import counts, including those inside functions and under
+TYPE_CHECKING.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = {"kernels": 0, "engine.model": 1, "engine.transfer": 1, "engine.text": 1, "engine.core": 2,
+         "engine.worker": 3, "engine.actors": 4, "engine": 5}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def group_of(module: str) -> str:
+    """The longest group name that `module` is in."""
+    return max((g for g in RANKS if module == g or module.startswith(g + ".")), key=len)
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {m for m in modules if m.split(".")[0] in ("engine", "kernels")}
+
+
+def project_modules() -> dict[str, Path]:
+    files = [*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py")]
+    return {module_name(f): f for f in files}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a `from package import name` of a module counts)."""
+    modules = project_modules()
+    return {name: {m for m in imported_modules(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def test_every_group_imports_only_groups_below_it():
+    upward = []
+    for module, imports in import_graph().items():
+        group = group_of(module)
+        for target in imports:
+            other = group_of(target)
+            if other != group and RANKS[other] >= RANKS[group]:
+                upward.append(f"{module} ({group}) imports {target} ({other})")
+    assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph, cycles = import_graph(), []
+    state: dict[str, int] = {}            # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "circular imports:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("source, target, ok", [
+    ("engine.actors.base", "engine.worker.model_runner", True),
+    ("engine.worker.model_runner", "engine.actors.base", False),
+    ("engine.model.llama", "engine.text.tokenizer", False),
+    ("kernels.store_kv", "engine.core.batch", False),
+])
+def test_the_rule_itself(source, target, ok):
+    upward = RANKS[group_of(target)] >= RANKS[group_of(source)] and group_of(target) != group_of(source)
+    assert upward is not ok
