@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step while the previous one runs, so host work overlaps "
+                        "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -51,7 +54,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, mode=args.mode,
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
-        kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph,
+        kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

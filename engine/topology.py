@@ -90,12 +90,15 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     sched, cache = config.scheduler, config.cache
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
+    step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
+                      max_seqs=2 * sched.max_num_seqs)
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
         blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
                                cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
-        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, per_seq)
-        return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores)]
+        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
+        return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
+                               _overlap(config, plan.prefill_device))]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
@@ -105,12 +108,18 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     decode_blocks = num_kv_blocks(cache.kv_cache_memory, 1.0 - prefill_share if shared else 1.0,
                                   plan.decode_device, model_config, cache.block_size, plan.dtype,
                                   per_seq * sched.max_num_seqs)
-    decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, per_seq)
-    decode = DecodeActor(decode_runner, sched,
-                         cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores)
+    decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
+    decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
+                         _overlap(config, plan.decode_device))
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
-    prefill = PrefillActor(ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos), decode,
-                           transfer, sched, plan.max_model_len, emit, plan.prefill_cores)
+    prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
+    prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
+                           _overlap(config, plan.prefill_device))
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]
+
+
+def _overlap(config: EngineConfig, device: torch.device) -> bool:
+    """Async scheduling: forced by the config, else on for CUDA (off on CPU: measured, bench/RESULTS.md)."""
+    return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"

@@ -1,7 +1,6 @@
 """Streaming text: incremental detokenization, one token at a time (`tokenizers`' DecodeStream)."""
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
@@ -29,27 +28,24 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # NOTE: a prompt ending inside a character must not swallow the output's first bytes
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
-        self._emitted: deque[int] = deque(context, maxlen=CONTEXT_TOKENS)
-        self._held: list[int] = []
+        self._ids = context                 # the context, then every output token
+        self._emitted = len(context)        # ids[:emitted] have produced their text
 
     def push(self, token_id: int) -> str:
         """Add one output token; return the new text it completes (often "", never a broken character)."""
+        self._ids.append(token_id)
         text = self._stream.step(self._backend, token_id)
         if text is None:
-            self._held.append(token_id)
             return ""
-        if self._held:
-            self._emitted.extend(self._held)
-            self._held.clear()
-        self._emitted.append(token_id)
+        self._emitted = len(self._ids)
         return text
 
     def flush(self) -> str:
         """At the end of the stream: the text held back so far (possibly ending in U+FFFD)."""
-        if not self._held:
+        if self._emitted == len(self._ids):
             return ""
-        context = list(self._emitted)
-        return self._decode(context + self._held)[len(self._decode(context)):]
+        context = self._ids[max(self._emitted - CONTEXT_TOKENS, 0):self._emitted]
+        return self._decode(context + self._ids[self._emitted:])[len(self._decode(context)):]
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
