@@ -20,10 +20,11 @@ from engine.core.messages import (
     TokenEvent,
     TokenLogprob,
 )
+from engine.model.resolve import resolve_model
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer
-from engine.topology import build_actors, make_plan, resolve_model_dir
+from engine.topology import build_actors, make_plan
 from engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
-        self.model_dir = resolve_model_dir(config.model)
+        model = resolve_model(config.model)
+        self.model_dir, self.model_name = model.path, model.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)

@@ -14,6 +14,7 @@ from engine.actors.decode import DecodeActor
 from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
+from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
@@ -38,18 +39,8 @@ class Plan:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A checkpoint directory; None or 'demo[:size[:arch]]' means the built-in demo model."""
-    from engine.model.demo import default_model_dir
-
-    if model is None or model.startswith("demo"):
-        parts = (model or "demo").split(":")
-        return default_model_dir(parts[1] if len(parts) > 1 else "base",
-                                 parts[2] if len(parts) > 2 else "llama")
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (no hub downloads: "
-                                f"pass a local Hugging Face style directory, or omit --model for the demo)")
-    return path
+    """The checkpoint directory a --model value names (see `engine.model.resolve`)."""
+    return resolve_model(model).path
 
 
 def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
