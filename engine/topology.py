@@ -16,12 +16,12 @@ from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
+from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_DTYPE = "bfloat16"      # measured: bench/RESULTS.md, "CPU dtype"
 PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
 
 
@@ -44,21 +44,40 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
-    prefill, decode = torch.device(config.prefill_device), torch.device(config.decode_device)
+    """Devices, mode, dtype and cores; an option not given is chosen from the machine (and logged)."""
+    prefill, decode = _devices(config)
     for device in (prefill, decode):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available")
     mode = config.mode or ("disaggregated" if prefill != decode or prefill.type == "cpu" else "colocated")
     if mode not in ("disaggregated", "colocated"):
         raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
-    dtype_name = config.dtype or ("bfloat16" if decode.type == "cuda" else CPU_DEFAULT_DTYPE)
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    dtype_name = config.dtype or _logged(choose_dtype([prefill, decode])).value
     limits = [model_config.max_position_embeddings, model_config.sliding_window or 1 << 30]
     max_model_len = min(limits + ([config.scheduler.max_model_len] if config.scheduler.max_model_len else []))
     prefill_cores, decode_cores = _split_cores(mode, config)
     return Plan(mode, prefill, decode if mode == "disaggregated" else prefill, DTYPES[dtype_name],
                 max_model_len, prefill_cores, decode_cores)
+
+
+def _devices(config: EngineConfig) -> tuple[torch.device, torch.device]:
+    prefill, decode = config.prefill_device, config.decode_device
+    if prefill is None or decode is None:
+        choice = choose_devices(visible_gpus())
+        if prefill is None and decode is None:
+            logger.info("%s", choice)
+        else:
+            logger.info("%s device %s: %s", *(("prefill", choice.prefill) if prefill is None
+                                               else ("decode", choice.decode)), choice.reason)
+        prefill, decode = prefill or choice.prefill, decode or choice.decode
+    return torch.device(prefill), torch.device(decode)
+
+
+def _logged(choice: Choice) -> Choice:
+    logger.info("%s", choice)
+    return choice
 
 
 def _split_cores(mode: str, config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
