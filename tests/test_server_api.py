@@ -221,7 +221,7 @@ async def test_raw_sse_framing(engines, serve, tiny_model_dir):
 
 
 async def test_models_and_health(engines, serve, tiny_model_dir):
-    base = await serve(engines("colocated"), served_model_name="tiny-test")
+    base = await serve(engines("colocated"), served_model_names=("tiny-test",))
     async with client(base) as c:
         models = await c.models.list()
         reply = await c.completions.create(model="tiny-test", prompt="x", max_tokens=2)
