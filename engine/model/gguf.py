@@ -57,14 +57,12 @@ def converted_dir(path: Path) -> Path:
     """
     path = Path(path).resolve()
     memo = _hash_memo(path)
-    if memo.is_file() and (cache_root() / _dir_name(memo.read_text().strip())).is_dir():
-        return cache_root() / _dir_name(memo.read_text().strip())
-    f = GGUFFile(path)
-    plan = _Plan(f)                                    # every check that needs no tensor data
+    remembered = cache_root() / _dir_name(memo.read_text().strip()) if memo.is_file() else None
+    if remembered is not None and remembered.is_dir():
+        return remembered
+    plan = _Plan(GGUFFile(path))                       # every check that needs no tensor data
     digest = file_sha256(path)
-    started = time.perf_counter()
     final = build_once(cache_root() / _dir_name(digest), lambda tmp: plan.write(tmp, digest))
-    logger.info("GGUF %s (sha256 %s...) is in %s (%.1f s)", path, digest[:12], final, time.perf_counter() - started)
     _write_atomically(memo, digest)
     return final
 
@@ -85,13 +83,15 @@ class _Plan:
         self.config = hf_config(f, self.dims, rope_freqs, ids)
 
     def write(self, out: Path, digest: str) -> None:
-        logger.info("converting %s into a checkpoint (once; cached by content hash)", self.f.path)
+        started = time.perf_counter()
+        logger.info("converting %s (sha256 %s...) once, into %s", self.f.path, digest[:12], cache_root())
         (out / "tokenizer.json").write_text(self.tokenizer.tokenizer_json, encoding="utf-8")
         _write_json(out / "tokenizer_config.json", self.tokenizer.tokenizer_config)
         _write_json(out / "generation_config.json", self._generation_config())
         write_safetensors(converted_tensors(self.f, self.specs), out)
         _write_json(out / SOURCE_FILE, self._source(digest))
         _write_json(out / "config.json", self.config)           # NOTE: last: a directory with it is whole
+        logger.info("converted %s in %.1f s", self.f.path.name, time.perf_counter() - started)
 
     def _generation_config(self) -> dict:
         t = self.tokenizer

@@ -51,35 +51,38 @@ def read_dims(f: GGUFFile) -> Dims:
 def tensor_specs(f: GGUFFile, d: Dims) -> dict[str, TensorSpec]:
     """Every tensor the file must hold, by GGUF name (output.weight only when present: else tied)."""
     a = f.arch
-    q, kv, llama = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, f.architecture == "llama"
-    vocab_keys, hidden_key, ffn_key = f"{a('vocab_size')}, {a('embedding_length')}", a("embedding_length"), \
-        f"{a('feed_forward_length')}, {a('embedding_length')}"
+    vocab = f"{a('vocab_size')}, {a('embedding_length')}"
+    specs = {"token_embd.weight": TensorSpec("model.embed_tokens.weight", (d.vocab_size, d.hidden_size), vocab),
+             "output_norm.weight": TensorSpec("model.norm.weight", (d.hidden_size,), a("embedding_length"))}
+    if "output.weight" in f.tensors:
+        specs["output.weight"] = TensorSpec("lm_head.weight", (d.vocab_size, d.hidden_size), vocab)
+    for i in range(d.num_layers):
+        specs |= _layer_specs(f, d, i)
+    return specs
+
+
+def _layer_specs(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
+    a, b, m, llama = f.arch, f"blk.{i}.", f"model.layers.{i}.", f.architecture == "llama"
+    q, kv, hidden, ffn = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.hidden_size, d.intermediate_size
     q_keys = f"{a('attention.head_count')}, {a('attention.key_length')}, {a('embedding_length')}"
     kv_keys = f"{a('attention.head_count_kv')}, {a('attention.key_length')}, {a('embedding_length')}"
-    specs = {"token_embd.weight": TensorSpec("model.embed_tokens.weight", (d.vocab_size, d.hidden_size), vocab_keys),
-             "output_norm.weight": TensorSpec("model.norm.weight", (d.hidden_size,), hidden_key)}
-    if "output.weight" in f.tensors:
-        specs["output.weight"] = TensorSpec("lm_head.weight", (d.vocab_size, d.hidden_size), vocab_keys)
-    for i in range(d.num_layers):
-        b, m = f"blk.{i}.", f"model.layers.{i}."
-        specs |= {
-            b + "attn_norm.weight": TensorSpec(m + "input_layernorm.weight", (d.hidden_size,), hidden_key),
-            b + "attn_q.weight": TensorSpec(m + "self_attn.q_proj.weight", (q, d.hidden_size), q_keys,
-                                            d.num_heads if llama else None),
-            b + "attn_k.weight": TensorSpec(m + "self_attn.k_proj.weight", (kv, d.hidden_size), kv_keys,
-                                            d.num_kv_heads if llama else None),
-            b + "attn_v.weight": TensorSpec(m + "self_attn.v_proj.weight", (kv, d.hidden_size), kv_keys),
-            b + "attn_output.weight": TensorSpec(m + "self_attn.o_proj.weight", (d.hidden_size, q), q_keys),
-            b + "ffn_norm.weight": TensorSpec(m + "post_attention_layernorm.weight", (d.hidden_size,), hidden_key),
-            b + "ffn_gate.weight": TensorSpec(m + "mlp.gate_proj.weight", (d.intermediate_size, d.hidden_size), ffn_key),
-            b + "ffn_up.weight": TensorSpec(m + "mlp.up_proj.weight", (d.intermediate_size, d.hidden_size), ffn_key),
-            b + "ffn_down.weight": TensorSpec(m + "mlp.down_proj.weight", (d.hidden_size, d.intermediate_size), ffn_key),
-        }
-        if not llama:                                                     # qwen2: q/k/v bias
-            specs |= {b + "attn_q.bias": TensorSpec(m + "self_attn.q_proj.bias", (q,), q_keys),
-                      b + "attn_k.bias": TensorSpec(m + "self_attn.k_proj.bias", (kv,), kv_keys),
-                      b + "attn_v.bias": TensorSpec(m + "self_attn.v_proj.bias", (kv,), kv_keys)}
-    return specs
+    ffn_keys = f"{a('feed_forward_length')}, {a('embedding_length')}"
+    specs = {
+        "attn_norm.weight": ("input_layernorm.weight", (hidden,), a("embedding_length"), None),
+        "attn_q.weight": ("self_attn.q_proj.weight", (q, hidden), q_keys, d.num_heads if llama else None),
+        "attn_k.weight": ("self_attn.k_proj.weight", (kv, hidden), kv_keys, d.num_kv_heads if llama else None),
+        "attn_v.weight": ("self_attn.v_proj.weight", (kv, hidden), kv_keys, None),
+        "attn_output.weight": ("self_attn.o_proj.weight", (hidden, q), q_keys, None),
+        "ffn_norm.weight": ("post_attention_layernorm.weight", (hidden,), a("embedding_length"), None),
+        "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, hidden), ffn_keys, None),
+        "ffn_up.weight": ("mlp.up_proj.weight", (ffn, hidden), ffn_keys, None),
+        "ffn_down.weight": ("mlp.down_proj.weight", (hidden, ffn), ffn_keys, None),
+    }
+    if not llama:                                                         # qwen2: q/k/v bias
+        specs |= {"attn_q.bias": ("self_attn.q_proj.bias", (q,), q_keys, None),
+                  "attn_k.bias": ("self_attn.k_proj.bias", (kv,), kv_keys, None),
+                  "attn_v.bias": ("self_attn.v_proj.bias", (kv,), kv_keys, None)}
+    return {b + name: TensorSpec(m + hf, shape, keys, heads) for name, (hf, shape, keys, heads) in specs.items()}
 
 
 def hf_config(f: GGUFFile, d: Dims, rope_freqs: np.ndarray | None, special_ids: dict[str, int | None]) -> dict:
