@@ -44,8 +44,8 @@ def test_bf16_units_that_win_the_probe_get_bfloat16(cpu):
 
 
 def test_bf16_units_that_lose_the_probe_get_float32():
-    choice = choose_cpu_dtype(AVX512_BF16, timings(float32=4e-4, bfloat16=3.8e-4))
-    assert choice.value == "float32" and "1.1x faster, under the 1.2x needed" in choice.reason
+    choice = choose_cpu_dtype(AVX512_BF16, timings(float32=4e-4, bfloat16=3.9e-4))
+    assert choice.value == "float32" and "1.0x faster, under the 1.1x needed" in choice.reason
 
 
 def test_float16_is_a_candidate_only_with_fp16_units():

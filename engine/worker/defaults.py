@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-MIN_SPEEDUP = 1.2                  # a narrower dtype must beat float32 by this much to be chosen
+MIN_SPEEDUP = 1.1                  # a narrower dtype must beat float32 by this much to be chosen
 SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, ~1 ms where a dtype is emulated
 PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP, well under 1 ms with hardware
 PROBE_BUDGET_S = 0.005             # all candidates together, once the slow ones have dropped out
