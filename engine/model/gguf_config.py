@@ -42,7 +42,8 @@ def read_dims(f: GGUFFile) -> Dims:
         raise f.error(f"unsupported architecture {f.architecture!r} (general.architecture); "
                       f"supported: {', '.join(ARCHITECTURES)}")
     hidden, heads = f.integer(f.arch("embedding_length")), f.integer(f.arch("attention.head_count"))
-    return Dims(vocab_size=f.integer(f.arch("vocab_size"), len(f.strings("tokenizer.ggml.tokens"))),
+    vocab = f.integer(f.arch("vocab_size")) if f.arch("vocab_size") in f else len(f.strings("tokenizer.ggml.tokens"))
+    return Dims(vocab_size=vocab,
                 hidden_size=hidden, intermediate_size=f.integer(f.arch("feed_forward_length")),
                 num_layers=f.integer(f.arch("block_count")), num_heads=heads,
                 num_kv_heads=_kv_heads(f, heads), head_dim=_head_dim(f, hidden, heads))

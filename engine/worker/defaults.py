@@ -143,9 +143,13 @@ def choose_cpu_dtype(cpu: CpuInfo, measure: Callable[[Sequence[str]], ProbeResul
 def choose_dtype(devices: Sequence[torch.device]) -> Choice:
     """The default dtype for a plan on `devices`: CUDA's rule when any is a GPU, else the CPU's."""
     indices = {d.index or 0 for d in devices if d.type == "cuda"}
-    if indices:
-        return choose_cuda_dtype([g for g in visible_gpus() if g.index in indices])
-    return choose_cpu_dtype(detect_cpu())
+    if not indices:
+        return choose_cpu_dtype(detect_cpu())
+    gpus = [g for g in visible_gpus() if g.index in indices]
+    if len(gpus) < len(indices):
+        raise ValueError(f"a device among {', '.join(map(str, devices))} is not one of the "
+                         f"{len(visible_gpus())} visible GPUs")
+    return choose_cuda_dtype(gpus)
 
 
 def probe(candidates: Mapping[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter,
