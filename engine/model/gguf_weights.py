@@ -20,7 +20,7 @@ from engine.model.gguf_config import TensorSpec
 from engine.model.gguf_reader import GGUFFile
 
 Q = gguf.GGMLQuantizationType
-SHARD_BYTES = 1 << 30          # NOTE: the conversion holds at most one shard (plus one tensor) in memory
+SHARD_BYTES = 256 << 20        # NOTE: bounds the memory of a conversion, and the mapped pages of a load, to ~one shard
 IGNORED = frozenset({"rope_freqs.weight"})     # folded into config.json's rope_scaling
 
 
