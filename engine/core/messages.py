@@ -24,6 +24,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     arrival_time: float = 0.0
+    cache_salt: str | None = None      # requests with different salts never share cached KV blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class TokenEvent(NamedTuple):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
