@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -262,5 +263,4 @@ def on_single_threaded_loader(fn, *args):
 
 
 def _with_arrival_time(request: Request) -> Request:
-    return Request(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                   time.monotonic())
+    return dataclasses.replace(request, arrival_time=time.monotonic())
