@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from engine.args import add_engine_args, engine_config_from_args
 from engine.worker.memory import parse_memory
-from server.config import ServerConfig
+from server.config import RequestLimits, ServerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULTS = ServerConfig()
+LIMITS = RequestLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
     g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
                    help="largest request body, e.g. 8MiB (413 above)")
-    g.add_argument("--max-n", type=int, default=DEFAULTS.max_n, help="largest `n` a request may ask for")
+    g.add_argument("--max-n", type=int, default=LIMITS.max_n, help="largest `n` a request may ask for")
+    g.add_argument("--max-total-tokens-per-request", type=int, default=LIMITS.max_total_tokens, metavar="N",
+                   help="largest n x max_tokens (over every prompt) of one request; 400 above it, and the cap "
+                        "on a request without max_tokens")
+    g.add_argument("--allow-client-priority", action="store_true",
+                   help="honour the `priority` field of requests (default: validated, then ignored)")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
                    help="seconds SIGTERM waits for running streams before aborting them")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -50,14 +56,19 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError naming the option for an invalid value."""
     if not 0 <= args.port <= 65535:
         raise ValueError("--port must be in [0, 65535]")
-    if args.max_n < 1 or args.max_body_bytes < 1:
-        raise ValueError("--max-n and --max-body-bytes must be positive")
+    if min(args.max_n, args.max_body_bytes, args.max_total_tokens_per_request) < 1:
+        raise ValueError("--max-n, --max-body-bytes and --max-total-tokens-per-request must be positive")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be non-negative")
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
                         served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
-                        max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                        max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
+def _limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(max_n=args.max_n, max_total_tokens=args.max_total_tokens_per_request,
+                         allow_client_priority=args.allow_client_priority)
 
 
 def run_serve(args: argparse.Namespace) -> int:

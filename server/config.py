@@ -7,6 +7,15 @@ from engine.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for; README.md, "Request limits", documents each."""
+
+    max_n: int = 16
+    max_total_tokens: int = 65536             # n x max_tokens over every prompt of one request
+    allow_client_priority: bool = False       # False: a request's `priority` is validated, then ignored
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -14,7 +23,7 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()  # the first is reported; (): the model's own name
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
-    max_n: int = 16
+    limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_timeout: float = 30.0
     retry_after: int = 1                      # seconds, on 429 and 503
     log_level: str = "info"

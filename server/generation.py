@@ -14,7 +14,7 @@ from aiohttp import web
 from engine.core.messages import FinishReason, Request, TokenEvent
 from engine.engine import EngineOverloaded, EngineStopped, RequestStream
 from server.errors import APIError, from_value_error
-from server.openai_format import ChatFormat, Choice, CompletionFormat
+from server.openai_format import ChatFormat, Choice, CompletionFormat, usage
 from server.protocol import ParsedRequest
 from server.sse import SSEWriter
 from server.state import AccessRecord, ServerState
@@ -52,7 +52,7 @@ class Generation:
                 self.choices.append(Choice(index, len(ids), echoes[p]))
                 choice_params = params if params.seed is None else replace(params, seed=params.seed + j)
                 requests.append(Request(request_id if single else f"{request_id}-{index}", ids, choice_params,
-                                        self.parsed.priority))
+                                        self.parsed.priority, cache_salt=self.parsed.cache_salt))
         return requests
 
     def submit(self) -> None:
@@ -136,8 +136,12 @@ class Generation:
 
     def usage(self) -> dict:
         completion = sum(c.num_output_tokens for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        return usage(self.prompt_tokens, completion, self._cached_tokens())
+
+    def _cached_tokens(self) -> int:
+        """Per prompt (counted once, as prompt_tokens is), the fewest cached tokens any of its n choices had."""
+        n = self.parsed.n
+        return sum(min(c.num_cached_tokens for c in self.choices[p:p + n]) for p in range(0, len(self.choices), n))
 
     def _on_event(self, index: int, event: TokenEvent) -> dict | None:
         """Update the choice and metrics; the chunk to stream, or None when there is nothing to send."""

@@ -29,6 +29,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None
@@ -52,6 +53,7 @@ class Choice:
         self.logprobs += event.logprobs
         self.offsets += offsets
         self.num_output_tokens = max(self.num_output_tokens, event.num_output_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
         if event.finish_reason is not None:
             self.finish_reason, self.error = event.finish_reason.value, event.error
         prefix = self.echo if len(self.text) == 1 else ""
@@ -72,9 +74,11 @@ class TokenText:
         return text
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's `usage` object, `prompt_tokens_details.cached_tokens` included (0 without a cache hit)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ChatFormat:

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from engine.core.sampling_params import SamplingParams
+from server.config import RequestLimits
 from server.errors import APIError, bad_request
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -30,6 +31,10 @@ _SAMPLING_FIELDS = (
     ("skip_special_tokens", "bool"),
 )
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+
 Prompt = str | tuple[int, ...]
 
 
@@ -45,7 +50,9 @@ class ParsedRequest:
     max_tokens: int | None                   # None: the rest of the context window
     max_tokens_param: str
     sampling: dict[str, Any]                 # SamplingParams keyword arguments but max_tokens
+    max_tokens_cap: int                      # most output tokens one choice may take (RequestLimits)
     priority: int = 0
+    cache_salt: str | None = None
     echo: bool = False
     messages: tuple[dict, ...] = ()
     prompts: tuple[Prompt, ...] = ()
@@ -61,7 +68,7 @@ class ParsedRequest:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
                                 f"your {self.prompt_param} resulted in {prompt_len} tokens.",
                            param=self.prompt_param, code="context_length_exceeded")
-        max_tokens = room if self.max_tokens is None else self.max_tokens
+        max_tokens = min(room, self.max_tokens_cap) if self.max_tokens is None else self.max_tokens
         if max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
@@ -81,7 +88,7 @@ def load_json_object(body: bytes) -> dict:
     return data
 
 
-def parse_chat(body: dict, max_n: int) -> ParsedRequest:
+def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     f = _Fields(body)
     logprobs, top_logprobs = f.get("logprobs", "bool", False), f.get("top_logprobs", "int")
     if top_logprobs is not None and not logprobs:
@@ -89,20 +96,26 @@ def parse_chat(body: dict, max_n: int) -> ParsedRequest:
     _check_logprobs(top_logprobs, "top_logprobs")
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(f, (top_logprobs or 0) if logprobs else None)
-    return ParsedRequest("chat", *_common(f, max_n), f.get_max_tokens(max_tokens_param), max_tokens_param,
-                         sampling, f.get("priority", "int", 0), messages=_messages(body.get("messages")))
+    common = _common(f, limits)
+    max_tokens = f.get_max_tokens(max_tokens_param)
+    return ParsedRequest("chat", *common, max_tokens, max_tokens_param, sampling,
+                         _max_tokens_cap(common[1], 1, max_tokens, max_tokens_param, limits),
+                         _priority(f, limits), _cache_salt(f), messages=_messages(body.get("messages")))
 
 
-def parse_completion(body: dict, max_n: int) -> ParsedRequest:
+def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     f = _Fields(body)
     logprobs = f.get("logprobs", "int")
     _check_logprobs(logprobs, "logprobs")
     echo = f.get("echo", "bool", False)
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-    return ParsedRequest("completion", *_common(f, max_n), f.get_max_tokens("max_tokens"), "max_tokens",
-                         _sampling(f, logprobs), f.get("priority", "int", 0), echo=echo,
-                         prompts=_prompts(body.get("prompt")))
+    common = _common(f, limits)
+    max_tokens = f.get_max_tokens("max_tokens")
+    prompts = _prompts(body.get("prompt"))
+    return ParsedRequest("completion", *common, max_tokens, "max_tokens", _sampling(f, logprobs),
+                         _max_tokens_cap(common[1], len(prompts), max_tokens, "max_tokens", limits),
+                         _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts)
 
 
 class _Fields:
@@ -125,11 +138,11 @@ class _Fields:
         return value
 
 
-def _common(f: _Fields, max_n: int) -> tuple[str | None, int, bool, bool]:
+def _common(f: _Fields, limits: RequestLimits) -> tuple[str | None, int, bool, bool]:
     model, n, stream = f.get("model", "str"), f.get("n", "int", 1), f.get("stream", "bool", False)
     f.get("user", "str")
-    if not 1 <= n <= max_n:
-        raise bad_request(f"n must be between 1 and {max_n}, got {n}", "n")
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     options = f.get("stream_options", "object")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -137,7 +150,34 @@ def _common(f: _Fields, max_n: int) -> tuple[str | None, int, bool, bool]:
     return model, n, stream, include_usage
 
 
+def _max_tokens_cap(n: int, num_prompts: int, max_tokens: int | None, param: str, limits: RequestLimits) -> int:
+    """The most output tokens one choice may take; APIError(400) when n x max_tokens, over every prompt,
+    is above `limits.max_total_tokens`."""
+    choices, limit = n * num_prompts, limits.max_total_tokens
+    wanted = choices * (max_tokens or 1)
+    if wanted > limit:
+        prompts = f" x {num_prompts} prompts" if num_prompts > 1 else ""
+        raise bad_request(f"n x max_tokens is {n}{prompts} x {max_tokens or 1} = {wanted} tokens, over this "
+                          f"server's limit of {limit} output tokens per request", param if max_tokens else "n")
+    return limit // choices
+
+
+def _priority(f: _Fields, limits: RequestLimits) -> int:
+    priority = f.get("priority", "int", 0)
+    return priority if limits.allow_client_priority else 0
+
+
+def _cache_salt(f: _Fields) -> str | None:
+    salt = f.get("cache_salt", "str")
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                          f"got {len(salt)}", "cache_salt")
+    return salt
+
+
 def _sampling(f: _Fields, logprobs: int | None) -> dict[str, Any]:
+    if f.get("logit_bias", "object"):
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     sampling = {name: value for name, kind in _SAMPLING_FIELDS if (value := f.get(name, kind)) is not None}
     stop = f.body.get("stop")
     if stop is not None:
@@ -155,6 +195,11 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("stop must be a non-empty string or an array of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    longest = max(len(s) for s in stops) if stops else 0
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"each stop string may be at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return tuple(stops)
 
 

@@ -37,7 +37,7 @@ def setup_routes(app: web.Application) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tokenizer = state.running_engine().tokenizer
-    parsed = parse_chat(load_json_object(await request.read()), state.config.max_n)
+    parsed = parse_chat(load_json_object(await request.read()), state.config.limits)
     model = state.check_model(parsed.model)
     size = sum(len(m["content"]) for m in parsed.messages)
     prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed)
@@ -48,7 +48,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tokenizer = state.running_engine().tokenizer
-    parsed = parse_completion(load_json_object(await request.read()), state.config.max_n)
+    parsed = parse_completion(load_json_object(await request.read()), state.config.limits)
     model = state.check_model(parsed.model)
     size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
     prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)

@@ -19,9 +19,12 @@ from engine.core.messages import ActorStats, EngineStats
 from engine.core.sampling_params import SamplingParams
 from server import cli
 from server.errors import APIError
+from server.config import RequestLimits
 from server.metrics import Metrics
 from server.protocol import load_json_object, parse_chat, parse_completion
 from server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
+
+LIMITS = RequestLimits()
 
 # request parsing
 
@@ -29,15 +32,15 @@ def test_completion_prompt_forms_and_sampling_fields():
     parsed = parse_completion({"prompt": ["a", "b"], "temperature": 1, "top_k": 5, "stop": "##", "seed": 3,
                                "stop_token_ids": [7, 8], "logprobs": 2, "n": 3, "priority": -1,
                                "stream": True, "stream_options": {"include_usage": True}, "unknown": {"x": 1}},
-                              max_n=4)
+                              RequestLimits(max_n=4, allow_client_priority=True))
     assert parsed.prompts == ("a", "b") and parsed.n == 3 and parsed.priority == -1
     assert parsed.stream and parsed.include_usage and parsed.max_tokens is None
     params = parsed.sampling_params(prompt_len=10, max_model_len=64)
     assert params == SamplingParams(max_tokens=54, temperature=1.0, top_k=5, stop=("##",), seed=3,
                                     stop_token_ids=(7, 8), logprobs=2)
     assert isinstance(params.temperature, float)
-    assert parse_completion({"prompt": [5, 6, 7]}, 1).prompts == ((5, 6, 7),)
-    assert parse_completion({"prompt": [[5], [6, 7]]}, 1).prompts == ((5,), (6, 7))
+    assert parse_completion({"prompt": [5, 6, 7]}, LIMITS).prompts == ((5, 6, 7),)
+    assert parse_completion({"prompt": [[5], [6, 7]]}, LIMITS).prompts == ((5,), (6, 7))
 
 
 def test_chat_messages_logprobs_and_max_completion_tokens():
@@ -46,13 +49,13 @@ def test_chat_messages_logprobs_and_max_completion_tokens():
                                                                    {"type": "text", "text": "b"}]},
                                       {"role": "assistant", "content": None, "name": "bot"}],
                          "logprobs": True, "top_logprobs": 4, "max_tokens": 3, "max_completion_tokens": 9},
-                        max_n=1)
+                        RequestLimits(max_n=1))
     assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
                                {"role": "assistant", "content": "", "name": "bot"})
     assert parsed.max_tokens == 9 and parsed.max_tokens_param == "max_completion_tokens"
     assert parsed.sampling["logprobs"] == 4
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 1).sampling["logprobs"] == 0
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, 1).sampling["logprobs"] is None
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, LIMITS).sampling["logprobs"] == 0
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, LIMITS).sampling["logprobs"] is None
 
 
 @pytest.mark.parametrize("body", [b"", b"nul", b"\"text\"", b"{\"a\": NaN}", b"{\"a\": 1e999}"])
@@ -63,7 +66,7 @@ def test_bodies_that_are_not_json_objects(body):
 
 
 def test_context_window_arithmetic():
-    parsed = parse_completion({"prompt": "x", "max_tokens": 6}, 1)
+    parsed = parse_completion({"prompt": "x", "max_tokens": 6}, LIMITS)
     assert parsed.sampling_params(prompt_len=10, max_model_len=16).max_tokens == 6
     for prompt_len, param in ((11, "max_tokens"), (16, "prompt"), (40, "prompt")):
         with pytest.raises(APIError) as e:
@@ -175,8 +178,11 @@ def test_no_command_serves_with_default_options(monkeypatch):
     serve = dataclasses.replace(cli.COMMANDS["serve"], run=lambda args: seen.append(args) or 0)
     monkeypatch.setitem(cli.COMMANDS, "serve", serve)
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
-    assert cli.main([]) == 0 and cli.main(["--port", "9001", "--max-body-bytes", "1MiB"]) == 0
+    assert cli.main([]) == 0 and cli.main(["--port", "9001", "--max-body-bytes", "1MiB", "--max-n", "2",
+                                           "--max-total-tokens-per-request", "4096", "--allow-client-priority"]) == 0
     default, custom = (cli.server_config_from_args(args) for args in seen)
+    assert default.limits == LIMITS and not default.limits.allow_client_priority
+    assert custom.limits == RequestLimits(max_n=2, max_total_tokens=4096, allow_client_priority=True)
     assert (default.host, default.port, default.api_key, default.engine.model) == ("127.0.0.1", 8000, None, None)
     assert default.engine.cache == CacheConfig() and default.engine.scheduler == SchedulerConfig()
     assert custom.port == 9001 and custom.max_body_bytes == 2**20
