@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime
 import itertools
 import json
-import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
+from dataclasses import dataclass
 
 import aiohttp
 from tqdm import tqdm
 
+from bench.documents import arguments_dict, result_document, write_json
 from bench.metrics import (
     LATENCY_METRICS,
     RequestRecord,
@@ -208,66 +202,6 @@ def endpoint_from_args(args: argparse.Namespace, model: str) -> EndpointConfig:
         length_control=args.length_control, temperature=args.temperature, extra_body=args.extra_body or {},
         require_done=args.require_done, request_timeout=args.request_timeout,
     )
-
-
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def arguments_dict(args: argparse.Namespace) -> dict:
-    """The parsed flags as plain values (callables, e.g. a subcommand handler, left out)."""
-    plain = (str, int, float, bool, list, dict, type(None))
-    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items() if not callable(v)}
-
-
-def result_document(label: str, endpoint: EndpointConfig, traffic: TrafficSpec, workload: WorkloadSpec,
-                    summary: dict, records: Iterable[RequestRecord], arguments: dict) -> dict:
-    """The --result-json document: run description, summary, every request."""
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_description(),
-        "label": label,
-        "base_url": endpoint.base_url,
-        "model": endpoint.model,
-        "endpoint": endpoint.endpoint,
-        "workload": asdict(workload),
-        "traffic": asdict(traffic),
-        "arguments": arguments,
-        "summary": summary,
-        "requests": [record.to_json() for record in records],
-    }
-
-
-def machine_description() -> str:
-    """CPU model, core counts, OS and the versions that matter, in one line."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {os.cpu_count()} cores ({usable} usable), {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {_version('torch')}, transformers {_version('transformers')}")
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def write_json(path: str | Path, document: dict) -> None:
-    """Write `document` as strict JSON (inf and nan become strings), creating parent folders."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(document), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench import compare, loadtest
+from bench import compare, compare_report, loadtest, servers
 from bench.metrics import summarize
 from bench.sse_client import EndpointConfig
 from bench.workloads import (
@@ -361,9 +361,9 @@ def test_arrival_gaps_have_the_gamma_mean_and_variance():
     assert again == offsets[:10].tolist()
 
 
-def _fake_spec(name: str, title: str, mode: str, **overrides) -> compare.ServerSpec:
+def _fake_spec(name: str, title: str, mode: str, **overrides) -> servers.ServerSpec:
     code = f"import sys; from tests.test_bench_loadtest import serve_fake; serve_fake(int(sys.argv[1]), {mode!r})"
-    return compare.ServerSpec(name, title, (sys.executable, "-c", code, "{port}"), **overrides)
+    return servers.ServerSpec(name, title, (sys.executable, "-c", code, "{port}"), **overrides)
 
 
 def _compare_args(tmp_path: Path) -> argparse.Namespace:
@@ -390,14 +390,14 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     for server in document["servers"]:
         assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
         assert server["summary"]["total_output_tokens"] == 24 and len(server["requests"]) == 6
-    assert set(document["targets"]) == {target[0] for target in compare.TARGETS}
+    assert set(document["targets"]) == {target[0] for target in compare_report.TARGETS}
     assert document["traffic"]["request_rate"] == "inf" and document["model"] == "MODEL"
     assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     first = md.read_text()
     assert "| status | ok | ok | ok |" in first and "--first" in first
 
-    broken = compare.ServerSpec("transformers", "transformers serve",
+    broken = servers.ServerSpec("transformers", "transformers serve",
                                 (sys.executable, "-c", "import sys; print('no fastapi here'); sys.exit(3)"), **hf)
     specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"), broken]
     assert compare.run_comparison(specs, args, options, "MODEL", "python -m bench.compare --second") == 1
@@ -407,11 +407,11 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     assert document["targets"]["output tok/s >= 2 x transformers serve"] == "n/a (transformers serve failed)"
     second = md.read_text()
     assert second.startswith("# results\n\nhand-written notes\n")
-    begin, end = compare.section_markers("default")
+    begin, end = compare_report.section_markers("default")
     assert second.count(begin) == 1 and second.count(end) == 1
     assert "--second" in second and "--first" not in second and "| status | ok | **failed** |" in second
-    compare.replace_section(md, "saturated", "## another workload")
-    compare.replace_section(md, "saturated", "## another workload, again")
+    compare_report.replace_section(md, "saturated", "## another workload")
+    compare_report.replace_section(md, "saturated", "## another workload, again")
     third = md.read_text()
     assert third.startswith(second) and third.count("## another workload") == 1 and "again" in third
 
@@ -433,9 +433,9 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 
 
 async def test_server_dying_mid_run_gives_errors_not_a_hang(tmp_path):
-    port = compare.free_port()
+    port = servers.free_port()
     code = f"import sys; from tests.test_bench_loadtest import serve_fake; serve_fake({port}, 'dies')"
-    with compare.ManagedServer([sys.executable, "-c", code], tmp_path / "s.log", {}, grace=5) as server:
+    with servers.ManagedServer([sys.executable, "-c", code], tmp_path / "s.log", {}, grace=5) as server:
         await asyncio.to_thread(server.wait_ready, f"http://127.0.0.1:{port}", 60)
         endpoint = EndpointConfig(f"http://127.0.0.1:{port}", "fake-model")
         result = await _bench(endpoint, _samples()[:6], max_concurrency=1)
@@ -445,33 +445,33 @@ async def test_server_dying_mid_run_gives_errors_not_a_hang(tmp_path):
 
 
 def test_managed_server_escalates_to_sigkill(tmp_path):
-    port = compare.free_port()
+    port = servers.free_port()
     argv = [sys.executable, "-c", STUBBORN_SERVER, str(port)]
-    with compare.ManagedServer(argv, tmp_path / "s.log", {}, grace=0.5) as server:
+    with servers.ManagedServer(argv, tmp_path / "s.log", {}, grace=0.5) as server:
         assert server.wait_ready(f"http://127.0.0.1:{port}", timeout=60) == "stubborn"
     assert server.process.returncode == -9
 
 
 def test_managed_server_readiness_failures_and_sigterm(tmp_path):
     exits = [sys.executable, "-c", "import sys; print('bad flag --x'); sys.exit(3)"]
-    with compare.ManagedServer(exits, tmp_path / "a.log", {}, grace=5) as server:
+    with servers.ManagedServer(exits, tmp_path / "a.log", {}, grace=5) as server:
         with pytest.raises(RuntimeError, match="exited with code 3 before it was ready: bad flag --x"):
-            server.wait_ready(f"http://127.0.0.1:{compare.free_port()}", timeout=60)
+            server.wait_ready(f"http://127.0.0.1:{servers.free_port()}", timeout=60)
     silent = [sys.executable, "-c", "import time; print('loading'); time.sleep(600)"]
-    with compare.ManagedServer(silent, tmp_path / "b.log", {}, grace=30) as server:
+    with servers.ManagedServer(silent, tmp_path / "b.log", {}, grace=30) as server:
         with pytest.raises(RuntimeError, match="not ready after 1 s"):
-            server.wait_ready(f"http://127.0.0.1:{compare.free_port()}", timeout=1.0)
+            server.wait_ready(f"http://127.0.0.1:{servers.free_port()}", timeout=1.0)
     assert server.process.returncode == -15
 
 
 def test_server_specs_commands():
-    specs = compare.server_specs("/m", ["pdserve-colocated", "pdserve-disaggregated"], ["--dtype", "float32"], [])
-    shown = [compare.display_command([part.replace("{port}", "9") for part in spec.argv]) for spec in specs]
+    specs = servers.server_specs("/m", ["pdserve-colocated", "pdserve-disaggregated"], ["--dtype", "float32"], [])
+    shown = [servers.display_command([part.replace("{port}", "9") for part in spec.argv]) for spec in specs]
     common = "--prefill-device cpu --decode-device cpu --dtype float32"
     assert shown == [f"pdserve serve --model /m --port 9 --mode colocated {common}",
                      f"pdserve serve --model /m --port 9 --mode disaggregated {common}"]
-    (hf,) = compare.server_specs("/m", ["transformers"], [], ["--dtype", "bfloat16"])
-    assert compare.display_command([p.replace("{port}", "9") for p in hf.argv]) == (
+    (hf,) = servers.server_specs("/m", ["transformers"], [], ["--dtype", "bfloat16"])
+    assert servers.display_command([p.replace("{port}", "9") for p in hf.argv]) == (
         "transformers serve /m --continuous-batching --device cpu --host 127.0.0.1 --port 9 --dtype bfloat16")
     assert (hf.length_control, hf.require_done, hf.env["HF_HUB_OFFLINE"]) == ("generation-config", False, "1")
 
@@ -480,10 +480,10 @@ def test_server_specs_commands():
 def test_pdserve_bench_against_real_server(tmp_path):
     from engine.model.demo import default_model_dir
 
-    port = compare.free_port()
+    port = servers.free_port()
     model_dir = str(default_model_dir("tiny"))
     serve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port)]
-    with compare.ManagedServer(serve, tmp_path / "server.log", {}, grace=30) as server:
+    with servers.ManagedServer(serve, tmp_path / "server.log", {}, grace=30) as server:
         server.wait_ready(f"http://127.0.0.1:{port}", timeout=240)
         out = tmp_path / "bench.json"
         bench = subprocess.run(

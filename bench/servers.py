@@ -1,0 +1,166 @@
+"""The servers bench.compare starts: how to start each, and a subprocess that is always stopped."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.metrics import RequestRecord
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER_NAMES = ("pdserve-disaggregated", "pdserve-colocated", "transformers")
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """How to start one server; "{port}" in `argv` is replaced by the chosen port."""
+
+    name: str
+    title: str
+    argv: tuple[str, ...]
+    length_control: str = "vllm"
+    require_done: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    unavailable: str = ""  # why it cannot run here; empty when it can
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOutcome:
+    spec: ServerSpec
+    command: str
+    error: str = ""
+    startup_s: float = 0.0
+    summary: dict | None = None
+    records: tuple[RequestRecord, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class ManagedServer:
+    """A server subprocess in its own session, stopped on exit: SIGTERM, then SIGKILL after `grace` s."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str], grace: float) -> None:
+        self.argv, self.log_path, self.env, self.grace = argv, log_path, env, grace
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ManagedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=os.environ | self.env,
+                                            start_new_session=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM the group, wait up to `grace` s for the server, then SIGKILL whatever of it is left."""
+        if self.process is None:
+            return
+        self._signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=self.grace)
+        self._signal(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)  # NOTE: its own session: the group is the server and its children
+
+    def log_tail(self, lines: int = 6) -> str:
+        text = self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path.exists() else ""
+        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def wait_ready(self, base_url: str, timeout: float) -> str:
+        """Poll GET /health, then GET /v1/models, until both answer 200; return the first model id.
+
+        Raises RuntimeError if the process exits first or `timeout` seconds pass.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with code {self.process.returncode} before it was ready: {self.log_tail()}")
+            model = _probe(base_url)
+            if model is not None:
+                return model
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready after {timeout:g} s: {self.log_tail()}")
+
+
+def _probe(base_url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as health:
+            if health.status != 200:
+                return None
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as models:
+            return json.loads(models.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_model_dir() -> str:
+    from engine.model.demo import default_model_dir as demo_dir
+
+    return str(demo_dir("base"))
+
+
+def transformers_unavailable() -> str:
+    """Why `transformers serve` cannot run here ("" when it can): its serving extras, and
+    accelerate (it loads models with a device_map), must be installed."""
+    try:
+        from transformers.utils.import_utils import (
+            is_accelerate_available,
+            is_serve_available,
+        )
+    except ImportError:
+        return "transformers is not installed"
+    missing = [name for name, ok in (("fastapi+uvicorn (transformers[serving])", is_serve_available()),
+                                     ("accelerate", is_accelerate_available())) if not ok]
+    return f"transformers serve needs {' and '.join(missing)}, not installed here" if missing else ""
+
+
+def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
+                 transformers_args: list[str]) -> list[ServerSpec]:
+    """The servers to compare, in `names` order."""
+    pdserve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", "{port}"]
+    devices = ["--prefill-device", "cpu", "--decode-device", "cpu"]
+    hf = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
+          "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}"]
+    specs = {
+        "pdserve-disaggregated": ServerSpec("pdserve-disaggregated", "pdserve disaggregated",
+                                            (*pdserve, "--mode", "disaggregated", *devices, *pdserve_args)),
+        "pdserve-colocated": ServerSpec("pdserve-colocated", "pdserve colocated",
+                                        (*pdserve, "--mode", "colocated", *devices, *pdserve_args)),
+        "transformers": ServerSpec("transformers", "transformers serve", (*hf, *transformers_args),
+                                   length_control="generation-config", require_done=False, env=OFFLINE_ENV,
+                                   unavailable=transformers_unavailable() if "transformers" in names else ""),
+    }
+    return [specs[name] for name in names]
+
+
+PROGRAMS = {("-m", "server.cli"): "pdserve", ("-m", "transformers.cli.transformers"): "transformers"}
+
+
+def display_command(argv: list[str]) -> str:
+    """`argv` as a shell line, `python -m server.cli` shown as the `pdserve` command it is."""
+    program = PROGRAMS.get(tuple(argv[1:3]))
+    return shlex.join([program, *argv[3:]] if program else argv)
