@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import itertools
 import shlex
 import signal
 import sys
@@ -24,8 +23,9 @@ from pathlib import Path
 from bench import loadtest
 from bench.compare_report import evaluate_targets, render_section, replace_section
 from bench.documents import arguments_dict, machine_description, write_json
-from bench.metrics import markdown_comparison, summarize
+from bench.metrics import BenchResult, markdown_comparison
 from bench.servers import (
+    PREFIX_CACHING_AB,
     REPO,
     SERVER_NAMES,
     ManagedServer,
@@ -34,15 +34,13 @@ from bench.servers import (
     default_model_dir,
     display_command,
     free_port,
+    parse_variant,
     server_specs,
+    variant_specs,
 )
 from bench.sse_client import EndpointConfig
-from bench.workloads import (
-    add_traffic_arguments,
-    add_workload_arguments,
-    build_workload,
-    warmup_spec,
-)
+from bench.turn_metrics import markdown_turns
+from bench.workloads import add_traffic_arguments, add_workload_arguments
 
 
 def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Options,
@@ -63,26 +61,32 @@ def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Opt
             return ServerOutcome(spec, command, error=str(error))
         startup = time.monotonic() - started
         result = asyncio.run(_benchmark(spec, base_url, model, args, options))
-    summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
+    summary = loadtest.summarize_run(result, options)
     error = "" if summary["completed"] else f"no request succeeded: {summary['errors']}"
     return ServerOutcome(spec, command, error, startup, summary, result.records)
 
 
 async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse.Namespace,
-                     options: loadtest.Options) -> loadtest.BenchResult:
+                     options: loadtest.Options) -> BenchResult:
     endpoint = EndpointConfig(base_url=base_url, model=model, endpoint=args.endpoint,
                               length_control=spec.length_control, temperature=args.temperature,
                               require_done=spec.require_done, request_timeout=args.request_timeout)
-    warmups = itertools.islice(build_workload(warmup_spec(options.workload)), options.traffic.num_warmups)
-    return await loadtest.benchmark(endpoint, build_workload(options.workload), options.traffic, warmups,
-                                    progress=not args.disable_tqdm)
+    endpoint = loadtest.workload_endpoint(endpoint, options.workload)
+    return await loadtest.run_workload(endpoint, options, progress=not args.disable_tqdm)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `python -m bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
     results = REPO / "bench" / "results"
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo 'base' model)")
-    parser.add_argument("--servers", default=",".join(SERVER_NAMES), help=f"comma list from {', '.join(SERVER_NAMES)}")
+    parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES)} (default: all "
+                                                         "three, none with --pdserve-variant or --prefix-caching-ab)")
+    parser.add_argument("--pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also run a pdserve server named NAME with these extra flags (repeatable), e.g. "
+                             "--pdserve-variant big-blocks='--block-size 32'")
+    parser.add_argument("--prefix-caching-ab", action="store_true",
+                        help="pdserve with --enable-prefix-caching against --no-enable-prefix-caching, by default on "
+                             "the multiturn workload in the RESULTS.md section 'prefix-caching'")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -93,14 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_traffic_arguments(parser)
     loadtest.add_metric_arguments(parser)
-    parser.set_defaults(dataset_name="mixed", num_prompts=40, request_rate=2.0, short_input_len=64,
-                        long_input_len=1024, output_len=32, long_fraction=0.1, num_warmups=2)
+    parser.set_defaults(num_prompts=40, request_rate=2.0, short_input_len=64, long_input_len=1024, output_len=32,
+                        long_fraction=0.1, num_warmups=2, num_conversations=12, system_prompt_len=256,
+                        user_message_len=32)
     parser.add_argument("--result-json", default=str(results / "compare.json"))
     parser.add_argument("--plot", default=str(results / "compare.png"))
     parser.add_argument("--log-dir", default=str(results / "logs"), help="one server log per server")
     parser.add_argument("--results-md", default=str(REPO / "bench" / "RESULTS.md"), help="'' to leave it alone")
-    parser.add_argument("--section", default="default",
-                        help="name of the RESULTS.md section this run replaces (e.g. one per workload)")
+    parser.add_argument("--section", default=None,
+                        help="name of the RESULTS.md section this run replaces (e.g. one per workload; default: "
+                             "'default', 'prefix-caching' with --prefix-caching-ab)")
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -145,20 +151,52 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     Returns 0 when every server served, 1 when any failed, 2 on invalid flags, 130 on Ctrl-C
     or SIGTERM (servers are stopped in every case).
     """
-    names = [name.strip() for name in args.servers.split(",") if name.strip()]
     model_dir = args.model or default_model_dir()
     if args.tokenizer is None and (Path(model_dir) / "tokenizer.json").is_file():
         args.tokenizer = model_dir  # size prompts in the served model's tokens
     try:
         options = loadtest.options_from_args(args)
-        if not names or set(names) - set(SERVER_NAMES):
-            raise ValueError(f"--servers must name some of {', '.join(SERVER_NAMES)}")
+        specs = selected_specs(args, model_dir)
     except (ValueError, OSError) as error:
         print(f"bench.compare: error: {error}", file=sys.stderr)
         return 2
-    specs = server_specs(model_dir, names, shlex.split(args.pdserve_args), shlex.split(args.transformers_args))
     command = shlex.join(["python", "-m", "bench.compare", *(sys.argv[1:] if argv is None else argv)])
     return run_comparison(specs, args, options, model_dir, command)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The `python -m bench.compare` flags of `argv` (default sys.argv[1:]), presets applied."""
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _apply_presets(args)
+    return args
+
+
+def _apply_presets(args: argparse.Namespace) -> None:
+    """Fill the defaults that depend on --prefix-caching-ab: its two servers, workload and section."""
+    ab = args.prefix_caching_ab
+    if ab:
+        args.pdserve_variant = [f"{name}={flags}" for name, flags in PREFIX_CACHING_AB] + args.pdserve_variant
+    if args.servers is None:
+        args.servers = "" if args.pdserve_variant else ",".join(SERVER_NAMES)
+    args.dataset_name = args.dataset_name or ("multiturn" if ab else "mixed")
+    args.section = args.section or ("prefix-caching" if ab else "default")
+
+
+def selected_specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]:
+    """The servers --servers and --pdserve-variant name, in that order; ValueError on bad names or none."""
+    names = [name.strip() for name in args.servers.split(",") if name.strip()]
+    variants = [parse_variant(text) for text in args.pdserve_variant]
+    if set(names) - set(SERVER_NAMES):
+        raise ValueError(f"--servers must name some of {', '.join(SERVER_NAMES)}")
+    if not names and not variants:
+        raise ValueError("no server to run: give --servers, --pdserve-variant or --prefix-caching-ab")
+    if len({name for name, _ in variants}) < len(variants):
+        raise ValueError("two --pdserve-variant servers have the same name")
+    pdserve_args = shlex.split(args.pdserve_args)
+    return (server_specs(model_dir, names, pdserve_args, shlex.split(args.transformers_args))
+            + variant_specs(model_dir, variants, pdserve_args))
 
 
 def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: loadtest.Options,
@@ -172,6 +210,7 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
         return 130
     _write_outputs(args, options, model_dir, outcomes, command)
     print(markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]))
+    print(markdown_turns([(o.spec.title, o.summary) for o in outcomes]))
     print("\n".join(f"{what}: {verdict}" for what, verdict in evaluate_targets(outcomes)))
     print("\n".join(f"{o.spec.title} failed: {o.error}" for o in outcomes if not o.ok))
     return 0 if all(o.ok for o in outcomes) else 1
@@ -179,9 +218,7 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.compare`: parse `argv` (default sys.argv[1:]) and run."""
-    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv), argv)
+    return run(parse_args(argv), argv)
 
 
 if __name__ == "__main__":

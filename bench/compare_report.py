@@ -7,7 +7,8 @@ from pathlib import Path
 from bench import loadtest
 from bench.documents import machine_description
 from bench.metrics import markdown_comparison
-from bench.servers import REPO, SERVER_NAMES, ServerOutcome
+from bench.servers import PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
+from bench.turn_metrics import markdown_turns
 
 
 def section_markers(name: str) -> tuple[str, str]:
@@ -22,6 +23,8 @@ TARGETS = (  # (what, server, reference, summary key, factor, "le" | "ge")
     ("output tok/s >= 2 x transformers serve", DISAGG, HF, "output_throughput", 2.0, "ge"),
     ("p99 TTFT <= 1/4 x transformers serve", DISAGG, HF, "p99_ttft_ms", 0.25, "le"),
     ("p99 ITL <= 1/4 x transformers serve", DISAGG, HF, "p99_itl_ms", 0.25, "le"),
+    ("turn >= 2 median TTFT with prefix caching <= 0.3 x without", *(name for name, _ in PREFIX_CACHING_AB),
+     "median_ttft_later_turns_ms", 0.3, "le"),
 )
 
 
@@ -40,6 +43,8 @@ def _verdict(outcome: ServerOutcome, reference: ServerOutcome, key: str, factor:
     if key not in outcome.summary or key not in reference.summary:
         return f"n/a ({key} not measured)"
     value, base = outcome.summary[key], reference.summary[key]
+    if value is None or base is None:
+        return f"n/a ({key} not measured)"
     met = value <= factor * base if relation == "le" else value >= factor * base
     ratio = f"{value / base:.2f}x" if base else "inf"
     return f"{value:.2f} vs {base:.2f} ({ratio}): {'met' if met else 'NOT met'}"
@@ -59,9 +64,13 @@ def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
         "random": f"input {w.random_input_len} {unit}, output {w.random_output_len} tokens, "
                   f"range ratio {w.random_range_ratio:g}",
         "sharegpt": f"ShareGPT file {w.dataset_path}",
+        "multiturn": f"{w.num_turns} turns each, shared system prompt {w.system_prompt_len} {unit}, user messages "
+                     f"{w.user_message_len} {unit}, {w.output_len} output tokens, think time {w.think_time:g} s",
     }[w.name]
-    api = "chat/completions" if args.endpoint == "chat" else "completions"
-    return (f"{w.name} ({shape}); {t.num_prompts} requests at {t.request_rate:g} req/s (burstiness "
+    multiturn = w.name == "multiturn"
+    api = "chat/completions" if args.endpoint == "chat" or multiturn else "completions"
+    count = f"{w.num_conversations} conversations" if multiturn else f"{t.num_prompts} requests"
+    return (f"{w.name} ({shape}); {count} at {t.request_rate:g} {'conv' if multiturn else 'req'}/s (burstiness "
             f"{t.burstiness:g}), max concurrency {t.max_concurrency or 'none'}, seed {t.seed}, {t.num_warmups} "
             f"warm-ups; /v1/{api}, temperature {args.temperature:g}")
 
@@ -69,22 +78,25 @@ def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
 def render_section(args: argparse.Namespace, options: loadtest.Options, model_dir: str,
                    outcomes: list[ServerOutcome], command: str, date: str) -> str:
     """The Markdown section bench.compare owns in bench/RESULTS.md."""
+    titles = " vs ".join(o.spec.title for o in outcomes)
     lines = [
-        f"## Serving comparison ({args.section}): pdserve disaggregated vs colocated vs transformers serve", "",
+        f"## Serving comparison ({args.section}): {titles}", "",
         f"- Command: `{command}`", f"- Date: {date}", f"- Machine: {machine_description()}",
         f"- Model: `{model_dir}`", f"- Workload: {_workload_line(args, options)}", "",
         markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]), "",
-        "Targets (pdserve disaggregated against the reference):", "",
+        markdown_turns([(o.spec.title, o.summary) for o in outcomes]), "",
+        "Targets (each server against its reference):", "",
     ]
     lines += [f"- {what}: {verdict}" for what, verdict in evaluate_targets(outcomes)] or ["- none evaluated"]
     lines += ["", "Servers:", ""]
     lines += [f"- {o.spec.title}: `{o.command}`" + ("" if o.ok else f" -- failed: {o.error}") for o in outcomes]
     lines += ["", f"Plot: `{_shown_path(args.plot)}`; per-request data: `{_shown_path(args.result_json)}`.",
               "Prompt lengths are sized from a word list; the server-reported prompt tokens are in the table. "
-              "transformers "
-              "serve never sends `data: [DONE]`: its streams count as complete on a finish_reason and a clean end "
-              "of stream; its output lengths are pinned by a per-request `generation_config` (no EOS, "
-              "min_new_tokens = max_new_tokens). pdserve gets max_tokens = min_tokens with ignore_eos."]
+              "pdserve gets max_tokens = min_tokens with ignore_eos."]
+    if any(o.spec.name == HF for o in outcomes):
+        lines.append("transformers serve never sends `data: [DONE]`: its streams count as complete on a "
+                     "finish_reason and a clean end of stream; its output lengths are pinned by a per-request "
+                     "`generation_config` (no EOS, min_new_tokens = max_new_tokens).")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from tqdm import tqdm
@@ -23,12 +23,16 @@ from tqdm import tqdm
 from bench.documents import arguments_dict, result_document, write_json
 from bench.metrics import (
     LATENCY_METRICS,
+    BenchResult,
     RequestRecord,
     format_summary,
     parse_slo,
     summarize,
 )
+from bench.multiturn import MULTITURN, benchmark_conversations, build_conversations, warmup_requests
+from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache
 from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
+from bench.turn_metrics import format_turns, turn_summary
 from bench.workloads import (
     SampleRequest,
     TrafficSpec,
@@ -45,12 +49,6 @@ from bench.workloads import (
 
 class BenchError(Exception):
     """The benchmark could not run (server unreachable, no model listed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BenchResult:
-    records: tuple[RequestRecord, ...]
-    duration: float
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,12 +139,14 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=traffic.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warm_up(session, endpoint, warmups)
+        before = await scrape_prefix_cache(session, endpoint)
         with tqdm(total=None if traffic.duration else traffic.num_prompts, disable=not progress, unit="req") as bar:
             origin = time.perf_counter()
             tasks = await _send_all(session, endpoint, samples, traffic, origin, bar)
             records = await _collect(tasks, _bound(traffic, endpoint, origin))
             duration = time.perf_counter() - origin
-    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration)
+        after = await scrape_prefix_cache(session, endpoint)
+    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after))
 
 
 async def _send_all(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest],
@@ -218,21 +218,45 @@ class Options:
 def options_from_args(args: argparse.Namespace) -> Options:
     """Workload, traffic and metric options; raises ValueError (OSError for a dataset file) on bad ones."""
     workload = workload_from_args(args)
-    build_workload(workload)  # validates, loads a dataset file
+    if workload.name == MULTITURN:
+        build_conversations(workload)  # validates
+    else:
+        build_workload(workload)  # validates, loads a dataset file
     return Options(workload, traffic_from_args(args), *metric_options(args))
+
+
+def workload_endpoint(endpoint: EndpointConfig, workload: WorkloadSpec) -> EndpointConfig:
+    """The endpoint a workload is sent to: multi-turn chat always goes to /v1/chat/completions."""
+    return replace(endpoint, endpoint="chat") if workload.name == MULTITURN else endpoint
+
+
+async def run_workload(endpoint: EndpointConfig, options: Options, progress: bool = True) -> BenchResult:
+    """Warm up, then run `options`' workload on its traffic against `endpoint`."""
+    workload, traffic = options.workload, options.traffic
+    if workload.name == MULTITURN:
+        warmups = warmup_requests(workload, traffic.num_warmups)
+        return await benchmark_conversations(endpoint, workload, traffic, warmups, progress)
+    warmups = itertools.islice(build_workload(warmup_spec(workload)), traffic.num_warmups)
+    return await benchmark(endpoint, build_workload(workload), traffic, warmups, progress)
+
+
+def summarize_run(result: BenchResult, options: Options) -> dict:
+    """`bench.metrics.summarize` of a run with `options`' SLO, percentiles and metrics, and its per-turn
+    and prefix-cache figures (`bench.turn_metrics.turn_summary`)."""
+    summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
+    return summary | turn_summary(result.records, result.prefix_cache)
 
 
 async def _run(args: argparse.Namespace, options: Options) -> int:
     model = args.model or await resolve_model(args.base_url, args.api_key)
-    endpoint = endpoint_from_args(args, model)
-    samples = build_workload(options.workload)
-    warmups = itertools.islice(build_workload(warmup_spec(options.workload)), options.traffic.num_warmups)
-    result = await benchmark(endpoint, samples, options.traffic, warmups, progress=not args.disable_tqdm)
+    endpoint = workload_endpoint(endpoint_from_args(args, model), options.workload)
+    result = await run_workload(endpoint, options, progress=not args.disable_tqdm)
     if not result.records:
         print("no request was sent (check --num-prompts / --duration)", file=sys.stderr)
         return 1
-    summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
+    summary = summarize_run(result, options)
     print(format_summary(summary, options.percentiles))
+    print(format_turns(summary))
     label = args.label or f"{endpoint.model} @ {endpoint.base_url}"
     if args.result_json:
         document = result_document(label, endpoint, options.traffic, options.workload, summary,

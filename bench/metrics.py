@@ -44,6 +44,9 @@ class RequestRecord:
     itl: tuple[float, ...] = ()
     finish_reason: str | None = None
     usage_reported: bool = False
+    cached_tokens: int = 0          # usage.prompt_tokens_details.cached_tokens
+    conversation: int = -1          # multi-turn chat: which conversation, and its 1-based turn
+    turn: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -63,6 +66,16 @@ class RequestRecord:
     def from_json(cls, data: dict) -> RequestRecord:
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**fields | {"itl": tuple(data.get("itl", ()))})
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """A run's records, its duration (s) and the server's prefix-cache counters over it
+    (bench.server_metrics.prefix_cache_delta; None when the server exports none)."""
+
+    records: tuple[RequestRecord, ...]
+    duration: float
+    prefix_cache: dict | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -138,11 +139,37 @@ def transformers_unavailable() -> str:
     return f"transformers serve needs {' and '.join(missing)}, not installed here" if missing else ""
 
 
+PDSERVE_DEVICES = ("--prefill-device", "cpu", "--decode-device", "cpu")
+PREFIX_CACHING_AB = (("prefix-caching-on", "--enable-prefix-caching"),
+                     ("prefix-caching-off", "--no-enable-prefix-caching"))
+
+
+def pdserve_argv(model_dir: str) -> list[str]:
+    return [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", "{port}"]
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """`"NAME=ARGS"` -> (NAME, ARGS): a pdserve server started with extra flags ARGS; ValueError otherwise."""
+    name, sep, flags = text.partition("=")
+    name = name.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name in SERVER_NAMES:
+        raise ValueError(f"bad --pdserve-variant {text!r}: use NAME='FLAGS', NAME of letters, digits and ._- "
+                         f"and not one of {', '.join(SERVER_NAMES)}")
+    return name, flags
+
+
+def variant_specs(model_dir: str, variants: list[tuple[str, str]], pdserve_args: list[str]) -> list[ServerSpec]:
+    """One pdserve server per (name, flags), each with `pdserve_args` and then its own flags."""
+    return [ServerSpec(name, f"pdserve {name}", (*pdserve_argv(model_dir), *PDSERVE_DEVICES, *pdserve_args,
+                                                 *shlex.split(flags)))
+            for name, flags in variants]
+
+
 def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
                  transformers_args: list[str]) -> list[ServerSpec]:
     """The servers to compare, in `names` order."""
-    pdserve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", "{port}"]
-    devices = ["--prefill-device", "cpu", "--decode-device", "cpu"]
+    pdserve = pdserve_argv(model_dir)
+    devices = PDSERVE_DEVICES
     hf = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
           "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}"]
     specs = {

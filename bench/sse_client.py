@@ -103,9 +103,14 @@ class EndpointConfig:
     request_timeout: float = 300.0
 
     @property
+    def root(self) -> str:
+        """The server's root URL (`base_url` without a trailing /v1)."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+    @property
     def url(self) -> str:
         path = "chat/completions" if self.endpoint == "chat" else "completions"
-        return f"{self.base_url.rstrip('/').removesuffix('/v1')}/v1/{path}"
+        return f"{self.root}/v1/{path}"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -121,7 +126,7 @@ def build_payload(endpoint: EndpointConfig, sample: SampleRequest) -> dict[str, 
         "max_tokens": sample.output_len,
     }
     if endpoint.endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+        payload["messages"] = list(sample.messages) or [{"role": "user", "content": sample.prompt}]
     else:
         payload["prompt"] = sample.prompt
     if endpoint.temperature is not None:
@@ -152,6 +157,7 @@ class _Stream:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     done: bool = False
+    text: list[str] = field(default_factory=list)
 
     def on_event(self, data: str, now: float) -> None:
         if data.strip() == "[DONE]":
@@ -181,6 +187,7 @@ class _Stream:
             text = choice.get("text")
         if not text:
             return
+        self.text.append(text)
         if self.first_token is None:
             self.first_token = now
         else:
@@ -225,6 +232,18 @@ async def send_request(
 
     `origin` is the benchmark's start on the `time.perf_counter` clock.
     """
+    record, _ = await send_request_with_text(session, endpoint, sample, index, origin)
+    return record
+
+
+async def send_request_with_text(
+    session: aiohttp.ClientSession,
+    endpoint: EndpointConfig,
+    sample: SampleRequest,
+    index: int,
+    origin: float,
+) -> tuple[RequestRecord, str]:
+    """`send_request`, and the text the stream carried (a chat turn's answer, for the next turn)."""
     stream = _Stream(start=time.perf_counter(), endpoint=endpoint.endpoint)
     parser = SSEParser()
     timeout = aiohttp.ClientTimeout(total=endpoint.request_timeout)
@@ -233,15 +252,17 @@ async def send_request(
         async with session.post(endpoint.url, json=payload, headers=endpoint.headers, timeout=timeout) as response:
             if response.status != 200:
                 body = await response.text(errors="replace")
-                return _record(index, sample, stream, origin, f"HTTP {response.status}: {body[:200].strip()}")
-            await _read_stream(response, stream, parser)
-    except StreamError as error:
-        return _record(index, sample, stream, origin, str(error))
+                error = f"HTTP {response.status}: {body[:200].strip()}"
+            else:
+                await _read_stream(response, stream, parser)
+                error = _stream_failure(stream, parser, endpoint.require_done)
+    except StreamError as e:
+        error = str(e)
     except TimeoutError:
-        return _record(index, sample, stream, origin, f"timeout after {endpoint.request_timeout:g} s")
-    except (aiohttp.ClientError, OSError) as error:
-        return _record(index, sample, stream, origin, f"{type(error).__name__}: {error}")
-    return _record(index, sample, stream, origin, _stream_failure(stream, parser, endpoint.require_done))
+        error = f"timeout after {endpoint.request_timeout:g} s"
+    except (aiohttp.ClientError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return _record(index, sample, stream, origin, error), "".join(stream.text)
 
 
 def _record(index: int, sample: SampleRequest, stream: _Stream, origin: float, error: str) -> RequestRecord:
@@ -262,4 +283,7 @@ def _record(index: int, sample: SampleRequest, stream: _Stream, origin: float, e
         itl=tuple(stream.itl),
         finish_reason=stream.finish_reason,
         usage_reported=stream.usage is not None,
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        conversation=sample.conversation,
+        turn=sample.turn,
     )

@@ -46,12 +46,19 @@ red list though feel talk bird soon body dog family direct pose leave song
 
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
-    """One request to send: a prompt of about `prompt_len` tokens, `output_len` tokens wanted."""
+    """One request to send: a prompt of about `prompt_len` tokens, `output_len` tokens wanted.
+
+    A multi-turn chat request carries its whole history in `messages` (sent instead of `prompt`)
+    and says which `conversation` and 1-based `turn` it is.
+    """
 
     prompt: str
     prompt_len: int
     output_len: int
-    kind: str  # "short" | "long"
+    kind: str  # "short" | "long" | "chat" (a multi-turn conversation's turn)
+    messages: tuple[dict[str, str], ...] = ()
+    conversation: int = -1
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +76,7 @@ class TrafficSpec:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    name: str = "random"  # random | mixed | sharegpt
+    name: str = "random"  # random | mixed | sharegpt | multiturn (bench.multiturn)
     seed: int = 0
     random_input_len: int = 1024
     random_output_len: int = 128
@@ -82,6 +89,11 @@ class WorkloadSpec:
     sharegpt_output_len: int | None = None
     long_threshold: int = 1024
     tokens_per_word: float = 1.0  # of the target tokenizer over WORDS; see tokens_per_word()
+    num_conversations: int = 16   # multiturn: conversations, turns each, shared system prompt and
+    num_turns: int = 4            # user message tokens (answers are output_len tokens), seconds
+    system_prompt_len: int = 512  # between an answer and the next turn
+    user_message_len: int = 64
+    think_time: float = 0.0
 
 
 def word_prompt(rng: random.Random, num_tokens: int, tokens_per_word: float = 1.0) -> str:
@@ -121,7 +133,9 @@ def build_workload(spec: WorkloadSpec) -> Iterator[SampleRequest]:
         return mixed_requests(rng, spec)
     if spec.name == "sharegpt":
         return sharegpt_requests(rng, spec)
-    raise ValueError(f"unknown workload {spec.name!r} (random, mixed, sharegpt)")
+    if spec.name == "multiturn":
+        raise ValueError("the multiturn workload depends on the answers: bench.multiturn runs it")
+    raise ValueError(f"unknown workload {spec.name!r} (random, mixed, sharegpt, multiturn)")
 
 
 def _length_range(length: int, ratio: float) -> tuple[int, int]:
@@ -226,8 +240,9 @@ def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt"), default=None,
-                       help="default: sharegpt with --dataset-path, else random")
+    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt", "multiturn"),
+                       default=None, help="default: sharegpt with --dataset-path, else random; multiturn: chat "
+                                          "conversations that resend their history (/v1/chat/completions)")
     group.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
     group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")
     group.add_argument("--random-input-len", type=int, default=1024)
@@ -235,20 +250,33 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
     group.add_argument("--short-input-len", type=int, default=128, help="mixed: prompt tokens of a short chat")
     group.add_argument("--long-input-len", type=int, default=2048, help="mixed: prompt tokens of a long document")
-    group.add_argument("--output-len", type=int, default=128, help="mixed: output tokens of every request")
+    group.add_argument("--output-len", type=int, default=128, help="mixed, multiturn: output tokens of every request")
     group.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long-document prompts")
     group.add_argument("--long-threshold", type=int, default=1024,
                        help="random/sharegpt: prompts of at least this many tokens are tagged long")
     group.add_argument("--tokenizer", default=None,
-                       help="tokenizer.json or model folder: size random/mixed prompts in its tokens "
+                       help="tokenizer.json or model folder: size random/mixed/multiturn prompts in its tokens "
                             "(default: one token per word)")
+    add_multiturn_arguments(parser)
+
+
+def add_multiturn_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-turn chat",
+                                      "--dataset-name multiturn; --request-rate is in conversations/s")
+    group.add_argument("--num-conversations", type=int, default=16)
+    group.add_argument("--num-turns", type=int, default=4, help="turns of each conversation")
+    group.add_argument("--system-prompt-len", type=int, default=512, help="tokens of the system prompt they share")
+    group.add_argument("--user-message-len", type=int, default=64, help="tokens of each user message")
+    group.add_argument("--think-time", type=float, default=0.0, help="seconds between an answer and the next turn")
 
 
 def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("traffic")
-    group.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    group.add_argument("--request-rate", type=float, default=math.inf,
+                       help="requests/s (Poisson; multiturn: conversations/s); inf = all at once")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    group.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    group.add_argument("--max-concurrency", type=int, default=None,
+                       help="cap on requests in flight (multiturn: conversations)")
     group.add_argument("--num-prompts", type=int, default=1000)
     group.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
     group.add_argument("--seed", type=int, default=0)
@@ -264,6 +292,9 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         long_fraction=args.long_fraction, dataset_path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len, long_threshold=args.long_threshold,
         tokens_per_word=tokens_per_word(args.tokenizer) if args.tokenizer else 1.0,
+        num_conversations=args.num_conversations, num_turns=args.num_turns,
+        system_prompt_len=args.system_prompt_len, user_message_len=args.user_message_len,
+        think_time=args.think_time,
     )
 
 

@@ -367,9 +367,7 @@ def _fake_spec(name: str, title: str, mode: str, **overrides) -> servers.ServerS
 
 
 def _compare_args(tmp_path: Path) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    compare.add_arguments(parser)
-    return parser.parse_args([
+    return compare.parse_args([
         "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "40", "--output-len", "4",
         "--long-fraction", "0.34", "--request-rate", "inf", "--num-warmups", "1", "--disable-tqdm",
         "--result-json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
@@ -390,7 +388,7 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     for server in document["servers"]:
         assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
         assert server["summary"]["total_output_tokens"] == 24 and len(server["requests"]) == 6
-    assert set(document["targets"]) == {target[0] for target in compare_report.TARGETS}
+    assert set(document["targets"]) == {target[0] for target in compare_report.TARGETS[:4]}  # the three servers
     assert document["traffic"]["request_rate"] == "inf" and document["model"] == "MODEL"
     assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
@@ -476,22 +474,25 @@ def test_server_specs_commands():
     assert (hf.length_control, hf.require_done, hf.env["HF_HUB_OFFLINE"]) == ("generation-config", False, "1")
 
 
-@pytest.mark.skipif(not (REPO / "server" / "app.py").exists(), reason="server/app.py not written yet")
-def test_pdserve_bench_against_real_server(tmp_path):
-    from engine.model.demo import default_model_dir
-
+@pytest.fixture(scope="module")
+def pdserve_tiny(tmp_path_factory):
+    """Base URL of a real `pdserve` serving the tiny demo model (`--model demo:tiny`) on a free port."""
     port = servers.free_port()
-    model_dir = str(default_model_dir("tiny"))
-    serve = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port)]
-    with servers.ManagedServer(serve, tmp_path / "server.log", {}, grace=30) as server:
+    serve = [sys.executable, "-m", "server.cli", "serve", "--model", "demo:tiny", "--port", str(port)]
+    log = tmp_path_factory.mktemp("pdserve-tiny") / "server.log"
+    with servers.ManagedServer(serve, log, {}, grace=30) as server:
         server.wait_ready(f"http://127.0.0.1:{port}", timeout=240)
-        out = tmp_path / "bench.json"
-        bench = subprocess.run(
-            [sys.executable, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
-             "--dataset-name", "mixed", "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "64",
-             "--output-len", "4", "--long-fraction", "0.34", "--request-rate", "inf", "--temperature", "0",
-             "--result-json", str(out), "--disable-tqdm"],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_pdserve_bench_against_real_server(tmp_path, pdserve_tiny):
+    out = tmp_path / "bench.json"
+    bench = subprocess.run(
+        [sys.executable, "-m", "server.cli", "bench", "--base-url", pdserve_tiny,
+         "--dataset-name", "mixed", "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "64",
+         "--output-len", "4", "--long-fraction", "0.34", "--request-rate", "inf", "--temperature", "0",
+         "--result-json", str(out), "--disable-tqdm"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr
     assert "Serving Benchmark Result" in bench.stdout
     document = json.loads(out.read_text())
@@ -503,3 +504,25 @@ def test_pdserve_bench_against_real_server(tmp_path):
         assert record["output_tokens"] == 4 and record["prompt_tokens"] > 0 and len(record["itl"]) <= 3
     long_tokens = [r["prompt_tokens"] for r in document["requests"] if r["kind"] == "long"]
     assert min(long_tokens) > max(r["prompt_tokens"] for r in document["requests"] if r["kind"] == "short")
+
+
+def test_multiturn_bench_against_real_server(tmp_path, pdserve_tiny, capsys):
+    out = tmp_path / "multiturn.json"
+    argv = ["--base-url", pdserve_tiny, "--dataset-name", "multiturn", "--num-conversations", "3", "--num-turns", "3",
+            "--system-prompt-len", "40", "--user-message-len", "6", "--output-len", "4", "--request-rate", "inf",
+            "--temperature", "0", "--seed", "5", "--result-json", str(out), "--disable-tqdm"]
+    assert loadtest.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Multi-turn chat and prefix cache" in printed and "Prefix cache hit rate (server):" in printed
+    document = json.loads(out.read_text())
+    summary = document["summary"]
+    assert (summary["completed"], summary["failed"]) == (9, 0) and document["endpoint"] == "chat"
+    assert sorted(summary["turns"]) == ["1", "2", "3"] and summary["median_ttft_later_turns_ms"] > 0
+    turns = {(r["conversation"], r["turn"]): r for r in document["requests"]}
+    for conversation in range(3):
+        sizes = [turns[(conversation, turn)]["prompt_tokens"] for turn in (1, 2, 3)]
+        assert sizes[0] < sizes[1] < sizes[2]                         # each turn resends the grown history
+        assert all(r["output_tokens"] == 4 for r in (turns[(conversation, t)] for t in (1, 2, 3)))
+    assert all(0 <= r["cached_tokens"] < r["prompt_tokens"] for r in document["requests"])
+    rate = summary["prefix_cache_hit_rate"]
+    assert rate is None or 0.0 <= rate <= 1.0           # None: an engine without prefix-cache counters
