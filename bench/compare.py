@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import re
 import shlex
 import signal
 import sys
@@ -41,6 +42,8 @@ from bench.servers import (
 from bench.sse_client import EndpointConfig
 from bench.turn_metrics import markdown_turns
 from bench.workloads import add_traffic_arguments, add_workload_arguments
+
+RESULTS_DIR = REPO / "bench" / "results"
 
 
 def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Options,
@@ -77,7 +80,6 @@ async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `python -m bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
-    results = REPO / "bench" / "results"
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo 'base' model)")
     parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES)} (default: all "
                                                          "three, none with --pdserve-variant or --prefix-caching-ab)")
@@ -100,9 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(num_prompts=40, request_rate=2.0, short_input_len=64, long_input_len=1024, output_len=32,
                         long_fraction=0.1, num_warmups=2, num_conversations=12, system_prompt_len=256,
                         user_message_len=32)
-    parser.add_argument("--result-json", default=str(results / "compare.json"))
-    parser.add_argument("--plot", default=str(results / "compare.png"))
-    parser.add_argument("--log-dir", default=str(results / "logs"), help="one server log per server")
+    parser.add_argument("--result-json", default=None,
+                        help="default: bench/results/compare.json, compare_SECTION.json for another --section")
+    parser.add_argument("--plot", default=None, help="default: as --result-json, .png")
+    parser.add_argument("--log-dir", default=str(RESULTS_DIR / "logs"), help="one server log per server")
     parser.add_argument("--results-md", default=str(REPO / "bench" / "RESULTS.md"), help="'' to leave it alone")
     parser.add_argument("--section", default=None,
                         help="name of the RESULTS.md section this run replaces (e.g. one per workload; default: "
@@ -182,6 +185,9 @@ def _apply_presets(args: argparse.Namespace) -> None:
         args.servers = "" if args.pdserve_variant else ",".join(SERVER_NAMES)
     args.dataset_name = args.dataset_name or ("multiturn" if ab else "mixed")
     args.section = args.section or ("prefix-caching" if ab else "default")
+    stem = "compare" if args.section == "default" else "compare_" + re.sub(r"[^A-Za-z0-9]+", "_", args.section)
+    args.result_json = args.result_json or str(RESULTS_DIR / f"{stem}.json")
+    args.plot = args.plot or str(RESULTS_DIR / f"{stem}.png")
 
 
 def selected_specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]:

@@ -29,8 +29,11 @@ def test_prefix_caching_ab_preset():
     plain = compare.parse_args([])
     assert (plain.dataset_name, plain.section, plain.servers.split(",")) == ("mixed", "default",
                                                                               list(servers.SERVER_NAMES))
-    chosen = compare.parse_args(["--prefix-caching-ab", "--dataset-name", "random", "--section", "flat"])
-    assert (chosen.dataset_name, chosen.section) == ("random", "flat")
+    chosen = compare.parse_args(["--prefix-caching-ab", "--dataset-name", "random", "--section", "no shared"])
+    assert (chosen.dataset_name, chosen.section) == ("random", "no shared")
+    assert [a.result_json.rsplit("/", 1)[1] for a in (args, plain, chosen)] == [
+        "compare_prefix_caching.json", "compare.json", "compare_no_shared.json"]
+    assert args.plot.endswith("bench/results/compare_prefix_caching.png")
 
 
 def test_variants_join_the_named_servers():
