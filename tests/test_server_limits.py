@@ -3,6 +3,8 @@ client `priority` (only with --allow-client-priority), and `usage.prompt_tokens_
 parsed alone and through a live server with the official `openai` client."""
 from __future__ import annotations
 
+import uuid
+
 import openai
 import pytest
 
@@ -160,10 +162,11 @@ async def test_cached_tokens_in_usage_streamed_and_whole(engines, serve, tiny_mo
     base = await serve(engine)
     prompts = ["the prefix cache keeps every full block", "of a conversation for its next turn to reuse"]
     async with client(base) as c:
-        plain = await c.chat.completions.create(model=tiny_model_dir.name, messages=USER, max_tokens=2)
+        fresh = f"never sent before {uuid.uuid4().hex} " * 4             # no shared prefix, not even a template
+        plain = await c.completions.create(model=tiny_model_dir.name, prompt=fresh, max_tokens=2)
         by_choice = {"0": 5, "1": 3, "2": 7, "3": 9}                    # choice index -> cached tokens
         submit = engine.submit
-        monkeypatch.setattr(engine, "submit", lambda request: CachedEvents(submit(request), _cached(request, by_choice)))
+        monkeypatch.setattr(engine, "submit", lambda r: CachedEvents(submit(r), _cached(r, by_choice)))
         whole = await c.completions.create(model=tiny_model_dir.name, prompt=prompts, n=2, max_tokens=3)
         stream = await c.completions.create(model=tiny_model_dir.name, prompt=prompts, n=2, max_tokens=3,
                                             stream=True, stream_options={"include_usage": True})
@@ -171,7 +174,7 @@ async def test_cached_tokens_in_usage_streamed_and_whole(engines, serve, tiny_mo
         chat = await c.chat.completions.create(model=tiny_model_dir.name, messages=USER, max_tokens=2, stream=True,
                                                stream_options={"include_usage": True})
         chat_usage = [chunk async for chunk in chat][-1].usage
-    assert plain.usage.prompt_tokens_details.cached_tokens == 0           # no hit (or no prefix cache yet)
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
     assert all(len(engine.tokenizer.encode(p)) >= 9 for p in prompts)
     for usage in (whole.usage, streamed):
         assert usage.prompt_tokens_details.cached_tokens == 3 + 7        # per prompt the fewest of its choices

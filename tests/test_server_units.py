@@ -54,8 +54,9 @@ def test_chat_messages_logprobs_and_max_completion_tokens():
                                {"role": "assistant", "content": "", "name": "bot"})
     assert parsed.max_tokens == 9 and parsed.max_tokens_param == "max_completion_tokens"
     assert parsed.sampling["logprobs"] == 4
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, LIMITS).sampling["logprobs"] == 0
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}, LIMITS).sampling["logprobs"] is None
+    user = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat(user | {"logprobs": True}, LIMITS).sampling["logprobs"] == 0
+    assert parse_chat(user, LIMITS).sampling["logprobs"] is None
 
 
 @pytest.mark.parametrize("body", [b"", b"nul", b"\"text\"", b"{\"a\": NaN}", b"{\"a\": 1e999}"])
