@@ -96,10 +96,10 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     _check_logprobs(top_logprobs, "top_logprobs")
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(f, (top_logprobs or 0) if logprobs else None)
-    common = _common(f, limits)
+    model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens(max_tokens_param)
-    return ParsedRequest("chat", *common, max_tokens, max_tokens_param, sampling,
-                         _max_tokens_cap(common[1], 1, max_tokens, max_tokens_param, limits),
+    return ParsedRequest("chat", model, n, stream, include_usage, max_tokens, max_tokens_param, sampling,
+                         _max_tokens_cap(n, 1, max_tokens, max_tokens_param, limits),
                          _priority(f, limits), _cache_salt(f), messages=_messages(body.get("messages")))
 
 
@@ -110,11 +110,11 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     echo = f.get("echo", "bool", False)
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-    common = _common(f, limits)
+    model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens("max_tokens")
     prompts = _prompts(body.get("prompt"))
-    return ParsedRequest("completion", *common, max_tokens, "max_tokens", _sampling(f, logprobs),
-                         _max_tokens_cap(common[1], len(prompts), max_tokens, "max_tokens", limits),
+    return ParsedRequest("completion", model, n, stream, include_usage, max_tokens, "max_tokens",
+                         _sampling(f, logprobs), _max_tokens_cap(n, len(prompts), max_tokens, "max_tokens", limits),
                          _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts)
 
 
