@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=cache.kv_cache_memory,
                    help="KV cache budget per device: bytes (e.g. 4GiB) or a fraction of free device "
                         "memory (default: 2GiB on CPU, 0.8 on CUDA)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=cache.enable_prefix_caching,
+                   help="reuse the KV cache of a prompt's longest cached prefix of full blocks, on every actor "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
     g.add_argument("--kv-watermark", type=float, default=cache.kv_watermark,
                    help="decode pool usage above which no new sequence is admitted")
     g.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
@@ -61,7 +65,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          kv_watermark=args.kv_watermark),
+                          kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue),
     )

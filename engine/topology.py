@@ -108,7 +108,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
                                cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
         return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
-                               _overlap(config, plan.prefill_device))]
+                               _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
@@ -120,11 +120,11 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
                                   per_seq * sched.max_num_seqs)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
     decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
-                         _overlap(config, plan.decode_device))
+                         _overlap(config, plan.decode_device), cache.enable_prefix_caching)
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
     prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
-                           _overlap(config, plan.prefill_device))
+                           _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]

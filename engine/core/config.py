@@ -10,6 +10,7 @@ class CacheConfig:
     kv_cache_memory: str | None = None   # bytes ("2GiB") or a fraction of free device memory; None:
     #                                      2GiB per CPU, 0.8 of each GPU's free memory
     kv_watermark: float = 0.9
+    enable_prefix_caching: bool = True   # share the KV of identical prompt prefixes (full blocks)
 
 
 @dataclass(frozen=True, slots=True)
