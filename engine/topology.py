@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from engine.actors.base import Actor, Emit
 from engine.actors.colocated import ColocatedActor
 from engine.actors.decode import DecodeActor
@@ -98,6 +99,8 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
                  emit: Emit) -> list[Actor]:
     """Load the model(s) and wire the actors for `plan.mode`. Raises ValueError on a bad setting."""
     sched, cache = config.scheduler, config.cache
+    for device in {plan.prefill_device, plan.decode_device}:
+        kernels.check_backend(device)
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
