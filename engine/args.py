@@ -26,8 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="cpu, cuda:1, ... (default: cuda:1 with two GPUs, cuda:0 with one, else cpu)")
     g.add_argument("--prefill-threads", type=int, default=None, help="CPU cores for the prefill actor")
     g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
-    g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p"), default=None,
-                   help="force a KV transfer backend (default: chosen automatically)")
+    g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p", "staged"), default=None,
+                   help="force a KV transfer backend (default: chosen automatically; GPUs that are not "
+                        "peers copy through pinned host memory, 'staged')")
     g.add_argument("--kv-cache-memory", default=cache.kv_cache_memory,
                    help="KV cache budget per device: bytes (e.g. 4GiB) or a fraction of free device "
                         "memory (default: 2GiB on CPU, 0.8 on CUDA)")

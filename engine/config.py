@@ -29,7 +29,7 @@ class EngineConfig:
     decode_device: str | None = None   # None: cuda:1 with two GPUs, cuda:0 with one, else cpu
     prefill_threads: int | None = None
     decode_threads: int | None = None
-    kv_transfer: str | None = None    # torch | cupy-p2p; None: automatic
+    kv_transfer: str | None = None    # torch | cupy-p2p | staged; None: automatic
     cuda_graph: bool = True
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
     seed: int = 0
