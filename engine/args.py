@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="force a KV transfer backend (default: chosen automatically; GPUs that are not "
                         "peers copy through pinned host memory, 'staged')")
     g.add_argument("--kv-cache-memory", default=cache.kv_cache_memory,
-                   help="KV cache budget per device: bytes (e.g. 4GiB) or a fraction of free device "
-                        "memory (default: 2GiB on CPU, 0.8 on CUDA)")
+                   help="KV cache budget per device: bytes (e.g. 4GiB), or on CUDA the fraction of the "
+                        "memory free at start-up that pdserve may use in all, KV after weights, profiled "
+                        "activations and CUDA graphs (default: 2GiB on CPU, 0.8 on CUDA)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cache.enable_prefix_caching,
                    help="reuse the KV cache of a prompt's longest cached prefix of full blocks, on every actor "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,8 +18,10 @@ from engine.core.block_manager import blocks_for
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
 from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
-from engine.worker.memory import num_kv_blocks
+from engine.worker.device import with_index
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.sizing import PoolSizer
+from engine.worker.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
@@ -97,35 +99,38 @@ def _split_cores(mode: str, config: EngineConfig) -> tuple[tuple[int, ...], tupl
 
 def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
                  emit: Emit) -> list[Actor]:
-    """Load the model(s) and wire the actors for `plan.mode`. Raises ValueError on a bad setting."""
+    """Load the model(s), size the pools, warm up and wire the actors for `plan.mode`.
+
+    Raises ValueError on a bad setting or when a device cannot hold the model and a minimum pool."""
     sched, cache = config.scheduler, config.cache
+    plan = replace(plan, prefill_device=with_index(plan.prefill_device), decode_device=with_index(plan.decode_device))
     for device in {plan.prefill_device, plan.decode_device}:
         kernels.check_backend(device)
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                       max_seqs=2 * sched.max_num_seqs)
+    sizer = PoolSizer(cache, sched, model_config, plan.dtype, plan.max_model_len,
+                      {plan.prefill_device, plan.decode_device})          # NOTE: before any weights are loaded
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
-        blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
-                               cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
+        demand = sizer.demand("colocated", prefill_model, 1.0, per_seq * sched.max_num_seqs, graph_batch)
+        [blocks] = sizer.blocks(plan.prefill_device, [demand])
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
+        warm_up_for_serving(runner, "colocated", sched, plan.max_model_len)
         return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
                                _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
-    prefill_share = PREFILL_SHARE_OF_SHARED_DEVICE if shared else 1.0
-    prefill_blocks = num_kv_blocks(cache.kv_cache_memory, prefill_share, plan.prefill_device, model_config,
-                                   cache.block_size, plan.dtype, per_seq * 4)
-    decode_blocks = num_kv_blocks(cache.kv_cache_memory, 1.0 - prefill_share if shared else 1.0,
-                                  plan.decode_device, model_config, cache.block_size, plan.dtype,
-                                  per_seq * sched.max_num_seqs)
+    prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
+    prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
+    warm_up_for_serving(decode_runner, "decode", sched, plan.max_model_len)
+    warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
     decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
                          _overlap(config, plan.decode_device), cache.enable_prefix_caching)
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
-    prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
     prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
                            _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
     decode.send_to_prefill = prefill.send
@@ -136,3 +141,17 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
 def _overlap(config: EngineConfig, device: torch.device) -> bool:
     """Async scheduling: forced by the config, else on for CUDA (off on CPU: measured, bench/RESULTS.md)."""
     return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+
+
+def _split_pools(sizer: PoolSizer, plan: Plan, prefill_model, decode_model, per_seq: int,
+                 graph_batch: int) -> tuple[int, int]:
+    """(prefill, decode) pool blocks: one device's budget shared, or each device's own."""
+    shared = plan.prefill_device == plan.decode_device
+    prefill_share = PREFILL_SHARE_OF_SHARED_DEVICE if shared else 1.0
+    prefill = sizer.demand("prefill", prefill_model, prefill_share, per_seq * 4)
+    decode = sizer.demand("decode", decode_model, 1.0 - prefill_share if shared else 1.0,
+                          per_seq * sizer.sched.max_num_seqs, graph_batch)
+    if shared:
+        prefill_blocks, decode_blocks = sizer.blocks(plan.prefill_device, [prefill, decode])
+        return prefill_blocks, decode_blocks
+    return sizer.blocks(plan.prefill_device, [prefill])[0], sizer.blocks(plan.decode_device, [decode])[0]
