@@ -33,8 +33,8 @@ def forced_mode() -> str:
 def triton_unusable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot serve tensors on `device`, or None when they can."""
     if not HAS_TRITON:
-        return (f"Triton is not importable ({IMPORT_ERROR}); pdserve declares it only for x86_64 Linux, "
-                f"install a triton wheel for this platform")
+        return (f"Triton is not importable ({IMPORT_ERROR}); it is a dependency on Linux x86_64 and aarch64 "
+                f"(triton>=3.5 there): install it for this platform")
     if device.type != "cuda" and not INTERPRETED:
         return f"Triton kernels on {device} need TRITON_INTERPRET=1 (set before start-up)"
     return None
