@@ -11,7 +11,13 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.model.config import ModelConfig
 from engine.model.llama import CausalLM
 from engine.worker.memory import num_kv_blocks
-from engine.worker.memory_profile import CudaMemory, Demand, DeviceBudget, kv_blocks, weights_bytes
+from engine.worker.memory_profile import (
+    CudaMemory,
+    Demand,
+    DeviceBudget,
+    kv_blocks,
+    weights_bytes,
+)
 from engine.worker.warmup import StepShape
 
 
