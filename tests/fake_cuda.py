@@ -18,8 +18,9 @@ import types
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
+
+from tests.fake_devices import FakeDevices, is_cuda_device, storage_key
 
 KERNEL_MODULES = ["kernels.decode_attention", "kernels.prefill_attention", "kernels.store_kv",
                   "kernels.rms_norm", "kernels.rotary", "kernels.activation"]
@@ -187,7 +188,7 @@ class FakeCuda:
     def device_of(self, tensor: torch.Tensor) -> torch.device:
         if tensor.device.type != "cpu":              # NOTE: called with the mode off: the real device
             return tensor.device
-        index = self.tags.get(_key(tensor))
+        index = self.tags.get(storage_key(tensor))
         return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
@@ -197,11 +198,6 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
         return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     start = tensor.data_ptr()
     return start, start + tensor.numel() * tensor.element_size()
-
-
-def _key(tensor: torch.Tensor):
-    ptr = tensor.untyped_storage().data_ptr()
-    return ptr if ptr else ("id", id(tensor))
 
 
 @dataclass(eq=False)
@@ -249,84 +245,6 @@ class FakeGraph:
 
     def replay(self) -> None:
         self.replays.append((self.cuda.current_device(), self.cuda.current_stream()))
-
-
-class FakeDevices(TorchFunctionMode):
-    """CPU tensors that say they are on cuda:N (see the module docstring)."""
-
-    def __init__(self, cuda: FakeCuda) -> None:
-        super().__init__()
-        self.cuda = cuda
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.device:
-            return func(*args, **kwargs)
-        if func in (torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.get_device):
-            return self._device_query(func, args[0])
-        if func is torch.Tensor.pin_memory:
-            return args[0].clone()
-        kwargs.pop("pin_memory", None)
-        target, args, kwargs = self._target(func, args, kwargs)
-        if func is torch.Tensor.copy_:
-            self.cuda.record_copy(args[0], args[1])
-        out = func(*args, **kwargs)
-        if func is not torch.Tensor.copy_:
-            for tensor in (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
-                self._tag(tensor, target)
-        return out
-
-    def _device_query(self, func, tensor):
-        device = self.cuda.device_of(tensor)
-        if func is torch.Tensor.is_cuda.__get__:
-            return device.type == "cuda"
-        if func is torch.Tensor.get_device:
-            return -1 if device.index is None else device.index
-        return device
-
-    def _target(self, func, args, kwargs):
-        """(fake device index of the result or None, args and kwargs with CUDA devices made 'cpu')."""
-        requested = []
-
-        def strip(value):
-            if isinstance(value, (torch.device, str)) and _is_cuda(value):
-                requested.append(self.cuda.index(value))
-                return "cpu"
-            return value
-
-        args, kwargs = tree_map(strip, args), tree_map(strip, kwargs)
-        if requested:
-            return requested[0], args, kwargs
-        if func in (torch.Tensor.cpu, torch.Tensor.numpy) or any(map(_is_cpu, (kwargs.get("device"), *args[1:2]))):
-            return None, args, kwargs
-        tagged = [self.cuda.tags.get(_key(t)) for t in tree_flatten(args)[0]
-                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
-        return next((index for index in tagged if index is not None), None), args, kwargs
-
-    def _tag(self, tensor: torch.Tensor, index: int | None) -> None:
-        if tensor.device.type != "cpu":
-            return
-        if index is None:
-            self.cuda.tags.pop(_key(tensor), None)
-        else:
-            self.cuda.tags[_key(tensor)] = index
-
-
-def _is_cuda(value) -> bool:
-    return _device_type(value) == "cuda"
-
-
-def _is_cpu(value) -> bool:
-    return _device_type(value) == "cpu"
-
-
-def _device_type(value) -> str | None:
-    if not isinstance(value, (torch.device, str)):
-        return None
-    try:
-        return torch.device(value).type
-    except (RuntimeError, TypeError):
-        return None
 
 
 class _Recorder:
@@ -391,7 +309,7 @@ class _HostGenerator(torch.Generator):
     """torch.Generator that makes a CPU generator where a CUDA one is asked for."""
 
     def __new__(cls, device="cpu"):
-        return super().__new__(cls, "cpu" if _is_cuda(device) else device)
+        return super().__new__(cls, "cpu" if is_cuda_device(device) else device)
 
     def __init__(self, device="cpu") -> None:
         pass
