@@ -55,7 +55,8 @@ def test_decode_graphs_for_cuda1_are_captured_on_cuda1_from_a_cuda0_thread(monke
 def test_the_check_catches_a_capture_without_its_own_stream(monkeypatch):
     """The check has teeth: the capture before this fix (no stream, no device) is caught."""
     def capture_on_the_default_capture_stream(self, bucket):
-        batch, side = self._static_batch(bucket), torch.cuda.Stream(self.kv_pool.device)
+        batch = self.buffers.forward_batch(bucket, bucket, bucket, self.width, is_decode=True)
+        side = torch.cuda.Stream(self.kv_pool.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.model.compute_logits(self.model(batch, self.kv_pool))
@@ -75,7 +76,7 @@ def test_the_check_catches_a_capture_without_its_own_stream(monkeypatch):
 
 def test_a_runner_steps_on_its_device_on_the_actor_thread_and_replays_there(monkeypatch):
     from engine.actors.base import Actor
-    from tests.test_cuda_graph import decode_batch
+    from tests.test_cuda_graph import decode_step
 
     with fake_cuda(monkeypatch) as cuda:
         runner = runner_on(CUDA1, graph_max_batch=4)
@@ -85,13 +86,13 @@ def test_a_runner_steps_on_its_device_on_the_actor_thread_and_replays_there(monk
 
         def actor_thread():
             Actor._init_thread(actor)
-            result.append(runner.execute(decode_batch(runner, [5, 40, 3])))
-            result.append(runner.execute(decode_batch(runner, list(range(1, 30, 3)))))   # eager: > 4 sequences
+            result.append(runner.execute(decode_step(runner, [5, 40, 3])))
+            result.append(runner.execute(decode_step(runner, list(range(1, 30, 3)))))   # eager: > 4 sequences
 
         thread = threading.Thread(target=actor_thread)
         thread.start()
         thread.join()
-        assert len(result) == 2 and len(result[0]) == 3
+        assert len(result) == 2 and len(result[0].token_ids) == 3
         replays = [r for graph in cuda.graphs for r in graph.replays]
         assert replays == [(1, replays[0][1])] and replays[0][1].device == CUDA1 and not replays[0][1].default
         assert cuda.launches and not misplaced(cuda.launches, CUDA1)

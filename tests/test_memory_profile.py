@@ -9,7 +9,7 @@ import torch
 from engine.config import ModelConfig, SchedulerConfig
 from engine.core.config import CacheConfig
 from engine.llm import LLM
-from engine.worker import memory_profile, sampler
+from engine.worker import memory_profile, sampling_filters
 from engine.worker.memory import kv_block_bytes, num_kv_blocks
 from engine.worker.memory_profile import (
     Demand,
@@ -86,8 +86,9 @@ def test_weights_are_counted_without_allocating_them(config, cpu_model):
 
 def test_the_profile_measures_the_peak_of_the_largest_steps_and_the_worst_sampler(monkeypatch, cpu_model):
     rows = []
-    real_sort = sampler._top_k_top_p_sorted
-    monkeypatch.setattr(sampler, "_top_k_top_p_sorted", lambda x, k, p: rows.append(x.shape[0]) or real_sort(x, k, p))
+    real_sort = sampling_filters.top_k_top_p_sorted
+    monkeypatch.setattr(sampling_filters, "top_k_top_p_sorted",
+                        lambda x, k, p: rows.append(x.shape[0]) or real_sort(x, k, p))
     memory = FakeMemory(allocated=10 * GiB, peak=12 * GiB + 5)
     reserve = measure_reserve(demand(cpu_model), 16, 16, memory)
     assert reserve == Reserve(activations=2 * GiB + 5, graphs=0)
