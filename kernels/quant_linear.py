@@ -1,0 +1,67 @@
+"""Linear layer over a quantized weight, dequantized on the fly: y = x @ dequantize(w)^T.
+
+`quant_linear_native` runs the C kernel in quant_linear.c (built for the running CPU by
+kernels.native; fp32 or bf16 activations, fp32 arithmetic, OpenMP over the output features).
+`quant_linear_ref` is the plain-torch reference: F.linear of the fp32 activations against the
+dequantized fp32 weight, rounded to the activations' dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.native import load_native
+from kernels.quant_formats import BLOCK, FORMATS, QuantizedWeight, dequantize
+
+SOURCE = Path(__file__).with_name("quant_linear.c")
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def quant_linear_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    # x: [M, K] -> [M, N]
+    return F.linear(x.float(), dequantize(w)).to(x.dtype)
+
+
+@functools.cache
+def _native_fn():
+    library = load_native(SOURCE)
+    if library is None:
+        return None
+    fn = library.quant_linear
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i]
+    fn.restype = i
+    return fn
+
+
+def native_available() -> bool:
+    """True when the C kernel is built (or builds now) for this CPU."""
+    return _native_fn() is not None
+
+
+def supports(fmt: str, in_features: int, x_dtype: torch.dtype) -> bool:
+    """Whether the native kernel takes this format, width (a multiple of 32) and activation dtype."""
+    return fmt in FORMATS and x_dtype in ACTIVATION_DTYPES and in_features % BLOCK == 0
+
+
+def quant_linear_native(x: torch.Tensor, w: QuantizedWeight, threads: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32/bf16, contiguous, on CPU; returns [M, N] in x's dtype. Needs native_available()."""
+    rows, features = w.shape
+    assert x.dim() == 2 and x.shape[1] == features and x.is_contiguous() and x.device.type == "cpu"
+    assert supports(w.format, features, x.dtype), (w.format, x.dtype, w.shape)
+    assert w.qs.is_contiguous() and w.scales.is_contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return y
+    mins = w.mins.data_ptr() if w.mins is not None else None
+    block_scales, channel_scales = (None, w.scales.data_ptr()) if w.format == "int8" else (w.scales.data_ptr(), None)
+    status = _native_fn()(FORMATS.index(w.format), w.qs.data_ptr(), block_scales, mins, channel_scales,
+                          x.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(), x.shape[0], rows,
+                          features, threads or torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"quant_linear: kernel refused {w.format} {tuple(w.shape)} x {tuple(x.shape)}")
+    return y
