@@ -14,6 +14,7 @@ from engine.actors.decode import DecodeActor
 from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
+from engine.model.quant import gguf_source, quantize_model
 from engine.transfer.select import select_transfer
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
@@ -92,6 +93,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
+        _quantize(prefill_model, config, plan.prefill_cores)
         blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
                                cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, per_seq)
@@ -99,6 +101,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
+    _quantize(decode_model, config, plan.decode_cores)      # NOTE: shared with prefill on one device
     prefill_share = PREFILL_SHARE_OF_SHARED_DEVICE if shared else 1.0
     prefill_blocks = num_kv_blocks(cache.kv_cache_memory, prefill_share, plan.prefill_device, model_config,
                                    cache.block_size, plan.dtype, per_seq * 4)
@@ -114,3 +117,9 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]
+
+
+def _quantize(model, config: EngineConfig, cores: tuple[int, ...]) -> None:
+    if config.quantization != "none":
+        quantize_model(model, config.quantization, gguf_source(config.model, model.config.model_dir),
+                       max(len(cores), 1))

@@ -213,3 +213,16 @@ def test_probe_on_real_weights_returns_timings():
     result = quant.probe_quantized(weights, [quantize_int8(w) for w in weights], threads=1, batch_sizes=(1, 2))
     assert result.timings and all(dense > 0 and q > 0 for _, dense, q in result.timings)
     assert result.max_rows in (0, 1, 2)
+
+
+def test_cli_option_reaches_the_engine_config():
+    import argparse
+
+    from engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).quantization == "none"
+    assert engine_config_from_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
