@@ -8,8 +8,8 @@ features. GGUF blocks hold 32 consecutive weights of one row (`gguf.quants` is t
     Q4_1: f16 d, f16 m, 16 bytes       w = d * q + m
 
 a 4-bit block keeping element j in the low nibble of byte j and element j + 16 in the high one.
-The blocks are split into a byte array and their scales (same bits, no re-rounding), so rows can be
-selected and concatenated (fused q/k/v, gate/up) exactly: quantization never crosses a row.
+The blocks are split into a byte array and their scales (widened to float32, exactly), so rows can
+be selected and concatenated (fused q/k/v, gate/up) exactly: quantization never crosses a row.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
 class QuantizedWeight:
     format: str                      # int8 | q8_0 | q4_0 | q4_1
     qs: torch.Tensor                 # uint8 [N, K] (int8 values) or [N, K/2] (two 4-bit values a byte)
-    scales: torch.Tensor             # int8: float32 [N]; blocks: float16 d [N, K/32]
-    mins: torch.Tensor | None = None  # q4_1: float16 m [N, K/32]
+    scales: torch.Tensor             # int8: float32 [N]; blocks: d [N, K/32] (the file's f16, as float32)
+    mins: torch.Tensor | None = None  # q4_1: m [N, K/32] (float32 likewise)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +72,7 @@ def from_gguf_blocks(raw: torch.Tensor, gguf_type: str) -> QuantizedWeight:
         raise ValueError(f"{gguf_type} rows must be uint8 bytes in blocks of {size}, got {raw.dtype} x {width}")
     blocks = raw.reshape(rows, width // size, size)                  # blocks: [N, K/32, block bytes]
     scales = 2 if gguf_type == "Q4_1" else 1                          # f16 values heading each block
-    halves = blocks[..., :2 * scales].contiguous().view(torch.float16)  # [N, K/32, scales]
+    halves = blocks[..., :2 * scales].contiguous().view(torch.float16).float()  # [N, K/32, scales]
     qs = blocks[..., 2 * scales:].reshape(rows, -1).contiguous()
     mins = halves[..., 1].contiguous() if gguf_type == "Q4_1" else None
     return QuantizedWeight(gguf_type.lower(), qs, halves[..., 0].contiguous(), mins)

@@ -1,14 +1,18 @@
 /* Weight-only quantized linear on CPU: y[M, N] = x[M, K] @ dequant(W)^T, dequantized on the fly.
  *
- * Formats (rows of W are output features; every block holds 32 consecutive weights of one row):
+ * Formats (rows of W are output features; every block holds 32 consecutive weights of one row;
+ * d and m are GGUF's f16 values held as float32):
  *   INT8_CHANNEL  q int8 [N, K], one scale per row: w = q * s[n]      (applied to the row's dot product)
- *   Q8_0          q int8 [N, K], f16 d per block:   w = d * q
- *   Q4_0          nibbles [N, K/2], f16 d per block: w = d * (q - 8)
- *   Q4_1          nibbles [N, K/2], f16 d, m per block: w = d * q + m
+ *   Q8_0          q int8 [N, K], d per block:   w = d * q
+ *   Q4_0          nibbles [N, K/2], d per block: w = d * (q - 8)
+ *   Q4_1          nibbles [N, K/2], d, m per block: w = d * q + m
  * A 4-bit block stores element j in the low nibble of byte j and element j + 16 in its high nibble
- * (GGUF's layout). Block weights are dequantized exactly as gguf.quants does (q * d is exact in fp32;
- * one rounding for + m), so the result differs from F.linear on the dequantized weight only by the
- * order of the fp32 sums. Activations are fp32 or bf16 (computed in fp32, rounded once on output).
+ * (GGUF's layout). Rows are interleaved by tiles of ROWS: block b of rows 4t..4t+3 lie side by side,
+ * as do their d and m, so a tile reads each array as one sequential stream (quant_linear.py writes
+ * this layout; rows past N are zero padding). Block weights are dequantized exactly as gguf.quants
+ * does (q * d is exact in fp32; one rounding for + m), so the result differs from F.linear on the
+ * dequantized weight only by the order of the fp32 sums. Activations are fp32 or bf16 (computed in
+ * fp32, rounded once on output).
  * Built for the running CPU (-march=native): AVX-512 and AVX2 code paths.
  */
 #include <immintrin.h>
@@ -22,11 +26,10 @@ enum { INT8_CHANNEL = 0, Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
 
 typedef struct {
   const uint8_t* q;
-  const _Float16* d;
-  const _Float16* m;
-  size_t row_bytes;
+  const float* d;
+  const float* m;
+  size_t block_bytes;
   int blocks;  /* per row */
-  int rows;
 } weights;
 
 static inline f32x16 load(const float* p) { f32x16 v; memcpy(&v, p, 64); return v; }
@@ -57,41 +60,57 @@ static inline f32x16 u8_to_f32(__m128i v) {
 }
 #endif
 
-/* block b of row n: lo holds its elements 0..15, hi 16..31 */
-static inline void dequant_block(int fmt, const weights* w, int n, int b, f32x16* lo, f32x16* hi) {
-  const uint8_t* q = w->q + (size_t)n * w->row_bytes;
-  size_t at = (size_t)n * w->blocks + b;
+/* block b of row n: lo holds its elements 0..15, hi 16..31; Q8_0 unscaled unless `scaled` */
+static inline size_t block_at(const weights* w, int n, int b) {
+  return ((size_t)(n / ROWS) * w->blocks + b) * ROWS + n % ROWS;
+}
+
+static inline void dequant_block(int fmt, const weights* w, int n, int b, int scaled, f32x16* lo, f32x16* hi) {
+  size_t at = block_at(w, n, b);
+  const uint8_t* q = w->q + at * w->block_bytes;
   if (fmt == INT8_CHANNEL || fmt == Q8_0) {
-    *lo = i8_to_f32(_mm_loadu_si128((const __m128i*)(q + 32 * b)));
-    *hi = i8_to_f32(_mm_loadu_si128((const __m128i*)(q + 32 * b + 16)));
-    if (fmt == Q8_0) {
-      float d = (float)w->d[at];
-      *lo *= d;
-      *hi *= d;
+    *lo = i8_to_f32(_mm_loadu_si128((const __m128i*)q));
+    *hi = i8_to_f32(_mm_loadu_si128((const __m128i*)(q + 16)));
+    if (fmt == Q8_0 && scaled) {
+      *lo *= w->d[at];
+      *hi *= w->d[at];
     }
     return;
   }
-  __m128i v = _mm_loadu_si128((const __m128i*)(q + 16 * b)), nibble = _mm_set1_epi8(15);
-  float d = (float)w->d[at], m = fmt == Q4_1 ? (float)w->m[at] : -8.0f * d;
+  float d = w->d[at], m = fmt == Q4_1 ? w->m[at] : -8.0f * d;
+#if defined(__AVX512F__)
+  /* the block's 16 values in a table; permutexvar reads only the low 4 bits of each index */
+  __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm512_set1_ps(d), _mm512_set1_ps(m));
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  *lo = (f32x16)_mm512_permutexvar_ps(bytes, table);
+  *hi = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#else
+  __m128i v = _mm_loadu_si128((const __m128i*)q), nibble = _mm_set1_epi8(15);
   *lo = u8_to_f32(_mm_and_si128(v, nibble)) * d + m;
   *hi = u8_to_f32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)) * d + m;
+#endif
 }
 
-/* out[j * ROWS + i] = dot(x row j, W row n0 + i) for XROWS rows of x; W rows past the end repeat its last */
+/* out[j * ROWS + i] = dot(x row j, W row n0 + i) for XROWS rows of x */
 #define DEFINE_TILE(FMT, XROWS)                                                                  \
   static void tile_##FMT##_##XROWS(const weights* w, int n0, const float* x, int K, float* out) { \
     f32x16 acc[ROWS][XROWS];                                                                     \
     int row[ROWS];                                                                               \
     for (int i = 0; i < ROWS; i++) {                                                             \
-      row[i] = n0 + i < w->rows ? n0 + i : w->rows - 1;                                          \
+      row[i] = n0 + i;                                                                           \
       for (int j = 0; j < XROWS; j++) acc[i][j] = (f32x16){0};                                   \
     }                                                                                            \
+    const int late = FMT == Q8_0 && XROWS == 1;  /* scale the block's dot product, not its weights */ \
     for (int b = 0; b < w->blocks; b++) {                                                        \
       f32x16 lo[ROWS], hi[ROWS];                                                                 \
-      for (int i = 0; i < ROWS; i++) dequant_block(FMT, w, row[i], b, &lo[i], &hi[i]);          \
+      for (int i = 0; i < ROWS; i++) dequant_block(FMT, w, row[i], b, !late, &lo[i], &hi[i]);   \
       for (int j = 0; j < XROWS; j++) {                                                          \
         f32x16 xl = load(x + (size_t)j * K + 32 * b), xh = load(x + (size_t)j * K + 32 * b + 16); \
-        for (int i = 0; i < ROWS; i++) acc[i][j] += lo[i] * xl + hi[i] * xh;                     \
+        for (int i = 0; i < ROWS; i++) {                                                         \
+          f32x16 dot = lo[i] * xl + hi[i] * xh;                                                  \
+          acc[i][j] += late ? dot * w->d[block_at(w, row[i], b)] : dot;                           \
+        }                                                                                        \
       }                                                                                          \
     }                                                                                            \
     for (int i = 0; i < ROWS; i++)                                                               \
@@ -137,12 +156,12 @@ static void store_tile(void* y, int bf16, int N, int m0, int xrows, int n0, cons
     }
 }
 
-/* Returns 0, or -1 for a bad argument (K % 32 != 0, unknown format, out of memory). */
-int quant_linear(int fmt, const uint8_t* q, const _Float16* d, const _Float16* m,
+/* Returns 0, or -1 for a bad argument (tile rows other than ROWS, K % 32 != 0, unknown format, out of memory). */
+int quant_linear(int fmt, int tile_rows, const uint8_t* q, const float* d, const float* m,
                  const float* channel_scales, const void* x, int bf16, void* y, int M, int N, int K,
                  int threads) {
-  if (fmt < 0 || fmt > 3 || K % 32 || M < 1 || N < 1) return -1;
-  weights w = {q, d, m, fmt == Q4_0 || fmt == Q4_1 ? (size_t)K / 2 : (size_t)K, K / 32, N};
+  if (fmt < 0 || fmt > 3 || tile_rows != ROWS || K % 32 || M < 1 || N < 1) return -1;
+  weights w = {q, d, m, fmt == Q4_0 || fmt == Q4_1 ? 16 : 32, K / 32};
   float* xf = malloc((size_t)M * K * sizeof(float));
   if (!xf) return -1;
   to_f32(x, bf16, (size_t)M * K, xf);

@@ -25,7 +25,7 @@ from engine.model.quant import QuantizedLinear, quantize_model
 from engine.model.quant_probe import ProbeResult
 from engine.worker.model_runner import load_model
 from kernels.quant_formats import dequantize, quantize_int8
-from kernels.quant_linear import native_available
+from kernels.quant_linear import kernel_layout, native_available
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 
 gguf = pytest.importorskip("gguf")
@@ -181,7 +181,7 @@ def test_quantized_linear_takes_the_kernel_only_up_to_max_rows():
     generator = torch.Generator().manual_seed(0)
     dense = torch.randn(64, 96, generator=generator)
     packed = quantize_int8(torch.randn(64, 96, generator=generator))    # NOTE: other weights on purpose
-    layer = QuantizedLinear(torch.nn.Parameter(dense, requires_grad=False), None, packed, max_rows=4)
+    layer = QuantizedLinear(torch.nn.Parameter(dense, requires_grad=False), None, kernel_layout(packed), max_rows=4)
     small, large = torch.randn(4, 96, generator=generator), torch.randn(5, 96, generator=generator)
     torch.testing.assert_close(layer(small), small @ dequantize(packed).T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer(large), large @ dense.T, atol=0, rtol=0)
@@ -210,7 +210,8 @@ def test_decisions_without_a_win_or_a_source_keep_the_model_dense(tmp_path, monk
 def test_probe_on_real_weights_returns_timings():
     model = tiny_model()
     weights = [model.layers[i].mlp.gate_up_proj.weight for i in range(2)]
-    result = quant.probe_quantized(weights, [quantize_int8(w) for w in weights], threads=1, batch_sizes=(1, 2))
+    packed = [kernel_layout(quantize_int8(w)) for w in weights]
+    result = quant.probe_quantized(weights, packed, threads=1, batch_sizes=(1, 2))
     assert result.timings and all(dense > 0 and q > 0 for _, dense, q in result.timings)
     assert result.max_rows in (0, 1, 2)
 

@@ -22,7 +22,7 @@ from engine.model.layers import Linear
 from engine.model.llama import CausalLM
 from engine.model.quant_probe import probe_quantized
 from kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
-from kernels.quant_linear import native_available, quant_linear_native, supports
+from kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class QuantDecision:
 class QuantizedLinear(nn.Module):
     """Drop-in for `Linear`: up to `max_rows` rows through the quantized kernel, more through `weight`."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: QuantizedWeight,
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: KernelWeight,
                  max_rows: int) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
@@ -142,7 +142,8 @@ def _probe_and_swap(model: CausalLM, scheme: str, packed: dict[str, QuantizedWei
         return packed[name] if packed else quantize_int8(dense[name].weight)
 
     sample = {n: quantize(n) for n in _probe_names(names, dense)}
-    result = probe_quantized([dense[n].weight for n in sample], list(sample.values()), threads)
+    tiled = {n: kernel_layout(w) for n, w in sample.items()}
+    result = probe_quantized([dense[n].weight for n in sample], list(tiled.values()), threads)
     if result.max_rows == 0 and auto:
         return QuantDecision("none", 0, f"auto: {scheme} kernel not faster here ({result.describe()})")
     max_rows = max(result.max_rows, 1)
@@ -151,7 +152,8 @@ def _probe_and_swap(model: CausalLM, scheme: str, packed: dict[str, QuantizedWei
         if packed is None:
             with torch.no_grad():                   # NOTE: every batch size then sees the same weights
                 dense[name].weight.copy_(dequantize(weight))
-        _swap(model, name, QuantizedLinear(dense[name].weight, dense[name].bias, weight, max_rows))
+        layout = tiled[name] if name in tiled else kernel_layout(weight)
+        _swap(model, name, QuantizedLinear(dense[name].weight, dense[name].bias, layout, max_rows))
     return QuantDecision(scheme, max_rows, f"{len(names)} projections; probe on {next(iter(sample))} "
                                            f"x{len(sample)} with {threads} threads: {result.describe()}")
 

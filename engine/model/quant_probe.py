@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_formats import QuantizedWeight
-from kernels.quant_linear import quant_linear_native
+from kernels.quant_linear import KernelWeight, quant_linear_native
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 WIN_MARGIN = 0.9          # quantized must take at most 90% of the dense time to count as a win
@@ -30,7 +29,7 @@ class ProbeResult:
                          for rows, dense, quant in self.timings)
 
 
-def probe_quantized(dense: list[torch.Tensor], packed: list[QuantizedWeight], threads: int,
+def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threads: int,
                     batch_sizes: tuple[int, ...] = BATCH_SIZES) -> ProbeResult:
     """Time F.linear over `dense` (weights [N, K] in the serving dtype) against the kernel over
     `packed` (the same weights quantized), with `threads` threads, at each batch size in turn."""
