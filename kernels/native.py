@@ -27,9 +27,13 @@ COMPILE_TIMEOUT_S = 120
 _LOCK = threading.Lock()
 
 
+def cache_root() -> Path:
+    """$PDSERVE_CACHE, default ~/.cache/pdserve."""
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-    return root / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_flags() -> str:

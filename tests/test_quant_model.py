@@ -7,6 +7,7 @@ dense path only in the order of fp32 sums, so greedy tokens are equal and log-pr
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from engine.config import ModelConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model import quant
+from engine.model import gguf_block_cache
 from engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
 from engine.model.quant import QuantizedLinear, quantize_model
 from engine.model.quant_probe import ProbeResult
@@ -155,6 +157,25 @@ def test_gguf_blocks_land_in_the_fused_projections_in_hugging_face_row_order(tmp
     assert torch.equal(dequantize(read.weights["lm_head"]), dense["lm_head.weight"])
     assert set(read.skipped) == {"layers.1.self_attn.o_proj", "layers.1.mlp.gate_up_proj"}
     assert read.skipped["layers.1.mlp.gate_up_proj"].endswith("Q4_1+Q8_0")
+
+
+def test_gguf_blocks_are_read_once_then_come_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf")
+    config, path = ModelConfig.from_dir(model_dir), model_dir / "model.gguf"
+    first = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+
+    def unread(*args):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf_block_cache, "read_gguf_projections", unread)
+    again = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+    assert again.skipped == first.skipped and again.weights.keys() == first.weights.keys()
+    for name, w in first.weights.items():
+        assert torch.equal(dequantize(again.weights[name]), dequantize(w)) and again.weights[name].format == w.format
+    os.utime(path, ns=(1, 1))                                   # NOTE: a changed file is read again
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():

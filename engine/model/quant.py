@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections
+from engine.model.gguf_block_cache import cached_gguf_projections
+from engine.model.gguf_blocks import GGUFBlockError
 from engine.model.layers import Linear
 from engine.model.llama import CausalLM
 from engine.model.quant_probe import probe_quantized
@@ -111,7 +112,7 @@ def _unavailable(model: CausalLM) -> str:
 
 
 def _gguf_weights(model: CausalLM, path: Path) -> dict[str, QuantizedWeight]:
-    read = read_gguf_projections(path, model.config, tied_head=model.lm_head is None)
+    read = cached_gguf_projections(path, model.config, tied_head=model.lm_head is None)
     for name, why in read.skipped.items():
         logger.info("quantization gguf: %s stays dense (%s)", name, why)
     dense = projections(model)
