@@ -37,10 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one prefill step; longer prompts run in chunks")
     g.add_argument("--max-queue", type=int, default=scheduler.max_queue,
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
-    g.add_argument("--quantization", choices=SCHEMES, default="none",
-                   help="CPU decode with quantized weights: int8 (per channel, lossy), gguf (the GGUF "
-                        "file's Q8_0/Q4_0/Q4_1 blocks as they are), auto (gguf where a start-up probe "
-                        "finds it faster); default: none")
+    g.add_argument("--quantization", choices=SCHEMES, default="auto",
+                   help="CPU projections with quantized weights: int8 (per channel, lossy), gguf (the "
+                        "GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are), none; default auto: gguf when "
+                        "the model came from a GGUF file and a start-up probe finds it faster")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
 

@@ -31,7 +31,7 @@ class EngineConfig:
     decode_threads: int | None = None
     kv_transfer: str | None = None    # torch | cupy-p2p; None: automatic
     cuda_graph: bool = True
-    quantization: str = "none"        # none | int8 | gguf | auto (engine.model.quant)
+    quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -20,8 +20,7 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.model import quant
-from engine.model import gguf_block_cache
+from engine.model import gguf_block_cache, quant
 from engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
 from engine.model.quant import QuantizedLinear, quantize_model
 from engine.model.quant_probe import ProbeResult
@@ -190,6 +189,8 @@ def test_gguf_of_another_model_is_refused(tmp_path):
     model = load_model(ModelConfig.from_dir(other), torch.float32, torch.device("cpu"), 64)
     with pytest.raises(GGUFBlockError, match="does not hold the model's loaded weights"):
         quantize_model(model, "gguf", model_dir / "model.gguf", threads=1)
+    decision = quantize_model(model, "auto", model_dir / "model.gguf", threads=1)      # auto: stays dense
+    assert decision.scheme == "none" and "does not hold" in decision.reason
 
 
 def make_other_checkpoint(out: Path) -> Path:
@@ -244,7 +245,7 @@ def test_cli_option_reaches_the_engine_config():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).quantization == "none"
+    assert engine_config_from_args(parser.parse_args([])).quantization == "auto"
     assert engine_config_from_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "q4"])

@@ -87,17 +87,24 @@ def _decide(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) 
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     if scheme == "none":
         return QuantDecision("none", 0, "not requested")
-    if scheme == "gguf" and gguf_path is None:
-        raise ValueError("--quantization gguf needs the model's GGUF file (--model FILE.gguf, "
-                         "or one .gguf file in the model directory)")
+    if gguf_path is None and scheme != "int8":
+        if scheme == "gguf":
+            raise ValueError("--quantization gguf needs the model's GGUF file (--model FILE.gguf, "
+                             "or one .gguf file in the model directory)")
+        return QuantDecision("none", 0, "auto: no GGUF file (int8 changes the weights; "
+                                        "ask for it with --quantization int8)")
     unavailable = _unavailable(model)
     if unavailable:
         return QuantDecision("none", 0, unavailable)
-    if scheme == "auto" and gguf_path is None:
-        return QuantDecision("none", 0, "auto: no GGUF file (int8 changes the weights; "
-                                        "ask for it with --quantization int8)")
-    packed = _gguf_weights(model, gguf_path) if scheme in ("gguf", "auto") else None
-    return _probe_and_swap(model, "int8" if packed is None else "gguf", packed, scheme == "auto", threads)
+    if scheme == "int8":
+        return _probe_and_swap(model, "int8", None, False, threads)
+    try:
+        packed = _gguf_weights(model, gguf_path)
+    except (ValueError, OSError, ImportError) as e:          # NOTE: GGUFBlockError is a ValueError
+        if scheme == "gguf":
+            raise
+        return QuantDecision("none", 0, f"auto: {e}")
+    return _probe_and_swap(model, "gguf", packed, scheme == "auto", threads)
 
 
 def _unavailable(model: CausalLM) -> str:

@@ -39,8 +39,8 @@ def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threa
         timings, max_rows = [], 0
         for rows in batch_sizes:
             x = torch.randn(rows, dense[0].shape[1], dtype=dense[0].dtype)
-            dense_s = _best_pass(lambda x=x: [F.linear(x, w) for w in dense])
-            quant_s = _best_pass(lambda x=x: [quant_linear_native(x, w, threads) for w in packed])
+            dense_s, quant_s = _best_passes(lambda x=x: [F.linear(x, w) for w in dense],
+                                            lambda x=x: [quant_linear_native(x, w, threads) for w in packed])
             timings.append((rows, dense_s, quant_s))
             if quant_s > WIN_MARGIN * dense_s:
                 break
@@ -50,11 +50,14 @@ def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threa
         torch.set_num_threads(previous)
 
 
-def _best_pass(run, passes: int = 3) -> float:
-    run()                                                    # warm-up
-    best = float("inf")
+def _best_passes(*runs, passes: int = 3) -> list[float]:
+    """The fastest of `passes` timed passes of each run, the runs taking turns (so noise hits all)."""
+    for run in runs:
+        run()                                                # warm-up
+    best = [float("inf")] * len(runs)
     for _ in range(passes):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
+        for i, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - started)
     return best
