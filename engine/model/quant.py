@@ -141,29 +141,43 @@ def _check_matches(packed: QuantizedWeight, weight: torch.Tensor, name: str, pat
 def _probe_and_swap(model: CausalLM, scheme: str, packed: dict[str, QuantizedWeight] | None, auto: bool,
                     threads: int) -> QuantDecision:
     dense = projections(model)
-    dtype = model.embed_tokens.weight.dtype
-    names = [n for n in dense if (packed is None or n in packed)
-             and supports(packed[n].format if packed else "int8", dense[n].weight.shape[1], dtype)]
+    names = _with_kernel(dense, packed, model.embed_tokens.weight.dtype)
     if not names:
         return QuantDecision("none", 0, f"{scheme}: no projection has a kernel")
-    def quantize(name: str) -> QuantizedWeight:
-        return packed[name] if packed else quantize_int8(dense[name].weight)
-
-    sample = {n: quantize(n) for n in _probe_names(names, dense)}
-    tiled = {n: kernel_layout(w) for n, w in sample.items()}
-    result = probe_quantized([dense[n].weight for n in sample], list(tiled.values()), threads)
+    weights = packed or _LazyInt8(dense)
+    tiled = {n: kernel_layout(weights[n]) for n in _probe_names(names, dense)}
+    result = probe_quantized([dense[n].weight for n in tiled], list(tiled.values()), threads)
     if result.max_rows == 0 and auto:
         return QuantDecision("none", 0, f"auto: {scheme} kernel not faster here ({result.describe()})")
     max_rows = max(result.max_rows, 1)
     for name in names:
-        weight = sample[name] if name in sample else quantize(name)
         if packed is None:
             with torch.no_grad():                   # NOTE: every batch size then sees the same weights
-                dense[name].weight.copy_(dequantize(weight))
-        layout = tiled[name] if name in tiled else kernel_layout(weight)
+                dense[name].weight.copy_(dequantize(weights[name]))
+        layout = tiled.get(name) or kernel_layout(weights[name])
         _swap(model, name, QuantizedLinear(dense[name].weight, dense[name].bias, layout, max_rows))
-    return QuantDecision(scheme, max_rows, f"{len(names)} projections; probe on {next(iter(sample))} "
-                                           f"x{len(sample)} with {threads} threads: {result.describe()}")
+    return QuantDecision(scheme, max_rows, f"{len(names)} projections; probe on {next(iter(tiled))} "
+                                           f"x{len(tiled)} with {threads} threads: {result.describe()}")
+
+
+def _with_kernel(dense: dict[str, Linear], packed: dict[str, QuantizedWeight] | None,
+                 dtype: torch.dtype) -> list[str]:
+    """The projections the kernel takes (all of them for int8; those the GGUF has blocks for)."""
+    if packed is None:
+        return [n for n, m in dense.items() if supports("int8", m.weight.shape[1], dtype)]
+    return [n for n in dense if n in packed and supports(packed[n].format, packed[n].shape[1], dtype)]
+
+
+class _LazyInt8(dict):
+    """name -> int8 quantization of that projection, computed once on first use."""
+
+    def __init__(self, dense: dict[str, Linear]) -> None:
+        super().__init__()
+        self.dense = dense
+
+    def __missing__(self, name: str) -> QuantizedWeight:
+        self[name] = quantize_int8(self.dense[name].weight)
+        return self[name]
 
 
 def _probe_names(names: list[str], dense: dict[str, Linear]) -> list[str]:
