@@ -120,8 +120,10 @@ def _unavailable(model: CausalLM) -> str:
 
 def _gguf_weights(model: CausalLM, path: Path) -> dict[str, QuantizedWeight]:
     read = cached_gguf_projections(path, model.config, tied_head=model.lm_head is None)
-    for name, why in read.skipped.items():
-        logger.info("quantization gguf: %s stays dense (%s)", name, why)
+    if read.skipped:
+        shown = "; ".join(f"{name} ({why})" for name, why in list(read.skipped.items())[:3])
+        logger.info("quantization gguf: %d projections stay dense, no kernel for their blocks: %s%s",
+                    len(read.skipped), shown, " ..." if len(read.skipped) > 3 else "")
     dense = projections(model)
     for name, packed in read.weights.items():
         _check_matches(packed, dense[name].weight, name, path)
