@@ -14,34 +14,37 @@ from pathlib import Path
 
 import torch
 
+from engine.actors.planner import StepPlanner
 from engine.config import ModelConfig
-from engine.core.batch import Batch, ScheduledChunk
+from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
 from engine.core.messages import Request
 from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.step import StepInput
 
 
-def decode_batch(num_seqs: int, context: int, blocks: BlockManager) -> Batch:
-    chunks = []
+def decode_step(num_seqs: int, context: int, blocks: BlockManager) -> StepInput:
+    seqs = []
     for i in range(num_seqs):
         seq = Sequence(Request(str(i), tuple(range(3, 3 + context))), output_token_ids=[5],
-                       num_computed_tokens=context)
+                       num_computed_tokens=context + 1)
         seq.block_table = blocks.grow(seq.request_id, context + 1)
-        chunks.append(ScheduledChunk(seq, context, 1, sample=True))
-    return Batch(tuple(chunks), is_decode=True)
+        seqs.append(seq)
+    return StepPlanner().step_input(Batch(decode=tuple(seqs)))
 
 
-def time_forward(runner: ModelRunner, batch: Batch, iters: int) -> float:
-    forward_batch = runner.prepare(batch)
-    for _ in range(3):
-        runner.forward(forward_batch)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        runner.forward(forward_batch)
-    torch.cuda.synchronize()
+def time_forward(runner: ModelRunner, step: StepInput, iters: int) -> float:
+    runner.apply(step)
+    with torch.inference_mode():
+        for _ in range(3):
+            runner.logits(step)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            runner.logits(step)
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters
 
 
@@ -64,8 +67,8 @@ def main(argv=None) -> int:
     graphed = ModelRunner(model, num_blocks, 16, frozenset(), graph_max_batch=max(sizes), max_blocks_per_seq=per_seq)
     rows = []
     for size in sizes:
-        batch = decode_batch(size, args.context, BlockManager(num_blocks, 16))
-        eager_s, graph_s = time_forward(eager, batch, args.iters), time_forward(graphed, batch, args.iters)
+        step = decode_step(size, args.context, BlockManager(num_blocks, 16))
+        eager_s, graph_s = time_forward(eager, step, args.iters), time_forward(graphed, step, args.iters)
         rows.append({"batch": size, "context": args.context, "eager_ms": eager_s * 1e3,
                      "graph_ms": graph_s * 1e3, "speedup": eager_s / graph_s})
     print(f"{'batch':>6} {'eager ms':>10} {'graph ms':>10} {'speed-up':>9}   (target >= 3x)")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
+from engine.actors.planner import StepPlanner
 from engine.config import DTYPES, ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
@@ -21,20 +23,22 @@ from engine.core.sequence import Sequence
 from engine.topology import resolve_model_dir
 from engine.worker.memory import keep_freed_memory_in_process
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.step import StepInput
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_batch(phase: str, batch: int, context: int, blocks: BlockManager) -> Batch:
-    chunks = []
+def make_step(phase: str, batch: int, context: int, blocks: BlockManager) -> StepInput:
+    seqs = []
     for i in range(batch):
         seq = Sequence(Request(str(i), tuple(range(3, 3 + context)), GREEDY))
         if phase == "decode":
-            seq.output_token_ids, seq.num_computed_tokens = [5], context
-        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
-        start = seq.num_computed_tokens
-        chunks.append(ScheduledChunk(seq, start, seq.num_tokens - start, sample=True))
-    return Batch(tuple(chunks), is_decode=phase == "decode")
+            seq.output_token_ids, seq.num_computed_tokens = [5], context + 1
+        seq.block_table = blocks.grow(seq.request_id, context + 1)
+        seqs.append(seq)
+    if phase == "decode":
+        return StepPlanner().step_input(Batch(decode=tuple(seqs)))
+    return StepPlanner().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, context, True) for s in seqs)))
 
 
 def main(argv=None) -> int:
@@ -55,17 +59,19 @@ def main(argv=None) -> int:
     runner = ModelRunner(load_model(config, DTYPES[args.dtype], torch.device("cpu"), args.context + 16),
                          num_blocks, 16, frozenset())
     runner.kv_pool.normal_()                     # touch the pool as a real run's prefill would
-    batch = make_batch(args.phase, args.batch, args.context, BlockManager(num_blocks, 16))
+    step = make_step(args.phase, args.batch, args.context, BlockManager(num_blocks, 16))
+    runner.apply(step)
+    run = replace(step, freed_rows=(), new_rows=())                  # the rows stay; run the same step again
     for _ in range(2):
-        runner.execute(batch)
+        runner.execute(run)
     start = time.perf_counter()
     for _ in range(args.iters):
-        runner.execute(batch)
+        runner.execute(run)
     step_ms = (time.perf_counter() - start) / args.iters * 1e3
     with torch.profiler.profile() as prof:
-        runner.execute(batch)
+        runner.execute(run)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    tokens = batch.num_tokens
+    tokens = step.num_tokens
     print(f"{args.phase} step: {step_ms:.1f} ms for {tokens} tokens ({tokens / step_ms * 1e3:.0f} tok/s), "
           f"batch {args.batch}, context {args.context}, {args.threads} threads, {args.dtype}")
     return 0

@@ -20,15 +20,17 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from bench.profile_step import make_batch
+from bench.profile_step import make_step
 from engine.config import ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.model.quant import QuantizedLinear, gguf_source, projections, quantize_model
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.step import StepInput
 
 CONFIGS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
            ("float32", "gguf"), ("bfloat16", "gguf"))
@@ -83,10 +85,13 @@ def weight_bytes(model) -> int:
 
 
 def step_seconds(runner: ModelRunner, phase: str, batch: int, context: int, iters: int) -> float:
-    blocks = BlockManager(runner.num_blocks, runner.block_size)
-    work = make_batch(phase, batch, context, blocks)
-    runner.execute(work)
-    return statistics.median(_timed(lambda: runner.execute(work)) for _ in range(iters))
+    step = make_step(phase, batch, context, BlockManager(runner.num_blocks, runner.block_size))
+    runner.apply(step)
+    run = replace(step, freed_rows=(), new_rows=())                  # the rows stay; run the same step again
+    runner.execute(run)
+    seconds = statistics.median(_timed(lambda: runner.execute(run)) for _ in range(iters))
+    runner.apply(StepInput(freed_rows=tuple(row.row for row in step.new_rows)))
+    return seconds
 
 
 def build(model_dir: Path, dtype: str, scheme: str, args) -> tuple[ModelRunner, dict]:
@@ -95,7 +100,7 @@ def build(model_dir: Path, dtype: str, scheme: str, args) -> tuple[ModelRunner, 
                        max(args.prefill, args.context) + 64)
     info = {"dtype": dtype, "scheme": scheme}
     if scheme != "none":
-        decision = quantize_model(model, scheme, gguf_source(None, model_dir), threads=min(args.threads))
+        decision = quantize_model(model, scheme, gguf_source(model_dir), threads=min(args.threads))
         info.update(probe_max_rows=decision.max_rows, probe=decision.reason)
         print(f"{dtype} {scheme} probe ({min(args.threads)} thread(s)): up to {decision.max_rows} rows; "
               f"{decision.reason}", flush=True)

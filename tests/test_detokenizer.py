@@ -92,9 +92,12 @@ def test_prompt_ending_inside_a_character(tok):
 
 
 def test_decodes_a_bounded_window(tok):
+    """Streaming is DecodeStream's (a window of its own); our own decodes (context check, flush) stay short."""
     lengths = []
 
     class Spy:
+        backend = tok.backend
+
         def decode(self, ids, skip_special_tokens=True):
             lengths.append(len(ids))
             return tok.decode(ids, skip_special_tokens)

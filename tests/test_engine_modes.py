@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -210,13 +211,26 @@ def test_event_loop_keeps_ticking_during_a_long_prefill():
 
 def test_health_reports_an_actor_stuck_in_one_step():
     engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated"))
+    decode, release = engine.actors[1], threading.Event()
+    real_execute = decode.runner.execute
+
+    def stuck(step):
+        release.wait(60)
+        return real_execute(step)
+
+    decode.runner.execute = stuck
 
     async def scenario():
         assert engine.healthy()
-        engine.actors[1].step_started_at = time.monotonic() - 10.0      # as if one step hung for 10 s
+        stream = engine.submit(Request("r", prompts([8])[0], GREEDY))
+        await stream.__anext__()                      # the prefill actor's token; decode's first step hangs
+        while decode.step_started_at is None:
+            await asyncio.sleep(0.005)
+        decode._in_flight[0].started -= 10.0          # as if that step had hung for 10 s
         assert engine.healthy(stall_seconds=60.0)
         assert not engine.healthy(stall_seconds=5.0)
-        engine.actors[1].step_started_at = None
+        release.set()
+        await collect(stream)
         await engine.actors[0].stop()
         assert not engine.healthy()
 

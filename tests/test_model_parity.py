@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from engine.actors.planner import StepPlanner
 from engine.config import ModelConfig
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
@@ -47,9 +48,12 @@ def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch
     for seq in seqs:
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
     rows: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+    planner = StepPlanner()
     while chunks := [ScheduledChunk(s, s.num_computed_tokens, min(chunk, s.num_tokens - s.num_computed_tokens),
                                     sample=False) for s in seqs if s.num_computed_tokens < s.num_tokens]:
-        batch = runner.prepare(Batch(tuple(chunks), is_decode=False))
+        step = planner.step_input(Batch(chunks=tuple(chunks)))
+        runner.apply(step)
+        batch = runner.prepare(step)
         with torch.inference_mode():
             logits = runner.model.compute_logits(runner.model(batch, runner.kv_pool))
         for c, part in zip(chunks, logits.split([c.num_tokens for c in chunks])):

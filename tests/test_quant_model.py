@@ -7,6 +7,7 @@ dense path only in the order of fp32 sums, so greedy tokens are equal and log-pr
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -236,6 +237,18 @@ def test_probe_on_real_weights_returns_timings():
     result = quant.probe_quantized(weights, packed, threads=1, batch_sizes=(1, 2))
     assert result.timings and all(dense > 0 and q > 0 for _, dense, q in result.timings)
     assert result.max_rows in (0, 1, 2)
+
+
+def test_gguf_source_is_the_converted_file_or_the_one_in_the_directory(tmp_path):
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "gguf_source.json").write_text(json.dumps({"gguf_file": str(gguf_file)}))
+    assert quant.gguf_source(converted) == gguf_file
+    assert quant.gguf_source(tmp_path) == gguf_file
+    gguf_file.unlink()
+    assert quant.gguf_source(converted) is None and quant.gguf_source(tmp_path) is None
 
 
 def test_cli_option_reaches_the_engine_config():

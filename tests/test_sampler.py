@@ -5,12 +5,14 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.worker.penalties import apply_penalties
 from engine.worker.sampler import Sampler
+from engine.worker.sampling_table import SamplingTable
 
 VOCAB = 1000
 PADDED = 1024
@@ -188,6 +190,13 @@ def reference_penalties(logits: torch.Tensor, seqs: list[Seq]) -> torch.Tensor:
     return out
 
 
+def sampling_batch(seqs, vocab: int):
+    table = SamplingTable(vocab, frozenset({EOS}), torch.device("cpu"))
+    for row, seq in enumerate(seqs):
+        table.add(row, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+    return table.batch(np.arange(len(seqs)))
+
+
 def penalty_batch(vocab: int) -> list[Seq]:
     gen = torch.Generator().manual_seed(9)
     ids = lambda n, hi: tuple(torch.randint(0, hi, (n,), generator=gen).tolist())  # noqa: E731
@@ -206,7 +215,7 @@ def test_penalties_match_per_row_python_reference():
     logits = random_logits(len(seqs), vocab=VOCAB, seed=10)
     expected = reference_penalties(logits, seqs)
     actual = logits.clone()
-    apply_penalties(actual, seqs)
+    apply_penalties(actual, sampling_batch(seqs, VOCAB))
     torch.testing.assert_close(actual, expected)
     assert torch.equal(actual[2], logits[2])
 
@@ -316,14 +325,14 @@ def test_cuda_matches_cpu_for_greedy_and_is_seed_stable():
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
 def test_candidate_nucleus_equals_the_full_sort(scale):
-    from engine.worker.sampler import _top_k_top_p, _top_k_top_p_sorted
+    from engine.worker.sampling_filters import top_k_top_p, top_k_top_p_sorted
 
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(12, 3000, generator=generator) * scale
     x[3, :400] = 5.0                                    # a tie across the candidate edge
     top_k = torch.tensor([3000, 40, 3000, 300, 1, 3000, 257, 3000, 2999, 3000, 10, 3000])
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.99, 0.999, 0.8, 0.05, 0.7, 1.0])
-    expected = _top_k_top_p_sorted(x, top_k, top_p)
-    got = _top_k_top_p(x, top_k, top_p)
+    expected = top_k_top_p_sorted(x, top_k, top_p)
+    got = top_k_top_p(x, top_k, top_p)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     torch.testing.assert_close(got[~torch.isinf(got)], expected[~torch.isinf(expected)], rtol=0, atol=0)

@@ -221,7 +221,7 @@ async def test_raw_sse_framing(engines, serve, tiny_model_dir):
 
 
 async def test_models_and_health(engines, serve, tiny_model_dir):
-    base = await serve(engines("colocated"), served_model_name="tiny-test")
+    base = await serve(engines("colocated"), served_model_names=("tiny-test",))
     async with client(base) as c:
         models = await c.models.list()
         reply = await c.completions.create(model="tiny-test", prompt="x", max_tokens=2)
@@ -231,6 +231,16 @@ async def test_models_and_health(engines, serve, tiny_model_dir):
     assert e.value.code == "model_not_found"
     async with aiohttp.ClientSession() as session, session.get(base + "/health") as response:
         assert response.status == 200 and (await response.json())["mode"] == "colocated"
+
+
+async def test_every_served_model_name_is_accepted_and_the_first_reported(engines, serve, tiny_model_dir):
+    base = await serve(engines("colocated"), served_model_names=("first", "alias"))
+    async with client(base) as c:
+        replies = [await c.completions.create(model=name, prompt="x", max_tokens=2) for name in ("first", "alias")]
+        models = await c.models.list()
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model=tiny_model_dir.name, prompt="x", max_tokens=2)
+    assert [r.model for r in replies] == ["first", "first"] and [m.id for m in models.data] == ["first"]
 
 
 # disconnects and metrics

@@ -180,6 +180,14 @@ def test_no_command_serves_with_default_options(monkeypatch):
     assert (default.host, default.port, default.api_key, default.engine.model) == ("127.0.0.1", 8000, None, None)
     assert default.engine.cache == CacheConfig() and default.engine.scheduler == SchedulerConfig()
     assert custom.port == 9001 and custom.max_body_bytes == 2**20
+    assert default.served_model_names == () and default.engine.prefill_device is None
+
+
+def test_served_model_name_takes_one_or_more_names():
+    parser = cli.argparse.ArgumentParser()
+    cli.add_serve_arguments(parser)
+    config = cli.server_config_from_args(parser.parse_args(["--served-model-name", "smol", "gpt-3.5-turbo"]))
+    assert config.served_model_names == ("smol", "gpt-3.5-turbo")
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):

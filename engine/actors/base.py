@@ -1,4 +1,10 @@
-"""The actor skeleton: a mailbox, one compute thread, and a step loop on the event loop."""
+"""The actor skeleton: a mailbox, one compute thread, and a pipelined step loop on the event loop.
+
+A step is scheduled and turned into a compact StepInput on the loop, runs on the compute thread,
+and is recorded back on the loop. With `overlap`, the next step is scheduled and launched while
+one runs (two in flight), so host work hides behind device work; either way a finished step's
+tokens are published (detokenized and streamed) only after the next step has been launched.
+"""
 from __future__ import annotations
 
 import abc
@@ -8,42 +14,59 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from engine.actors.planner import StepPlanner
 from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
-from engine.core.messages import ActorStats, FinishReason, SampledToken, TokenLogprob
+from engine.core.messages import ActorStats, FinishReason, StepOutput
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step import StepResult
 
 logger = logging.getLogger(__name__)
 
-Emit = Callable[[SampledToken], None]
+Emit = Callable[[StepOutput], None]
+Recorded = list[tuple[Sequence, FinishReason | None]]
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    step_id: int
+    batch: Batch
+    future: asyncio.Future
+    started: float                   # time.monotonic() at launch
 
 
 class Actor(abc.ABC):
-    """Subclasses implement `handle`, `schedule`, `execute` (compute thread) and `postprocess`.
+    """Subclasses implement `handle`, `schedule`, `record`, `drop`, `settle` and `queue_lengths`.
 
-    Scheduling and bookkeeping run on the event loop; only `execute` runs on
-    the actor's own thread, which is pinned to its device (or, on CPU, to its cores).
+    Scheduling and bookkeeping run on the event loop; only `execute` runs on the actor's own
+    thread, which is pinned to its device (or, on CPU, to its cores).
     """
 
     name = "actor"
 
     def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit,
-                 cpu_cores: tuple[int, ...] = ()) -> None:
+                 cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
         self.runner = runner
         self.device = runner.device
         self.max_model_len = max_model_len
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.emit = emit
         self.cpu_cores = cpu_cores
+        self.pipeline_depth = 2 if overlap else 1
+        self.plan = StepPlanner()
         self.steps = 0
         self.last_step_time = 0.0
-        self.step_seconds = 0.0          # schedule + execute + postprocess, summed over steps
-        self.step_started_at: float | None = None   # time.monotonic() while a step runs on the device
+        self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
+        self.completed_step = -1
+        self._next_step = 0
+        self._in_flight: deque[InFlight] = deque()
         self._mailbox: deque = deque()
         self._wakeup = asyncio.Event()
         self._stopping = False
@@ -58,7 +81,7 @@ class Actor(abc.ABC):
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pdserve-{self.name}")
 
     async def stop(self) -> None:
-        """Stop stepping once the step in flight has finished (its results are recorded)."""
+        """Stop stepping once the steps in flight have finished (their results are recorded)."""
         if self._task is None:
             return
         self._stopping = True
@@ -73,10 +96,6 @@ class Actor(abc.ABC):
             self.handle(self._mailbox.popleft())
         return had_mail
 
-    @abc.abstractmethod
-    def settle(self) -> None:
-        """Stopped and drained: end every sequence held, wait for copies in flight, free every block."""
-
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
@@ -86,8 +105,12 @@ class Actor(abc.ABC):
 
     def stepping(self, stall_seconds: float) -> bool:
         """Alive, and not stuck inside one device step for longer than `stall_seconds`."""
-        started = self.step_started_at
-        return self.alive and (started is None or time.monotonic() - started < stall_seconds)
+        oldest = self._in_flight[0].started if self._in_flight else None
+        return self.alive and (oldest is None or time.monotonic() - oldest < stall_seconds)
+
+    @property
+    def step_started_at(self) -> float | None:
+        return self._in_flight[0].started if self._in_flight else None
 
     # messages
     def send(self, message) -> None:
@@ -97,29 +120,68 @@ class Actor(abc.ABC):
     def poke(self) -> None:
         self._wakeup.set()
 
+    # the step loop
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            while self._mailbox:
-                self.handle(self._mailbox.popleft())
-            started = time.perf_counter()
-            batch = self.schedule()
-            if batch is None:
+            self.drain()
+            if self._launch(loop):
+                continue
+            if not self._in_flight:
                 await self.idle(loop)
                 continue
-            self.step_started_at = time.monotonic()
-            try:
-                result = await loop.run_in_executor(self._executor, self.execute, batch)
-            except Exception as e:                     # a failed step fails its sequences, not the actor
-                logger.exception("%s step failed", self.name)
-                self.fail(batch, f"{type(e).__name__}: {e}")
-                continue
-            finally:
-                self.step_started_at = None
-            self.postprocess(batch, result)
-            self.steps += 1
-            self.step_seconds += time.perf_counter() - started
-            self.last_step_time = time.monotonic()
+            output = await self._complete_oldest()
+            self.drain()
+            self._launch(loop)                 # NOTE: the next step runs while this one's tokens are published
+            self._publish(output)
+        while self._in_flight:
+            self._publish(await self._complete_oldest())
+
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> bool:
+        if len(self._in_flight) >= self.pipeline_depth:
+            return False
+        started = time.perf_counter()
+        batch = self.schedule()
+        if batch is None:
+            return False
+        step_id = self._next_step
+        self._next_step += 1
+        for seq in batch.sequences():
+            seq.last_step = step_id
+        work = self.prepare(batch)
+        future = loop.run_in_executor(self._executor, self.execute, work)
+        self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
+        self.step_seconds += time.perf_counter() - started
+        return True
+
+    async def _complete_oldest(self) -> StepOutput | None:
+        step = self._in_flight[0]
+        try:
+            result = await step.future
+        except Exception as e:                     # a failed step fails its sequences, not the actor
+            logger.exception("%s step failed", self.name)
+            self._step_done(step)
+            return self.fail(step.batch, f"{type(e).__name__}: {e}")
+        self._step_done(step)
+        started = time.perf_counter()
+        output = self.record(step.batch, result)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - started
+        self.last_step_time = time.monotonic()
+        return output
+
+    def _step_done(self, step: InFlight) -> None:
+        self._in_flight.popleft()
+        self.completed_step = step.step_id
+        if self.blocks.release_through(step.step_id):
+            self.blocks_released()
+
+    def blocks_released(self) -> None:
+        """Blocks held back for a finished step went back to the free list."""
+
+    def _publish(self, output: StepOutput | None) -> None:
+        if output is not None and len(output):
+            self.emit(output)
 
     async def idle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Nothing to schedule: wait for a copy this actor tracks to land, else for a message or a poke."""
@@ -135,25 +197,15 @@ class Actor(abc.ABC):
         """A copy whose landing this actor still has to act on, or None."""
         return None
 
-    def record_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> FinishReason | None:
-        """Append a sampled token, stream it, and say whether the sequence is finished."""
-        seq.output_token_ids.append(token_id)
-        reason = seq.finish_reason(self.runner.eos_token_ids, self.max_model_len)
-        self.emit(SampledToken(seq.request_id, token_id, logprob, reason))
-        return reason
-
-    def stats(self) -> ActorStats:
-        running, waiting = self.queue_lengths()
-        return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=self.blocks.num_used,
-                          kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
-                          last_step_time=self.last_step_time, alive=self.alive)
-
-    def fail(self, batch: Batch, error: str) -> None:
-        for chunk in batch.chunks:
-            self.drop(chunk.seq)
-            self.emit(SampledToken(chunk.seq.request_id, -1, finish_reason=FinishReason.ERROR, error=error))
-
     # compute thread
+    def prepare(self, batch: Batch):
+        """What `execute` needs for `batch`, built on the loop (the runner's StepInput by default)."""
+        return self.plan.step_input(batch)
+
+    def execute(self, work) -> StepResult:
+        """Run one step on the device (compute thread)."""
+        return self.runner.execute(work)
+
     def _init_thread(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -161,6 +213,48 @@ class Actor(abc.ABC):
         elif self.cpu_cores:
             os.sched_setaffinity(0, self.cpu_cores)
             torch.set_num_threads(len(self.cpu_cores))
+
+    # bookkeeping shared by the actors
+    def record_tokens(self, seqs: Seq[Sequence], result: StepResult) -> tuple[StepOutput, Recorded]:
+        """Append each live sequence's sampled token; the output to publish and who finished why."""
+        ids, tokens, reasons, logprobs, recorded = [], [], [], [], []
+        eos, limit, all_logprobs = self.runner.eos_token_ids, self.max_model_len, result.logprobs
+        for i, seq in enumerate(seqs):
+            if seq.done:                           # left while the step ran: its token is dropped
+                continue
+            token = result.token_ids[i]
+            seq.num_in_flight -= 1
+            seq.output_token_ids.append(token)
+            reason = seq.finish_reason(eos, limit)
+            ids.append(seq.request_id)
+            tokens.append(token)
+            reasons.append(reason)
+            logprobs.append(all_logprobs[i] if all_logprobs else None)
+            recorded.append((seq, reason))
+        output = StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if all_logprobs else None)
+        return output, recorded
+
+    def leave(self, seq: Sequence) -> None:
+        """`seq` is done on this actor: its runner row goes, its blocks are freed (once no step holds them)."""
+        seq.done = True
+        self.plan.release_row(seq)
+        if seq.last_step > self.completed_step:
+            self.blocks.free_after(seq.request_id, seq.last_step)
+        else:
+            self.blocks.free(seq.request_id)
+
+    def fail(self, batch: Batch, error: str) -> StepOutput:
+        failed = [seq for seq in batch.sequences() if not seq.done]
+        for seq in failed:
+            self.drop(seq)
+        return StepOutput(tuple(s.request_id for s in failed), (-1,) * len(failed),
+                          (FinishReason.ERROR,) * len(failed), error=error)
+
+    def stats(self) -> ActorStats:
+        running, waiting = self.queue_lengths()
+        return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=self.blocks.num_used,
+                          kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
+                          last_step_time=self.last_step_time, alive=self.alive)
 
     # subclass interface
     @abc.abstractmethod
@@ -172,17 +266,18 @@ class Actor(abc.ABC):
         """The next step's batch, or None when there is nothing to run."""
 
     @abc.abstractmethod
-    def execute(self, batch: Batch):
-        """Run `batch` on the device (compute thread); returns what postprocess needs."""
+    def record(self, batch: Batch, result: StepResult) -> StepOutput | None:
+        """Record a finished step's results on the loop; returns the tokens to publish."""
 
     @abc.abstractmethod
-    def postprocess(self, batch: Batch, result) -> None:
-        """Record the step's results and emit tokens (event loop)."""
-
-    @abc.abstractmethod
-    def drop(self, seq) -> None:
+    def drop(self, seq: Sequence) -> None:
         """Forget `seq` and free its blocks (it failed or was aborted)."""
+
+    @abc.abstractmethod
+    def settle(self) -> None:
+        """Stopped and drained: end every sequence held, wait for copies in flight, free every block."""
 
     @abc.abstractmethod
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) sequences, for stats()."""
+

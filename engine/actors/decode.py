@@ -7,10 +7,11 @@ from engine.actors.base import Actor, Emit
 from engine.core.admission import can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted
+from engine.core.messages import Abort, KVHandoff, Preempted, StepOutput
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step import StepResult
 
 
 class DecodeActor(Actor):
@@ -19,11 +20,12 @@ class DecodeActor(Actor):
     name = "decode"
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = ()) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores)
+                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
+        super().__init__(runner, max_model_len, emit, cpu_cores, overlap)
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
-        self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back)
+        self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,
+                                         max_model_len=max_model_len)
         self.landing: list[tuple[Sequence, tuple]] = []
         self.send_to_prefill: Callable[[object], None] = lambda message: None
         self.on_blocks_freed: Callable[[], None] = lambda: None
@@ -35,6 +37,7 @@ class DecodeActor(Actor):
         return tuple(self.blocks.grow(request_id, num_tokens))
 
     def release(self, request_id: str) -> None:
+        """Give back a reservation that was never handed off (no step of this actor has used it)."""
         if self.blocks.free(request_id):
             self.on_blocks_freed()
 
@@ -56,7 +59,8 @@ class DecodeActor(Actor):
 
     def schedule(self) -> Batch | None:
         self._admit_landed()
-        return self.scheduler.schedule()
+        decode = self.scheduler.schedule()
+        return Batch(decode=decode) if decode else None
 
     def _admit_landed(self) -> None:
         waiting = []
@@ -69,21 +73,23 @@ class DecodeActor(Actor):
                 self.scheduler.add(seq)
         self.landing = waiting
 
-    def execute(self, batch: Batch):
-        return self.runner.execute(batch)
-
-    def postprocess(self, batch: Batch, result) -> None:
-        for chunk, (token_id, logprob) in zip(batch.chunks, result):
-            seq = chunk.seq
-            seq.num_computed_tokens = chunk.stop
-            if self.record_token(seq, token_id, logprob) is not None:
+    def record(self, batch: Batch, result: StepResult) -> StepOutput:
+        output, recorded = self.record_tokens(batch.decode, result)
+        for seq, reason in recorded:
+            if reason is not None:
                 self.drop(seq)
+        return output
 
     def drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self.leave(seq)
+        self.on_blocks_freed()
+
+    def blocks_released(self) -> None:
         self.on_blocks_freed()
 
     def _send_back(self, seq: Sequence) -> None:
+        self.leave(seq)
         self.send_to_prefill(Preempted(seq.request, tuple(seq.output_token_ids)))
         self.on_blocks_freed()
 
@@ -93,8 +99,9 @@ class DecodeActor(Actor):
                 transfer.wait()
             seq.aborted = True
         self._admit_landed()
-        for seq in list(self.scheduler.running):
+        for seq in self.scheduler.running:
             self.drop(seq)
+        self.blocks.release_through(self.completed_step)
 
     def pending_transfer(self):
         tracked = [t for _, transfers in self.landing for t in transfers]

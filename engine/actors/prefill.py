@@ -9,11 +9,12 @@ from engine.actors.decode import DecodeActor
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import blocks_for
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted, Request
+from engine.core.messages import Abort, KVHandoff, Preempted, Request, StepOutput
 from engine.core.scheduler import PrefillScheduler
 from engine.core.sequence import Sequence
 from engine.transfer.base import KVTransfer
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step import StepInput
 
 
 @dataclass(slots=True, eq=False)
@@ -29,13 +30,20 @@ class Outgoing:
         return all(t.done() for t in self.transfers)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    request_id: str
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
 class PrefillActor(Actor):
     name = "prefill"
 
     def __init__(self, runner: ModelRunner, decode: DecodeActor, transfer: KVTransfer,
                  config: SchedulerConfig, max_model_len: int, emit: Emit,
-                 cpu_cores: tuple[int, ...] = ()) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores)
+                 cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
+        super().__init__(runner, max_model_len, emit, cpu_cores, overlap)
         self.decode = decode
         self.transfer = transfer
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
@@ -50,9 +58,15 @@ class PrefillActor(Actor):
         elif isinstance(message, Preempted):
             self.scheduler.add(Sequence(message.request, list(message.output_token_ids)))
         elif isinstance(message, Abort):
-            seq = self.scheduler.find(message.request_id)
+            seq = self._find(message.request_id)
             if seq is not None:
                 self.drop(seq)
+
+    def _find(self, request_id: str) -> Sequence | None:
+        out = self.outgoing.get(request_id)
+        if out is not None and not out.seq.done:        # its last chunk is in flight
+            return out.seq
+        return self.scheduler.find(request_id)
 
     def _reserve_decode_blocks(self, seq: Sequence) -> bool:
         decode_blocks = self.decode.reserve(seq.request_id, seq.num_tokens + 1)
@@ -63,50 +77,62 @@ class PrefillActor(Actor):
 
     def schedule(self) -> Batch | None:
         self._retire_landed()
-        return self.scheduler.schedule()
+        chunks = self.scheduler.schedule()
+        return Batch(chunks=chunks) if chunks else None
 
-    def execute(self, batch: Batch):
-        result = self.runner.execute(batch)
-        for chunk in batch.chunks:
-            self._start_copy(chunk)
-        return result
+    def prepare(self, batch: Batch) -> tuple[StepInput, tuple[BlockCopy, ...]]:
+        copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)
+        return self.plan.step_input(batch), copies
 
-    def _start_copy(self, chunk: ScheduledChunk) -> None:
-        """Copy the blocks this chunk completed (the partial last one too, after the last chunk)."""
+    def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
+        """The blocks this chunk completes (the partial last one too, after the last chunk)."""
         size = self.runner.block_size
         first = chunk.start // size
         last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
         if last <= first:
-            return
+            return None
         out = self.outgoing[chunk.seq.request_id]
-        handle = self.transfer.copy_blocks(self.runner.kv_pool, self.decode.runner.kv_pool,
-                                           chunk.seq.block_table[first:last], out.decode_blocks[first:last])
-        out.transfers.append(handle)
+        return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last])
 
-    def postprocess(self, batch: Batch, result) -> None:
-        for chunk in batch.chunks:
-            self.scheduler.advance(chunk)
-        for chunk, (token_id, logprob) in zip(batch.sampled, result):
-            seq = chunk.seq
+    def execute(self, work: tuple[StepInput, tuple[BlockCopy, ...]]):
+        step, copies = work
+        result = self.runner.execute(step)
+        handles = [(copy.request_id, self.transfer.copy_blocks(self.runner.kv_pool, self.decode.runner.kv_pool,
+                                                               copy.src_blocks, copy.dst_blocks))
+                   for copy in copies]
+        return result, handles
+
+    def record(self, batch: Batch, work_result) -> StepOutput:
+        result, handles = work_result
+        for request_id, handle in handles:
+            self.outgoing[request_id].transfers.append(handle)
+        output, recorded = self.record_tokens(batch.sampled, result)
+        for seq, reason in recorded:
             out = self.outgoing[seq.request_id]
-            if self.record_token(seq, token_id, logprob) is None:
+            if reason is None:
                 self.decode.send(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
                                            tuple(out.transfers)))
                 out.handed_off = True
-            self.scheduler.remove(seq)
-            self.retiring.append(out)
+            self._finish(seq)
         self._retire_landed()
+        return output
+
+    def _finish(self, seq: Sequence) -> None:
+        """Done on this actor; its blocks go once its copies have landed."""
+        self.scheduler.remove(seq)
+        seq.done = True
+        self.plan.release_row(seq)
+        out = self.outgoing.get(seq.request_id)
+        if out is not None and out.seq is seq and out not in self.retiring:
+            self.retiring.append(out)
 
     def drop(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        out = self.outgoing.get(seq.request_id)
-        if out is not None and out not in self.retiring:
-            self.retiring.append(out)
+        self._finish(seq)
 
     def _retire_landed(self) -> None:
         still_copying = []
         for out in self.retiring:
-            if not out.landed():
+            if not out.landed() or out.seq.last_step > self.completed_step:
                 still_copying.append(out)
                 continue
             self.blocks.free(out.seq.request_id)

@@ -1,4 +1,4 @@
-"""What a scheduler hands to a model runner for one step (plain Python, no tensors)."""
+"""What a scheduler hands to an actor for one step (plain Python, no tensors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +8,8 @@ from engine.core.sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
+    """Prompt tokens start .. stop - 1 of `seq`, computed in one step (a prefill chunk)."""
+
     seq: Sequence
     start: int            # position of the first token computed this step
     num_tokens: int
@@ -20,13 +22,27 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    chunks: tuple[ScheduledChunk, ...]
-    is_decode: bool        # every chunk is one token of a running sequence
+    """One step: `decode` sequences compute one token each and sample the next; `chunks` are prefill.
+
+    Decode rows come first in the model's batch, then the chunks in order. A decode sequence's
+    position is its `num_computed_tokens` before the step was scheduled.
+    """
+
+    decode: tuple[Sequence, ...] = ()
+    chunks: tuple[ScheduledChunk, ...] = ()
+
+    @property
+    def is_decode(self) -> bool:
+        return not self.chunks
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return len(self.decode) + sum(c.num_tokens for c in self.chunks)
 
     @property
-    def sampled(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.sample]
+    def sampled(self) -> tuple[Sequence, ...]:
+        """The sequences that get a token from this step, in result order."""
+        return self.decode + tuple(c.seq for c in self.chunks if c.sample)
+
+    def sequences(self) -> tuple[Sequence, ...]:
+        return self.decode + tuple(c.seq for c in self.chunks)

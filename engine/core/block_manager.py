@@ -16,7 +16,8 @@ class BlockManager:
     """Owns the block ids of one KV pool. Never touches tensors.
 
     Invariant: every block id is either on the free list (ref count 0) or held
-    by one or more sequences' tables (ref count = number of holders).
+    by one or more sequences' tables (ref count = number of holders), a table
+    released with `free_after` counting as a holder until its fence is released.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -25,6 +26,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._deferred: dict[int, list[list[int]]] = {}     # fence -> tables released once it passes
+        self.num_deferred = 0
 
     @property
     def num_free(self) -> int:
@@ -75,6 +78,30 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        return self._release(table)
+
+    def free_after(self, seq_id: str, fence: int) -> int:
+        """Like `free`, but the blocks return to the free list only at `release_through(fence)`.
+
+        For blocks that a step still in flight may write: they must not be handed out before it ends.
+        """
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return 0
+        self._deferred.setdefault(fence, []).append(table)
+        self.num_deferred += len(table)
+        return len(table)
+
+    def release_through(self, fence: int) -> int:
+        """Free the tables deferred to fences up to `fence`; returns the number of blocks released."""
+        released = 0
+        for passed in [f for f in self._deferred if f <= fence]:
+            for table in self._deferred.pop(passed):
+                released += self._release(table)
+        self.num_deferred -= released
+        return released
+
+    def _release(self, table: list[int]) -> int:
         for block in reversed(table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
@@ -84,7 +111,9 @@ class BlockManager:
     def check_consistency(self) -> None:
         """Raise AssertionError if the accounting is off (used by tests)."""
         held: dict[int, int] = {}
-        for table in self._tables.values():
+        deferred = [table for tables in self._deferred.values() for table in tables]
+        assert self.num_deferred == sum(len(t) for t in deferred), "deferred count"
+        for table in [*self._tables.values(), *deferred]:
             for block in table:
                 held[block] = held.get(block, 0) + 1
         free = set(self._free)

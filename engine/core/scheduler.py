@@ -1,4 +1,8 @@
-"""Scheduling policy in plain Python: which sequences run next, and how many tokens each."""
+"""Scheduling policy in plain Python: which sequences run next, and how many tokens each.
+
+Both schedulers do O(batch) work per step and plan on top of steps still in flight: a step's
+tokens count as scheduled (`num_computed_tokens`, `num_in_flight`) the moment it is scheduled.
+"""
 from __future__ import annotations
 
 import heapq
@@ -6,7 +10,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from engine.core.admission import can_admit
-from engine.core.batch import Batch, ScheduledChunk
+from engine.core.batch import ScheduledChunk
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence
 
@@ -16,10 +20,10 @@ ReserveHook = Callable[[Sequence], bool]
 class PrefillScheduler:
     """Priority, then arrival; long prompts run in chunks of at most `max_prefill_tokens`.
 
-    A sequence that got a chunk goes to the back of its priority class, so a
-    short prompt arriving during a long one runs between two of its chunks.
-    `reserve` is asked before a sequence is first admitted (the decode side's
-    blocks in disaggregated mode); when it says no, admission stops this step.
+    A sequence that got a chunk goes to the back of its priority class, so a short prompt
+    arriving during a long one runs between two of its chunks. `reserve` is asked before a
+    sequence is first admitted (the decode side's blocks in disaggregated mode); when it says
+    no, admission stops this step. A sequence whose last chunk is scheduled leaves the queue.
     """
 
     def __init__(self, blocks: BlockManager, max_prefill_tokens: int, max_num_seqs: int,
@@ -28,37 +32,51 @@ class PrefillScheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_seqs = max_num_seqs
         self.reserve = reserve
-        self._queue: list[tuple[int, int, Sequence]] = []
+        self._heap: list[tuple[int, int, Sequence]] = []
+        self._queued: dict[str, Sequence] = {}            # NOTE: heap entries not in here are stale
         self._turn = itertools.count()
         self._admitted: set[str] = set()
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queued)
 
     def add(self, seq: Sequence) -> None:
-        heapq.heappush(self._queue, (-seq.priority, next(self._turn), seq))
+        self._queued[seq.request_id] = seq
+        heapq.heappush(self._heap, (-seq.priority, next(self._turn), seq))
 
     def sequences(self) -> Iterator[Sequence]:
-        return (seq for _, _, seq in self._queue)
+        return iter(list(self._queued.values()))
 
-    def schedule(self, token_budget: int | None = None) -> Batch | None:
+    def schedule(self, token_budget: int | None = None) -> tuple[ScheduledChunk, ...]:
         budget = self.max_prefill_tokens if token_budget is None else token_budget
         chunks, deferred = [], []
-        while self._queue and budget > 0 and len(chunks) < self.max_num_seqs:
-            seq = self._queue[0][2]
+        while self._heap and budget > 0 and len(chunks) < self.max_num_seqs:
+            seq = self._heap[0][2]
+            if self._queued.get(seq.request_id) is not seq:
+                heapq.heappop(self._heap)
+                continue
             if seq.request_id not in self._admitted and not self._admit(seq):
                 break
-            heapq.heappop(self._queue)
-            size = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, size,
-                                   sample=seq.num_computed_tokens + size == seq.num_tokens)
+            heapq.heappop(self._heap)
+            chunk = self._take_chunk(seq, budget)
             chunks.append(chunk)
-            budget -= size
-            if not chunk.sample:
+            budget -= chunk.num_tokens
+            if chunk.sample:
+                self.remove(seq)
+            else:
                 deferred.append(seq)
         for seq in deferred:
-            self.add(seq)
-        return Batch(tuple(chunks), is_decode=False) if chunks else None
+            heapq.heappush(self._heap, (-seq.priority, next(self._turn), seq))
+        return tuple(chunks)
+
+    @staticmethod
+    def _take_chunk(seq: Sequence, budget: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        size = min(seq.num_tokens - start, budget)
+        chunk = ScheduledChunk(seq, start, size, sample=start + size == seq.num_tokens)
+        seq.num_computed_tokens += size
+        seq.num_in_flight += chunk.sample
+        return chunk
 
     def _admit(self, seq: Sequence) -> bool:
         if not can_admit(self.blocks, seq.request_id, seq.num_tokens):
@@ -69,83 +87,104 @@ class PrefillScheduler:
         self._admitted.add(seq.request_id)
         return True
 
-    def advance(self, chunk: ScheduledChunk) -> None:
-        chunk.seq.num_computed_tokens = chunk.stop
-
     def remove(self, seq: Sequence) -> None:
         """Forget `seq` (prefilled, aborted or failed). Its blocks are the caller's to free."""
-        if any(entry[2] is seq for entry in self._queue):
-            self._queue = [entry for entry in self._queue if entry[2] is not seq]
-            heapq.heapify(self._queue)
+        if self._queued.get(seq.request_id) is seq:
+            del self._queued[seq.request_id]
         self._admitted.discard(seq.request_id)
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in self.sequences() if s.request_id == request_id), None)
-
-
-    def is_admitted(self, seq: Sequence) -> bool:
-        return seq.request_id in self._admitted
+        return self._queued.get(request_id)
 
 
 class DecodeScheduler:
-    """Continuous batching: one token per running sequence per step.
+    """Continuous batching: one token per running sequence per step, round robin within a priority.
 
-    When blocks run out, the lowest-priority, newest sequence is preempted:
-    its blocks are freed and `on_preempt` sends it back to be prefilled again.
+    When blocks run out, the lowest-priority, newest sequence is preempted: it leaves the
+    scheduler and `on_preempt` frees its blocks and sends it back to be prefilled again. Blocks
+    that a step in flight still holds (`BlockManager.num_deferred`) count as coming: a sequence
+    that can wait for them waits a step instead of preempting another.
     """
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int,
-                 on_preempt: Callable[[Sequence], None]) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, on_preempt: Callable[[Sequence], None],
+                 max_model_len: int = 1 << 62) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.on_preempt = on_preempt
-        self.running: list[Sequence] = []
-        self._turns: dict[str, int] = {}
-        self._admission: dict[str, int] = {}
-        self.num_preemptions = 0
+        self._queues: dict[int, dict[Sequence, None]] = {}     # priority -> round-robin order
+        self._by_id: dict[str, Sequence] = {}
+        self._admitted_at: dict[Sequence, int] = {}
         self._clock = itertools.count()
+        self.num_preemptions = 0
 
     def __len__(self) -> int:
-        return len(self.running)
+        return len(self._by_id)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._by_id.values())
 
     def add(self, seq: Sequence) -> None:
-        self.running.append(seq)
-        self._turns[seq.request_id] = self._admission[seq.request_id] = next(self._clock)
+        self._queues.setdefault(seq.priority, {})[seq] = None
+        self._by_id[seq.request_id] = seq
+        self._admitted_at[seq] = next(self._clock)
 
-    def schedule(self) -> Batch | None:
-        order = sorted(self.running, key=lambda s: (-s.priority, self._turns[s.request_id]))
-        chosen = []
-        for seq in order[:self.max_num_seqs]:
-            if seq in self.running and self._make_room(seq):
-                chosen.append(seq)
-        chosen = [s for s in chosen if s in self.running]
+    def schedule(self) -> tuple[Sequence, ...]:
+        """The sequences that decode this step (each gets one position and one in-flight token)."""
+        chosen: list[Sequence] = []
+        for priority in sorted(self._queues, reverse=True):
+            room = self.max_num_seqs - len(chosen)
+            if room <= 0:
+                break
+            for seq in self._take_turns(self._queues.get(priority, {}), room):
+                if not seq.done and seq.can_continue(self.max_model_len) and self._make_room(seq):
+                    chosen.append(seq)
+        chosen = [seq for seq in chosen if not seq.done]      # NOTE: a later one's room may preempt it
         for seq in chosen:
-            self._turns[seq.request_id] = next(self._clock)
-        chunks = tuple(ScheduledChunk(s, s.num_tokens - 1, 1, sample=True) for s in chosen)
-        return Batch(chunks, is_decode=True) if chunks else None
+            seq.num_computed_tokens += 1
+            seq.num_in_flight += 1
+        return tuple(chosen)
+
+    @staticmethod
+    def _take_turns(queue: dict[Sequence, None], room: int) -> list[Sequence]:
+        if len(queue) <= room:
+            return list(queue)
+        taken = list(itertools.islice(queue, room))
+        for seq in taken:                                     # to the back of the line
+            del queue[seq]
+            queue[seq] = None
+        return taken
 
     def _make_room(self, seq: Sequence) -> bool:
-        while not self.blocks.can_grow(seq.request_id, seq.num_tokens):
-            victim = min(self.running, key=lambda s: (s.priority, -self._admission[s.request_id]))
+        if seq.num_computed_tokens < len(seq.block_table) * self.blocks.block_size:
+            return True                                       # its next position is in a block it holds
+        needed = self.blocks.blocks_needed(seq.request_id, seq.num_computed_tokens + 1)
+        while needed > self.blocks.num_free:
+            if needed <= self.blocks.num_free + self.blocks.num_deferred:
+                return False                                  # room arrives when the step in flight ends
+            victim = min(self._by_id.values(), key=lambda s: (s.priority, -self._admitted_at[s]))
             self.preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table = self.blocks.grow(seq.request_id, seq.num_tokens)
+        seq.block_table = self.blocks.grow(seq.request_id, seq.num_computed_tokens + 1)
         return True
 
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.remove(seq)
-        seq.num_computed_tokens = 0
-        seq.block_table = []
         self.on_preempt(seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        self._turns.pop(seq.request_id, None)
-        self._admission.pop(seq.request_id, None)
-        self.blocks.free(seq.request_id)
+        """Forget `seq`. Its blocks are the caller's to free."""
+        if self._by_id.get(seq.request_id) is not seq:
+            return
+        del self._by_id[seq.request_id]
+        del self._admitted_at[seq]
+        queue = self._queues[seq.priority]
+        del queue[seq]
+        if not queue:
+            del self._queues[seq.priority]
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in self.running if s.request_id == request_id), None)
+        return self._by_id.get(request_id)

@@ -9,11 +9,25 @@ from engine.core.sampling_params import SamplingParams
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """One request on one actor.
+
+    `num_computed_tokens` counts positions whose KV has been *scheduled* into this actor's pool
+    (it advances when a step is scheduled, not when it finishes); `num_in_flight` counts tokens
+    sampled by scheduled steps whose results have not been recorded yet. With one step in
+    flight at a time both settle before the next schedule; with overlap the scheduler plans
+    the next step on top of them.
+    """
+
     request: Request
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0          # tokens whose KV is in this actor's pool
+    num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     aborted: bool = False
+    row: int = -1                    # the model runner's row for this sequence, -1 when it has none
+    synced_blocks: int = 0           # how much of `block_table` the runner's row holds
+    num_in_flight: int = 0
+    last_step: int = -1              # id of the newest step that scheduled it
+    done: bool = False               # left this actor (finished, aborted, failed, preempted)
 
     @property
     def request_id(self) -> str:
@@ -33,7 +47,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host: the prompt and the recorded output."""
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens once the steps in flight are recorded."""
+        return self.num_tokens + self.num_in_flight
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         prompt = self.request.prompt_token_ids
@@ -41,6 +61,11 @@ class Sequence:
             return list(prompt[start:stop])
         head = list(prompt[start:]) if start < len(prompt) else []
         return head + self.output_token_ids[max(start - len(prompt), 0):stop - len(prompt)]
+
+    def can_continue(self, max_model_len: int) -> bool:
+        """Whether one more token may be planned on top of those in flight (max_tokens, context window)."""
+        return (len(self.output_token_ids) + self.num_in_flight < self.params.max_tokens
+                and self.planned_tokens < max_model_len)
 
     def finish_reason(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Why generation ends after the newest output token, or None to go on."""

@@ -7,9 +7,6 @@ the whole context window.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -18,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.model import demo_corpus
+from engine.model.cache import build_once, cache_root
 from engine.model.demo_corpus import ENDOFTEXT, IM_END, SPECIAL_TOKENS
 
 ARCHS = ("llama", "qwen2")
@@ -73,24 +71,9 @@ def make_model(out_dir: str | Path, size: str = "tiny", arch: str = "llama", see
 def default_model_dir(size: str = "tiny", arch: str = "llama") -> Path:
     """The cached demo checkpoint for (size, arch, seed 0), generated on first use.
 
-    Lives in $PDSERVE_CACHE (default ~/.cache/pdserve) as demo-<size>-<arch>-s0. Generation
-    writes a temporary folder and renames it into place, so concurrent callers are safe.
+    Lives in the cache folder (`engine.model.cache`) as demo-<size>-<arch>-s0; concurrent callers are safe.
     """
-    root = Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
-    final = root / f"demo-{size}-{arch}-s0"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
-        make_model(tmp, size, arch, seed=0)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # NOTE: losing the rename race is fine; any other failure is not
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(cache_root() / f"demo-{size}-{arch}-s0", lambda tmp: make_model(tmp, size, arch, seed=0))
 
 
 def model_config(spec: DemoSize, arch: str) -> dict:

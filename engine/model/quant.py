@@ -9,6 +9,7 @@ dense weight for batches above the probe's crossover (prefill's large matmuls).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.gguf import SOURCE_FILE
 from engine.model.gguf_block_cache import cached_gguf_projections
 from engine.model.gguf_blocks import GGUFBlockError
 from engine.model.layers import Linear
@@ -67,10 +69,13 @@ def projections(model: CausalLM) -> dict[str, Linear]:
     return found
 
 
-def gguf_source(model: str | None, model_dir: Path) -> Path | None:
-    """The GGUF file the model came from: `--model FILE.gguf`, or the one .gguf in its directory."""
-    if model and model.endswith(".gguf") and Path(model).is_file():
-        return Path(model)
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file the model came from: the file a converted GGUF's gguf_source.json names, or
+    the one .gguf in the directory; None when there is none (or it has gone)."""
+    record = Path(model_dir) / SOURCE_FILE
+    if record.is_file():
+        path = Path(json.loads(record.read_text())["gguf_file"])
+        return path if path.is_file() else None
     found = sorted(Path(model_dir).glob("*.gguf"))
     return found[0] if len(found) == 1 else None
 

@@ -77,6 +77,11 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` underneath (for its streaming decoder)."""
+        return self._backend
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

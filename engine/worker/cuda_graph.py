@@ -1,12 +1,20 @@
-"""CUDA graphs for decode steps: one captured graph per batch-size bucket, sharing one memory pool."""
+"""CUDA graphs for decode steps: one captured graph per batch-size bucket, sharing one memory pool.
+
+The graphs read their inputs from one InputBuffers of their own (the largest bucket, full table
+width), so a replay needs one host-to-device copy and no copies between device buffers.
+"""
 from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
-from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
+from engine.worker.input_buffers import InputBuffers
+from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs
+from engine.worker.step import StepInput
+from kernels.kv_layout import KVLayout
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -19,28 +27,30 @@ class DecodeGraphs:
     """Replays a captured decode step; a batch is padded to the next bucket with slot -1 and context 0."""
 
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, max_batch: int, max_blocks_per_seq: int) -> None:
-        device = kv_pool.device
         self.model, self.kv_pool = model, kv_pool
         self.buckets = batch_buckets(max_batch)
         size = self.buckets[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(size, dtype=torch.int64, device=device)
+        self.width = max_blocks_per_seq
+        self.block_size = KVLayout.of(kv_pool).block_size
+        self.buffers = InputBuffers(size, size, max_blocks_per_seq, kv_pool.device)
+        self._pad(0, size)
+        self.buffers.np["logits_indices"][:size] = np.arange(size)
+        self.buffers.upload(size, self.width)
         self.memory_pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         for bucket in reversed(self.buckets):       # largest first: the others reuse its memory
             self.graphs[bucket] = self._capture(bucket)
 
-    def _static_batch(self, n: int) -> ForwardBatch:
-        return ForwardBatch(self.input_ids[:n], self.positions[:n], self.slot_mapping[:n],
-                            self.block_tables[:n], self.context_lens[:n], None, self.logits_indices[:n])
+    def _pad(self, start: int, stop: int) -> None:
+        b = self.buffers.np
+        for name in ("input_ids", "positions", "context_lens", "rows"):
+            b[name][start:stop] = 0
+        b["slots"][start:stop] = -1
+        self.buffers.block_table_view(stop, self.width)[start:] = 0
 
     @torch.inference_mode()
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        batch = self._static_batch(bucket)
+        batch = self.buffers.forward_batch(bucket, bucket, bucket, self.width, is_decode=True)
         side = torch.cuda.Stream(self.kv_pool.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                # warm-up: compile kernels, settle allocations
@@ -51,21 +61,19 @@ class DecodeGraphs:
             logits = self.model.compute_logits(self.model(batch, self.kv_pool))   # capture
         return graph, logits
 
-    def fits(self, num_seqs: int, num_blocks: int) -> bool:
-        return num_seqs <= self.buckets[-1] and num_blocks <= self.block_tables.shape[1]
+    def fits(self, num_seqs: int, width: int) -> bool:
+        return num_seqs <= self.buckets[-1] and width <= self.width
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """logits [S, V] of a decode batch (S <= the largest bucket)."""
-        n, width = batch.input_ids.shape[0], batch.block_tables.shape[1]
+    def run(self, rows: RowState, step: StepInput) -> torch.Tensor:
+        """logits [S, V] of a decode step (S <= the largest bucket)."""
+        n = len(step.decode_rows)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.slot_mapping[n:bucket].fill_(-1)
-        self.block_tables[:n, :width].copy_(batch.block_tables)
-        self.context_lens[:n].copy_(batch.context_lens)
-        self.context_lens[n:bucket].zero_()
+        fill_inputs(self.buffers, rows, step, self.block_size, self.width)
+        self.buffers.np["logits_indices"][:n] = np.arange(n)
+        self._pad(n, bucket)
+        self.buffers.upload(bucket, self.width)
+        gather_decode_inputs(self.buffers, rows, bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]

@@ -1,20 +1,23 @@
-"""The only code that owns tensors: model weights, one KV pool, the sampler, device streams."""
+"""The only code that owns tensors: model weights, one KV pool, per-row state, the sampler, device streams."""
 from __future__ import annotations
 
 import contextlib
 import time
 
+import numpy as np
 import torch
 
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.messages import TokenLogprob
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
 from engine.model.weights import load_weights
 from engine.worker.cuda_graph import DecodeGraphs
+from engine.worker.input_buffers import InputBuffers
 from engine.worker.memory import kv_layout
-from engine.worker.sampler import Sampler
+from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, step_shape
+from engine.worker.sampler import Sampler, read_back
+from engine.worker.sampling_table import SamplingTable
+from engine.worker.step import StepInput, StepResult
 
 
 @contextlib.contextmanager
@@ -36,9 +39,14 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, ma
 
 
 class ModelRunner:
+    """Runs StepInputs on one device against one KV pool, keeping per-row state between steps."""
+
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
-                 graph_max_batch: int = 0, max_blocks_per_seq: int = 0) -> None:
-        """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only)."""
+                 graph_max_batch: int = 0, max_blocks_per_seq: int = 0, max_tokens: int = 256,
+                 max_seqs: int = 32) -> None:
+        """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only).
+
+        `max_tokens` and `max_seqs` size the step buffers (they grow if a step needs more)."""
         c = model.config
         self.model = model
         self.device = model.embed_tokens.weight.device
@@ -46,69 +54,83 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
-        self.forward_seconds = 0.0       # model forward + logits, summed over steps
+        self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
+        self.forward_seconds = 0.0       # device work of a step (forward, logits, sampling), summed
         self.kv_layout = kv_layout(c, block_size)
         self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device)
+        self.rows = RowState(self.max_blocks_per_seq, self.device)
+        self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
+        self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
         self.graphs = None
         if graph_max_batch and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.kv_pool, graph_max_batch, max_blocks_per_seq)
+            self.graphs = DecodeGraphs(model, self.kv_pool, graph_max_batch, self.max_blocks_per_seq)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[tuple[int, TokenLogprob | None]]:
-        """Run one step; returns (token, logprob) for every chunk with `sample`, in batch order."""
-        forward_batch = self.prepare(batch)
-        if self.device.type != "cuda":
-            started = time.perf_counter()
-            logits = self.forward(forward_batch)
-            self.forward_seconds += time.perf_counter() - started
-            return self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = self.forward(forward_batch)
-        end.record()
-        sampled = self.sampler(logits, [c.seq for c in batch.sampled]) if batch.sampled else []
-        end.synchronize()                 # NOTE: already done once the sampler read its tokens back
-        self.forward_seconds += start.elapsed_time(end) / 1e3
-        return sampled
+    def execute(self, step: StepInput) -> StepResult:
+        """Apply the step's row changes, run it, and sample; one token per sampled row, in order."""
+        self.apply(step)
+        if not step.num_tokens:
+            return StepResult()
+        started = self._clock()
+        logits, buffers = self._logits(step)
+        sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
+        batch = self.sampling.batch(sampled_rows)
+        output = self.sampler.sample(logits, batch)
+        self.rows.remember_sampled(buffers.dev["sampled_rows"][:len(sampled_rows)], output.tokens)
+        self.sampling.record(sampled_rows, output.tokens)
+        tokens, logprobs = read_back(output, batch)
+        self._add_forward_time(started)
+        return StepResult(tokens, logprobs)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """logits [S', V] fp32 of the rows in batch.logits_indices (a captured graph for decode)."""
-        if (batch.is_decode and self.graphs is not None
-                and self.graphs.fits(batch.input_ids.shape[0], batch.block_tables.shape[1])):
-            return self.graphs.run(batch)
+    def apply(self, step: StepInput) -> None:
+        """Free, add and extend rows as `step` says (execute does this first)."""
+        for row in step.freed_rows:
+            self.sampling.free(row)
+        self.rows.apply(step)
+        for new in step.new_rows:
+            self.sampling.add(new.row, new.params, new.token_ids[:new.num_prompt_tokens],
+                              new.token_ids[new.num_prompt_tokens:])
+
+    def prepare(self, step: StepInput) -> ForwardBatch:
+        """The model's inputs for an applied `step` (eager buffers; every token's hidden state is computed)."""
+        num_tokens, num_seqs, width = step_shape(step, self.block_size)
+        buffers = self._buffers_for(num_tokens, num_seqs, width)
+        fill_inputs(buffers, self.rows, step, self.block_size, width)
+        buffers.upload(num_seqs, width)
+        gather_decode_inputs(buffers, self.rows, len(step.decode_rows))
+        return buffers.forward_batch(num_tokens, num_seqs, len(step.sampled_rows), width, is_decode=not step.chunks)
+
+    def logits(self, step: StepInput) -> torch.Tensor:
+        """logits [S', V] fp32 of an applied step's sampled rows (a captured graph for decode when one fits)."""
+        return self._logits(step)[0]
+
+    def _logits(self, step: StepInput) -> tuple[torch.Tensor, InputBuffers]:
+        if not step.chunks and self.graphs is not None and self.graphs.fits(*step_shape(step, self.block_size)[1:]):
+            return self.graphs.run(self.rows, step), self.graphs.buffers
+        batch = self.prepare(step)
         hidden = self.model(batch, self.kv_pool)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]), self.buffers
 
-    def prepare(self, batch: Batch) -> ForwardBatch:
-        input_ids, positions, slots, context_lens, cu_seqlens, logits_indices = [], [], [], [], [0], []
-        for chunk in batch.chunks:
-            input_ids += chunk.seq.token_slice(chunk.start, chunk.stop)
-            positions += range(chunk.start, chunk.stop)
-            slots += self._slots(chunk)
-            context_lens.append(chunk.stop)
-            cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
-            if chunk.sample:
-                logits_indices.append(cu_seqlens[-1] - 1)
-        return ForwardBatch(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(batch.chunks),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=None if batch.is_decode else self._tensor(cu_seqlens, torch.int32),
-            logits_indices=self._tensor(logits_indices, torch.int64),
-        )
+    def _buffers_for(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
+        b = self.buffers
+        if not b.fits(num_tokens, num_seqs, width):
+            self.buffers = InputBuffers(max(num_tokens, 2 * b.max_tokens), max(num_seqs, 2 * b.max_seqs),
+                                        max(width, b.max_blocks), self.device)
+        return self.buffers
 
-    def _slots(self, chunk: ScheduledChunk) -> list[int]:
-        table, size = chunk.seq.block_table, self.block_size
-        return [table[p // size] * size + p % size for p in range(chunk.start, chunk.stop)]
+    def _clock(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
 
-    def _block_tables(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
-        width = max(-(-c.stop // self.block_size) for c in chunks)
-        rows = [c.seq.block_table[:width] + [0] * (width - min(len(c.seq.block_table), width))
-                for c in chunks]
-        return self._tensor(rows, torch.int32)
-
-    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _add_forward_time(self, started) -> None:
+        if self.device.type != "cuda":
+            self.forward_seconds += time.perf_counter() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()                 # NOTE: already done once the sampler's tokens were read back
+        self.forward_seconds += started.elapsed_time(end) / 1e3

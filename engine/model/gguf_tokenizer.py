@@ -1,0 +1,181 @@
+"""The tokenizer a GGUF file describes, as `tokenizer.json` + `tokenizer_config.json`, built with `tokenizers`.
+
+Byte-level BPE (`tokenizer.ggml.model = gpt2`, what Llama 3, Qwen2 and SmolLM files carry): the
+vocabulary and merges from the file, tokens marked CONTROL as special tokens and USER_DEFINED ones
+as plain added tokens, the pre-tokenizer split named by `tokenizer.ggml.pre`, BOS/EOS and
+`add_bos_token`, and the chat template from `tokenizer.chat_template`. Built the way transformers
+builds it from the same file (its GGUF loader is the reference the tests compare against).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cache
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from engine.model.gguf_reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+CONTROL, USER_DEFINED = 3, 4        # llama.cpp's token types
+# NOTE: llama.cpp ends generation on any of these when the file marks them CONTROL (llama-vocab.cpp)
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "<|return|>")
+
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano", "dbrx"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2),
+    "tekken": _TEKKEN,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
+}
+# NOTE: these split like GPT-2's byte-level regex, as transformers does. llama.cpp also isolates each
+# digit for smollm/starcoder/refact, which only changes whitespace runs just before a digit.
+GPT2_SPLIT = ("default", "gpt2", "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerFiles:
+    tokenizer_json: str
+    tokenizer_config: dict
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    end_of_generation_ids: tuple[int, ...]     # eos, eot, eom and the end-of-turn tokens llama.cpp stops on
+
+
+def tokenizer_files(f: GGUFFile, context_length: int) -> TokenizerFiles:
+    """Raises GGUFError naming the file and key for a tokenizer this cannot build."""
+    kind = f.string("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise f.error(f"tokenizer.ggml.model = {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+    tokens = f.strings("tokenizer.ggml.tokens")
+    types = _token_types(f, len(tokens))
+    ids = {name: _token_id(f, f"tokenizer.ggml.{name}_token_id", len(tokens))
+           for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+    flags = {key: _flag(f, f"tokenizer.ggml.{key}") for key in ("add_bos_token", "add_eos_token")}
+    backend = _backend(f, tokens, types, ids, flags)
+    config = _tokenizer_config(f, tokens, ids, flags, context_length)
+    eog = [ids["eos"], ids["eot"], ids["eom"]] + [i for i, t in enumerate(tokens)
+                                                  if t in END_OF_GENERATION and types[i] == CONTROL]
+    return TokenizerFiles(backend.to_str(), config, ids["bos"], ids["eos"], ids["padding"],
+                          tuple(dict.fromkeys(i for i in eog if i is not None)))
+
+
+def _backend(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags: dict) -> Tokenizer:
+    alphabet = _byte_alphabet()
+    vocab = {_respell(t, alphabet): i for i, t in enumerate(tokens)}
+    try:
+        backend = Tokenizer(models.BPE(vocab, _merges(f), fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # NOTE: the Rust side raises a bare Exception
+        raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    specials = {i for i, t in enumerate(types) if t == CONTROL and set(tokens[i]) <= alphabet}
+    specials |= {i for i in (ids["bos"], ids["eos"], ids["unknown"], ids["padding"])
+                 if i is not None and set(tokens[i]) <= alphabet}
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(specials)])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == USER_DEFINED and tokens[i] in vocab])
+    backend.pre_tokenizer = _pre_tokenizer(f.string("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = _post_processor(tokens, ids, flags)
+    return backend
+
+
+def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+    if name in SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLITS[name]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if name not in GPT2_SPLIT:
+        logger.warning("tokenizer.ggml.pre = %r is not one pdserve knows; splitting text like GPT-2", name)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _post_processor(tokens: list[str], ids: dict, flags: dict) -> processors.TemplateProcessing:
+    bos = [tokens[ids["bos"]]] if flags["add_bos_token"] and ids["bos"] is not None else []
+    eos = [tokens[ids["eos"]]] if flags["add_eos_token"] and ids["eos"] is not None else []
+    special = [(tokens[ids[k]], ids[k]) for k, used in (("bos", bos), ("eos", eos)) if used]
+    return processors.TemplateProcessing(single=bos + ["$A"] + eos, pair=bos + ["$A"] + eos + bos + ["$B:1"] + eos,
+                                         special_tokens=special)
+
+
+def _tokenizer_config(f: GGUFFile, tokens: list[str], ids: dict, flags: dict, context_length: int) -> dict:
+    def text(key: str) -> str | None:
+        return tokens[ids[key]] if ids[key] is not None else None
+
+    return {"add_bos_token": flags["add_bos_token"], "add_eos_token": flags["add_eos_token"],
+            "bos_token": text("bos"), "eos_token": text("eos"), "unk_token": text("unknown"),
+            "pad_token": text("padding"), "chat_template": _chat_template(f),
+            "clean_up_tokenization_spaces": False, "model_max_length": context_length,
+            "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def _chat_template(f: GGUFFile) -> str | list[dict] | None:
+    default = f.value("tokenizer.chat_template")
+    named = [{"name": key.removeprefix("tokenizer.chat_template."), "template": f.string(key)}
+             for key in f.keys() if key.startswith("tokenizer.chat_template.")]
+    if not named:
+        return default
+    return ([{"name": "default", "template": default}] if default else []) + named
+
+
+def _merges(f: GGUFFile) -> list[tuple[str, str]]:
+    merges = [tuple(m.split(" ")) for m in f.strings("tokenizer.ggml.merges")]
+    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise f.error(f"tokenizer.ggml.merges: {bad!r} is not two tokens separated by one space")
+    return merges
+
+
+def _token_types(f: GGUFFile, count: int) -> list[int]:
+    types = f.value("tokenizer.ggml.token_type", [1] * count)
+    if not isinstance(types, list) or len(types) != count:
+        raise f.error(f"tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} "
+                      f"entries for {count} tokens in tokenizer.ggml.tokens")
+    return types
+
+
+def _token_id(f: GGUFFile, key: str, count: int) -> int | None:
+    if key not in f:
+        return None
+    value = f.integer(key)
+    if not 0 <= value < count:
+        raise f.error(f"{key} = {value} is outside tokenizer.ggml.tokens (0..{count - 1})")
+    return value
+
+
+def _flag(f: GGUFFile, key: str) -> bool:
+    value = f.value(key, False)
+    if not isinstance(value, bool):
+        raise f.error(f"metadata {key} = {value!r} is not a boolean")
+    return value
+
+
+def _respell(token: str, alphabet: frozenset[str]) -> str:
+    """A token written in the byte alphabet stays; any other is spelled byte by byte (as transformers does)."""
+    if set(token) <= alphabet:
+        return token
+    return "".join(_byte_to_char()[b] for b in token.encode("utf-8"))
+
+
+@cache
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's printable spelling of every byte (`bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+@cache
+def _byte_alphabet() -> frozenset[str]:
+    return frozenset(_byte_to_char().values())

@@ -1,0 +1,126 @@
+"""The runner's persistent per-row state, and filling a step's inputs from it without Python per token.
+
+A row holds one sequence's token ids (as they were when the row was created), its block table
+(updated only when blocks are appended) and its last sampled token (on the device: a decode
+row's next input, known before the host has seen it).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.worker.input_buffers import InputBuffers
+from engine.worker.step import StepInput
+
+
+class RowState:
+    def __init__(self, max_blocks: int, device: torch.device) -> None:
+        self.max_blocks = max_blocks
+        self.device = device
+        self.block_tables = np.zeros((0, max_blocks), dtype=np.int32)
+        self.tokens: list[np.ndarray | None] = []
+        self.last_token = torch.zeros(0, dtype=torch.int32, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.tokens)
+
+    def apply(self, step: StepInput) -> None:
+        """Free, add and extend rows as the step says, before it runs."""
+        for row in step.freed_rows:
+            self.tokens[row] = None
+        if step.new_rows:
+            self._ensure(max(new.row for new in step.new_rows) + 1)
+            for new in step.new_rows:
+                self.tokens[new.row] = np.asarray(new.token_ids, dtype=np.int32)
+                self.block_tables[new.row] = 0                 # NOTE: a reused row keeps no stale entries
+                self._write_blocks(new.row, 0, new.block_ids)
+            rows = torch.tensor([new.row for new in step.new_rows], dtype=torch.int64)
+            last = torch.tensor([new.token_ids[-1] for new in step.new_rows], dtype=torch.int32)
+            self.last_token[rows.to(self.device)] = last.to(self.device)
+        for append in step.appends:
+            self._write_blocks(append.row, append.first, append.block_ids)
+
+    def _write_blocks(self, row: int, first: int, block_ids) -> None:
+        if first + len(block_ids) > self.max_blocks:
+            raise ValueError(f"row {row}: {first + len(block_ids)} blocks exceed the table width {self.max_blocks}")
+        self.block_tables[row, first:first + len(block_ids)] = block_ids
+
+    def _ensure(self, rows: int) -> None:
+        if rows <= self.capacity:
+            return
+        capacity = max(rows, 2 * self.capacity, 16)
+        grown = np.zeros((capacity, self.max_blocks), dtype=np.int32)
+        grown[:self.capacity] = self.block_tables
+        self.block_tables = grown
+        self.tokens += [None] * (capacity - self.capacity)
+        last = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        last[:self.last_token.shape[0]] = self.last_token
+        self.last_token = last
+
+    def remember_sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """rows [S'] int32, tokens [S'] on the device: the next decode inputs of those rows."""
+        self.last_token[rows.long()] = tokens.to(torch.int32)
+
+
+def step_shape(step: StepInput, block_size: int) -> tuple[int, int, int]:
+    """(tokens, sequences, table width in blocks) of a step."""
+    positions = list(step.decode_positions) + [c.start + c.num_tokens - 1 for c in step.chunks]
+    longest = max(positions, default=0) + 1
+    return step.num_tokens, len(step.decode_rows) + len(step.chunks), -(-longest // block_size)
+
+
+def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
+    """Write a step's metadata into the host side of `buffers` (vectorised over tokens and rows)."""
+    if not step.chunks:
+        return _fill_decode(buffers, rows, step, block_size, width)
+    b = buffers.np
+    num_decode, chunks = len(step.decode_rows), step.chunks
+    lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int32, count=len(chunks))
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int32, count=len(chunks))
+    chunk_rows = np.fromiter((c.row for c in chunks), dtype=np.int32, count=len(chunks))
+    seq_rows = np.concatenate([np.asarray(step.decode_rows, dtype=np.int32), chunk_rows])
+    num_seqs, num_tokens = len(seq_rows), num_decode + int(lengths.sum())
+    b["rows"][:num_seqs] = seq_rows
+    positions = b["positions"][:num_tokens]
+    positions[:num_decode] = step.decode_positions
+    if chunks:
+        positions[num_decode:] = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        b["input_ids"][num_decode:num_tokens] = np.concatenate(
+            [rows.tokens[c.row][c.start:c.start + c.num_tokens] for c in chunks])
+    token_rows = np.concatenate([seq_rows[:num_decode], np.repeat(chunk_rows, lengths)])
+    blocks = rows.block_tables[token_rows, positions // block_size]
+    b["slots"][:num_tokens] = blocks * block_size + positions % block_size
+    context = b["context_lens"][:num_seqs]
+    context[:num_decode] = positions[:num_decode] + 1
+    context[num_decode:] = starts + lengths
+    cu = b["cu_seqlens"][:num_seqs + 1]
+    cu[0] = 0
+    np.cumsum(np.concatenate([np.ones(num_decode, dtype=np.int32), lengths]), out=cu[1:])
+    sampling = np.fromiter((c.sample for c in chunks), dtype=bool, count=len(chunks))
+    num_sampled = num_decode + int(sampling.sum())
+    b["logits_indices"][:num_sampled] = np.concatenate([np.arange(num_decode), cu[1 + num_decode:][sampling] - 1])
+    b["sampled_rows"][:num_sampled] = np.concatenate([seq_rows[:num_decode], chunk_rows[sampling]])
+    buffers.block_table_view(num_seqs, width)[:] = rows.block_tables[seq_rows, :width]
+
+
+def _fill_decode(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
+    """fill_inputs for a step of decode rows only: one position per row."""
+    b, n = buffers.np, len(step.decode_rows)
+    seq_rows = np.asarray(step.decode_rows, dtype=np.int32)
+    positions = np.asarray(step.decode_positions, dtype=np.int32)
+    b["rows"][:n] = b["sampled_rows"][:n] = seq_rows
+    b["positions"][:n] = positions
+    b["slots"][:n] = rows.block_tables[seq_rows, positions // block_size] * block_size + positions % block_size
+    b["context_lens"][:n] = positions + 1
+    counting = np.arange(n + 1, dtype=np.int32)
+    b["cu_seqlens"][:n + 1] = counting
+    b["logits_indices"][:n] = counting[:n]
+    buffers.block_table_view(n, width)[:] = rows.block_tables[seq_rows, :width]
+
+
+def gather_decode_inputs(buffers: InputBuffers, rows: RowState, num_decode: int) -> None:
+    """On the device, after upload: decode rows take their last sampled token as input."""
+    if num_decode:
+        torch.index_select(rows.last_token, 0, buffers.dev["rows"][:num_decode],
+                           out=buffers.dev["input_ids"][:num_decode])

@@ -1,0 +1,68 @@
+"""What an actor sends its model runner for one step, and what comes back: compact, row-indexed.
+
+A runner keeps per-row state (token ids, block table, sampling parameters, the last sampled
+token) across steps, so a step message carries only what changed: rows that appear or leave,
+blocks appended to a row's table, and which rows compute which positions this step. A decode
+row's input token is the row's last sampled token, which the runner already holds (on the
+device), so the next step can be scheduled before this one's tokens reach the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.messages import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRow:
+    row: int
+    token_ids: tuple[int, ...]       # prompt, then the output known so far
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class BlockAppend:
+    row: int
+    first: int                       # index in the row's table of the first new block
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInput:
+    """Tokens start .. start + num_tokens - 1 of a row, from its token ids (a prefill chunk)."""
+
+    row: int
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """Applied in order: free rows, add rows, append blocks; then run decode rows and chunks."""
+
+    freed_rows: tuple[int, ...] = ()
+    new_rows: tuple[NewRow, ...] = ()
+    appends: tuple[BlockAppend, ...] = ()
+    decode_rows: tuple[int, ...] = ()
+    decode_positions: tuple[int, ...] = ()     # position each decode row computes
+    chunks: tuple[ChunkInput, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_rows) + sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampled_rows(self) -> tuple[int, ...]:
+        return self.decode_rows + tuple(c.row for c in self.chunks if c.sample)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One token per sampled row, in `StepInput.sampled_rows` order; logprobs where a row asked."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
