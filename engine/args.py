@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.model.quant import SCHEMES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one prefill step; longer prompts run in chunks")
     g.add_argument("--max-queue", type=int, default=scheduler.max_queue,
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
+    g.add_argument("--quantization", choices=SCHEMES, default="auto",
+                   help="CPU projections with quantized weights: int8 (per channel, lossy), gguf (the "
+                        "GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are), none; default auto: gguf when "
+                        "the model came from a GGUF file and a start-up probe finds it faster")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -66,6 +71,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

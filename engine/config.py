@@ -32,6 +32,7 @@ class EngineConfig:
     kv_transfer: str | None = None    # torch | cupy-p2p | staged; None: automatic
     cuda_graph: bool = True
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
+    quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

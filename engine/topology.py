@@ -15,6 +15,7 @@ from engine.actors.decode import DecodeActor
 from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
+from engine.model.quant import gguf_source, quantize_model
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
 from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
@@ -114,6 +115,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
                       {plan.prefill_device, plan.decode_device})          # NOTE: before any weights are loaded
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
+        _quantize(prefill_model, config, plan.prefill_cores)
         demand = sizer.demand("colocated", prefill_model, 1.0, per_seq * sched.max_num_seqs, graph_batch)
         [blocks] = sizer.blocks(plan.prefill_device, [demand])
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
@@ -123,6 +125,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
+    _quantize(decode_model, config, plan.decode_cores)      # NOTE: shared with prefill on one device
     prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
@@ -155,3 +158,8 @@ def _split_pools(sizer: PoolSizer, plan: Plan, prefill_model, decode_model, per_
         prefill_blocks, decode_blocks = sizer.blocks(plan.prefill_device, [prefill, decode])
         return prefill_blocks, decode_blocks
     return sizer.blocks(plan.prefill_device, [prefill])[0], sizer.blocks(plan.decode_device, [decode])[0]
+
+
+def _quantize(model, config: EngineConfig, cores: tuple[int, ...]) -> None:
+    if config.quantization != "none":
+        quantize_model(model, config.quantization, gguf_source(model.config.model_dir), max(len(cores), 1))
