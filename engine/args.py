@@ -18,9 +18,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype (default: chosen from the machine: bfloat16 on sm_80+ GPUs "
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
-    g.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
-                   help="disaggregated: prefill and decode actors on their own devices/cores "
-                        "(default); colocated: one actor mixes both phases (the baseline)")
+    g.add_argument("--mode", choices=("adaptive", "disaggregated", "colocated"), default=None,
+                   help="adaptive (default): the decode actor prefills what is cheaper there and hands "
+                        "long prompts to the prefill actor; an idle side lends its CPU cores to the other. "
+                        "disaggregated: prefill and decode on their own devices/cores, always. colocated: one "
+                        "actor mixes both phases. The fixed modes are the A/B baselines")
+    g.add_argument("--itl-target-ms", type=float, default=None,
+                   help="adaptive mode: keep a decode step carrying local prefill within this time "
+                        "(default: twice the measured decode-only step)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ... (default: cuda:0 when a GPU is visible, else cpu)")
     g.add_argument("--decode-device", default=None,
@@ -75,7 +80,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                                  max_model_len=args.max_model_len, max_queue=args.max_queue),
+                                  max_model_len=args.max_model_len, max_queue=args.max_queue,
+                                  itl_target_ms=args.itl_target_ms),
     )
 
 

@@ -24,7 +24,7 @@ __all__ = ["CacheConfig", "ConfigError", "DTYPES", "EngineConfig", "ModelConfig"
 class EngineConfig:
     model: str | None = None          # None: SmolLM2 when installed, else the demo (engine.model.resolve)
     dtype: str | None = None          # None: chosen from the machine (engine.worker.defaults)
-    mode: str | None = None           # disaggregated | colocated; None: disaggregated when two devices
+    mode: str | None = None           # adaptive | disaggregated | colocated; None: adaptive (colocated on one core)
     prefill_device: str | None = None  # None: chosen from the machine (cuda:0 with a GPU, else cpu)
     decode_device: str | None = None   # None: cuda:1 with two GPUs, cuda:0 with one, else cpu
     prefill_threads: int | None = None

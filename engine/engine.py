@@ -107,6 +107,11 @@ class Engine:
     def mode(self) -> str:
         return self.plan.mode
 
+    @property
+    def entry(self) -> Actor:
+        """The actor new requests go to: the decode actor places them in adaptive mode."""
+        return self.actors[-1] if self.mode == "adaptive" else self.actors[0]
+
     async def start(self) -> None:
         for actor in self.actors:
             actor.start()
@@ -154,7 +159,7 @@ class Engine:
         self._streams[request.request_id] = stream
         if request.arrival_time == 0.0:
             request = _with_arrival_time(request)
-        self.actors[0].send(request)
+        self.entry.send(request)
         return RequestStream(self, stream)
 
     def _validate(self, request: Request) -> None:
@@ -250,6 +255,8 @@ class Engine:
         actors = tuple(actor.stats() for actor in self.actors)
         if self.mode == "colocated":
             running, waiting = actors[0].running, actors[0].waiting
+        elif self.mode == "adaptive":               # decode: (decoding and landing, queued for local prefill)
+            running, waiting = actors[1].running, actors[1].waiting + actors[0].waiting
         else:
             running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams))

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 import kernels
+from engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
 from engine.actors.base import Actor, Emit
 from engine.actors.colocated import ColocatedActor
 from engine.actors.decode import DecodeActor
+from engine.actors.placement import PlacementPolicy, StepCostModel
 from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
@@ -27,6 +29,7 @@ from engine.worker.warmup import warm_up_for_serving
 logger = logging.getLogger(__name__)
 
 PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
+MODES = ("adaptive", "disaggregated", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +56,24 @@ def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
     for device in (prefill, decode):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available")
-    mode = config.mode or ("disaggregated" if prefill != decode or prefill.type == "cpu" else "colocated")
-    if mode not in ("disaggregated", "colocated"):
-        raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
+    mode = config.mode or _default_mode(prefill, decode)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if config.dtype is not None and config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     dtype_name = config.dtype or _logged(choose_dtype([prefill, decode])).value
     limits = [model_config.max_position_embeddings, model_config.sliding_window or 1 << 30]
     max_model_len = min(limits + ([config.scheduler.max_model_len] if config.scheduler.max_model_len else []))
     prefill_cores, decode_cores = _split_cores(mode, config)
-    return Plan(mode, prefill, decode if mode == "disaggregated" else prefill, DTYPES[dtype_name],
+    return Plan(mode, prefill, prefill if mode == "colocated" else decode, DTYPES[dtype_name],
                 max_model_len, prefill_cores, decode_cores)
+
+
+def _default_mode(prefill: torch.device, decode: torch.device) -> str:
+    """Adaptive wherever there are two compute units (two devices, or two CPU cores); else colocated."""
+    if prefill.type == decode.type == "cpu" and len(os.sched_getaffinity(0)) < 2:
+        return "colocated"
+    return "adaptive"
 
 
 def _devices(config: EngineConfig) -> tuple[torch.device, torch.device]:
@@ -129,13 +139,40 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
-    warm_up_for_serving(decode_runner, "decode", sched, plan.max_model_len)
+    adaptive = plan.mode == "adaptive"
+    warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len)
     warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
+    transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
+    if adaptive:
+        return _adaptive_actors(config, plan, decode_runner, prefill_runner, transfer, emit)
     decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
                          _overlap(config, plan.decode_device), cache.enable_prefix_caching)
-    transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
     prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
                            _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
+    return _wired(prefill, decode)
+
+
+def _adaptive_actors(config: EngineConfig, plan: Plan, decode_runner: ModelRunner, prefill_runner: ModelRunner,
+                     transfer, emit: Emit) -> list[Actor]:
+    """Adaptive mode: the decode actor places prompts and prefills some itself; on CPU cores are lent."""
+    sched, cache = config.scheduler, config.cache
+    on_cpu = plan.decode_device.type == "cpu" and plan.prefill_device.type == "cpu"
+    share = CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if on_cpu else None
+    all_cores = tuple(sorted({*plan.prefill_cores, *plan.decode_cores})) if on_cpu else ()
+    decode_cost, prefill_cost = StepCostModel(), StepCostModel()
+    itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
+    policy = PlacementPolicy(decode_cost, prefill_cost, sched.max_prefill_tokens, itl_target)
+    decode = AdaptiveDecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, all_cores,
+                                 _overlap(config, plan.decode_device), cache.enable_prefix_caching,
+                                 policy=policy, cost=decode_cost, share=share)
+    prefill = LendingPrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, all_cores,
+                                  _overlap(config, plan.prefill_device), cache.enable_prefix_caching,
+                                  cost=prefill_cost, share=share)
+    decode.prefill_actor = prefill
+    return _wired(prefill, decode)
+
+
+def _wired(prefill: PrefillActor, decode: DecodeActor) -> list[Actor]:
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]

@@ -48,11 +48,26 @@ class EngineCollector(Collector):
             "prefix_cache_hits": CounterMetricFamily("pdserve_prefix_cache_hits", "Prompt tokens found in the "
                                                      "prefix cache", labels=["actor"]),
         }
+        counters["lent_steps"] = CounterMetricFamily("pdserve_lent_steps", "Steps an actor ran with cores "
+                                                     "borrowed from the other actor", labels=["actor"])
         for actor in stats.actors:
             for name, family in {**families, **counters}.items():
                 family.add_metric([actor.name], float(getattr(actor, name)))
         yield from families.values()
         yield from counters.values()
+        yield from EngineCollector._placement(stats)
+
+    @staticmethod
+    def _placement(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        prefills = CounterMetricFamily("pdserve_prefills", "Prompts placed by adaptive mode", labels=["placement"])
+        prefills.add_metric(["local"], float(sum(a.local_prefills for a in stats.actors)))
+        prefills.add_metric(["remote"], float(sum(a.remote_prefills for a in stats.actors)))
+        roles = GaugeMetricFamily("pdserve_actor_role", "1 for what each actor's compute does now",
+                                  labels=["actor", "role"])
+        for actor in stats.actors:
+            roles.add_metric([actor.name, actor.role], 1.0)
+        yield prefills
+        yield roles
 
 
 class Metrics:

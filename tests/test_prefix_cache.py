@@ -13,7 +13,13 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
-from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine, wait_idle
+from tests.test_engine_modes import (
+    assert_pools_free,
+    collect,
+    prompts,
+    run_engine,
+    wait_idle,
+)
 
 MODES = ("disaggregated", "colocated")
 BLOCK = 16

@@ -66,6 +66,8 @@ class Actor(abc.ABC):
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
         self.completed_step = -1
+        self.lent_steps = 0              # steps run with cores borrowed from the other actor
+        self.local_prefills = self.remote_prefills = 0     # placement decisions (adaptive mode)
         self._next_step = 0
         self._in_flight: deque[InFlight] = deque()
         self._mailbox: deque = deque()
@@ -149,8 +151,8 @@ class Actor(abc.ABC):
         self._next_step += 1
         for seq in batch.sequences():
             seq.last_step = step_id
-        work = self.prepare(batch)
-        future = loop.run_in_executor(self._executor, self.execute, work)
+        work, threads = self.prepare(batch), self.step_threads()
+        future = loop.run_in_executor(self._executor, self._run_step, work, threads)
         self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
         self.step_seconds += time.perf_counter() - started
         return True
@@ -158,13 +160,14 @@ class Actor(abc.ABC):
     async def _complete_oldest(self) -> StepOutput | None:
         step = self._in_flight[0]
         try:
-            result = await step.future
+            result, seconds, threads = await step.future
         except Exception as e:                     # a failed step fails its sequences, not the actor
             logger.exception("%s step failed", self.name)
             self._step_done(step)
             return self.fail(step.batch, f"{type(e).__name__}: {e}")
         self._step_done(step)
         started = time.perf_counter()
+        self.observe_step(step.batch, seconds, threads)
         self.cache_landed(step.batch)
         output = self.record(step.batch, result)
         self.steps += 1
@@ -207,6 +210,20 @@ class Actor(abc.ABC):
     def execute(self, work) -> StepResult:
         """Run one step on the device (compute thread)."""
         return self.runner.execute(work)
+
+    def _run_step(self, work, threads: int | None):
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        result = self.execute(work)
+        return result, time.perf_counter() - started, torch.get_num_threads()
+
+    def step_threads(self) -> int | None:
+        """CPU threads for the next step (None: keep the compute thread's own); lending overrides it."""
+        return None
+
+    def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
+        """A finished step's compute time (the cost model of adaptive placement listens here)."""
 
     def _init_thread(self) -> None:
         if self.device.type == "cuda":
@@ -270,7 +287,19 @@ class Actor(abc.ABC):
         b = self.blocks
         return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=b.num_used,
                           kv_blocks_total=b.num_blocks, steps=self.steps, last_step_time=self.last_step_time,
-                          alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits)
+                          alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
+                          role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
+                          remote_prefills=self.remote_prefills)
+
+    def role(self) -> str:
+        """What this actor's compute does now (adaptive mode lends it; the fixed modes keep their role)."""
+        return self.name
+
+    @property
+    def busy(self) -> bool:
+        """Has sequences to run or a step in flight."""
+        running, waiting = self.queue_lengths()
+        return bool(running or waiting or self._in_flight)
 
     # subclass interface
     @abc.abstractmethod

@@ -5,7 +5,7 @@ from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request, StepOutput
-from engine.core.scheduler import DecodeScheduler, PrefillScheduler
+from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step import StepResult
@@ -35,14 +35,7 @@ class ColocatedActor(Actor):
                 self.drop(seq)
 
     def schedule(self) -> Batch | None:
-        decode = self.decode.schedule()
-        chunks = self.prefill.schedule(self.max_prefill_tokens - len(decode))
-        for chunk in chunks:
-            if chunk.sample:                        # decodes from the next step on
-                self.decode.add(chunk.seq)
-        if not decode and not chunks:
-            return None
-        return Batch.of(decode, chunks)
+        return mixed_batch(self.decode, self.prefill, lambda decode_rows: self.max_prefill_tokens - decode_rows)
 
     def record(self, batch: Batch, result: StepResult) -> StepOutput:
         output, recorded = self.record_tokens(batch.sampled, result)

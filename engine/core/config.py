@@ -20,3 +20,4 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queue: int = 1024
+    itl_target_ms: float | None = None   # adaptive mode's decode step target; None: twice the decode-only step

@@ -119,6 +119,10 @@ class ActorStats:
     alive: bool = True
     prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0      # of which found there
+    role: str = ""                  # what its compute does now: prefill, decode, colocated, lent, idle
+    lent_steps: int = 0             # steps run with cores borrowed from the other actor
+    local_prefills: int = 0         # prompts this actor placed on itself (adaptive mode)
+    remote_prefills: int = 0        # and on the prefill actor
 
 
 @dataclass(frozen=True, slots=True)

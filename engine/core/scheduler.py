@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from engine.core.admission import can_admit
-from engine.core.batch import ScheduledChunk
+from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
@@ -211,3 +211,16 @@ class DecodeScheduler:
 
     def find(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
+
+
+def mixed_batch(decode: DecodeScheduler, prefill: PrefillScheduler,
+                prefill_budget: Callable[[int], int]) -> Batch | None:
+    """One step on one pool: every running sequence decodes, then prefill chunks of up to
+    `prefill_budget(decode rows)` tokens. A sequence whose last chunk is scheduled joins the decode
+    side at once (it decodes from the next step)."""
+    running = decode.schedule()
+    chunks = prefill.schedule(prefill_budget(len(running)))
+    for chunk in chunks:
+        if chunk.sample:
+            decode.add(chunk.seq)
+    return Batch.of(running, chunks) if running or chunks else None
