@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.model.quant import SCHEMES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,20 +18,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype (default: chosen from the machine: bfloat16 on sm_80+ GPUs "
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
-    g.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
-                   help="disaggregated: prefill and decode actors on their own devices/cores "
-                        "(default); colocated: one actor mixes both phases (the baseline)")
+    g.add_argument("--mode", choices=("adaptive", "disaggregated", "colocated"), default=None,
+                   help="adaptive (default): the decode actor prefills what is cheaper there and hands "
+                        "long prompts to the prefill actor; an idle side lends its CPU cores to the other. "
+                        "disaggregated: prefill and decode on their own devices/cores, always. colocated: one "
+                        "actor mixes both phases. The fixed modes are the A/B baselines")
+    g.add_argument("--itl-target-ms", type=float, default=None,
+                   help="adaptive mode: keep a decode step carrying local prefill within this time "
+                        "(default: twice the measured decode-only step)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ... (default: cuda:0 when a GPU is visible, else cpu)")
     g.add_argument("--decode-device", default=None,
                    help="cpu, cuda:1, ... (default: cuda:1 with two GPUs, cuda:0 with one, else cpu)")
     g.add_argument("--prefill-threads", type=int, default=None, help="CPU cores for the prefill actor")
     g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
-    g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p"), default=None,
-                   help="force a KV transfer backend (default: chosen automatically)")
+    g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p", "staged"), default=None,
+                   help="force a KV transfer backend (default: chosen automatically; GPUs that are not "
+                        "peers copy through pinned host memory, 'staged')")
     g.add_argument("--kv-cache-memory", default=cache.kv_cache_memory,
-                   help="KV cache budget per device: bytes (e.g. 4GiB) or a fraction of free device "
-                        "memory (default: 2GiB on CPU, 0.8 on CUDA)")
+                   help="KV cache budget per device: bytes (e.g. 4GiB), or on CUDA the fraction of the "
+                        "memory free at start-up that pdserve may use in all, KV after weights, profiled "
+                        "activations and CUDA graphs (default: 2GiB on CPU, 0.8 on CUDA)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=cache.enable_prefix_caching,
+                   help="reuse the KV cache of a prompt's longest cached prefix of full blocks, on every actor "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
     g.add_argument("--kv-watermark", type=float, default=cache.kv_watermark,
                    help="decode pool usage above which no new sequence is admitted")
     g.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
@@ -41,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one prefill step; longer prompts run in chunks")
     g.add_argument("--max-queue", type=int, default=scheduler.max_queue,
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
+    g.add_argument("--quantization", choices=SCHEMES, default="auto",
+                   help="CPU projections with quantized weights: int8 (per channel, lossy), gguf (the "
+                        "GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are), none; default auto: gguf when "
+                        "the model came from a GGUF file and a start-up probe finds it faster")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -60,10 +76,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          kv_watermark=args.kv_watermark),
+                          kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                                  max_model_len=args.max_model_len, max_queue=args.max_queue),
+                                  max_model_len=args.max_model_len, max_queue=args.max_queue,
+                                  itl_target_ms=args.itl_target_ms),
     )
 
 

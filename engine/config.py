@@ -24,14 +24,15 @@ __all__ = ["CacheConfig", "ConfigError", "DTYPES", "EngineConfig", "ModelConfig"
 class EngineConfig:
     model: str | None = None          # None: SmolLM2 when installed, else the demo (engine.model.resolve)
     dtype: str | None = None          # None: chosen from the machine (engine.worker.defaults)
-    mode: str | None = None           # disaggregated | colocated; None: disaggregated when two devices
+    mode: str | None = None           # adaptive | disaggregated | colocated; None: adaptive (colocated on one core)
     prefill_device: str | None = None  # None: chosen from the machine (cuda:0 with a GPU, else cpu)
     decode_device: str | None = None   # None: cuda:1 with two GPUs, cuda:0 with one, else cpu
     prefill_threads: int | None = None
     decode_threads: int | None = None
-    kv_transfer: str | None = None    # torch | cupy-p2p; None: automatic
+    kv_transfer: str | None = None    # torch | cupy-p2p | staged; None: automatic
     cuda_graph: bool = True
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
+    quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

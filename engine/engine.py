@@ -47,6 +47,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class RequestStream:
@@ -106,6 +107,11 @@ class Engine:
     def mode(self) -> str:
         return self.plan.mode
 
+    @property
+    def entry(self) -> Actor:
+        """The actor new requests go to: the decode actor places them in adaptive mode."""
+        return self.actors[-1] if self.mode == "adaptive" else self.actors[0]
+
     async def start(self) -> None:
         for actor in self.actors:
             actor.start()
@@ -153,7 +159,7 @@ class Engine:
         self._streams[request.request_id] = stream
         if request.arrival_time == 0.0:
             request = _with_arrival_time(request)
-        self.actors[0].send(request)
+        self.entry.send(request)
         return RequestStream(self, stream)
 
     def _validate(self, request: Request) -> None:
@@ -179,6 +185,8 @@ class Engine:
         """One actor step's tokens: detokenize each and put its event on its request's stream."""
         streams = self._streams
         logprobs = output.logprobs or (None,) * len(output)
+        if output.cached_tokens is not None:
+            self._note_cached(output)
         for request_id, token_id, reason, logprob in zip(output.request_ids, output.token_ids,
                                                          output.finish_reasons, logprobs):
             stream = streams.get(request_id)
@@ -189,12 +197,20 @@ class Engine:
                 stream.num_output_tokens += 1
                 stream.queue.put_nowait(TokenEvent(request_id, (token_id,), stream.detokenizer.push(token_id),
                                                    (logprob,) if logprob else (), None, None,
-                                                   stream.num_prompt_tokens, stream.num_output_tokens))
+                                                   stream.num_prompt_tokens, stream.num_output_tokens,
+                                                   stream.num_cached_tokens))
             elif reason is FinishReason.ERROR:
                 del streams[request_id]
                 stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, output.error))
             else:
                 self._deliver(stream, token_id, logprob, reason)
+
+    def _note_cached(self, output: StepOutput) -> None:
+        """A request's first token carries how much of its prompt came from the prefix cache."""
+        for request_id, cached in zip(output.request_ids, output.cached_tokens):
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.num_output_tokens == 0:
+                stream.num_cached_tokens = cached
 
     def _deliver(self, stream: _Stream, token_id: int, logprob: TokenLogprob | None,
                  actor_reason: FinishReason | None) -> None:
@@ -209,7 +225,8 @@ class Engine:
             text, reason = self._final_text(stream, text, reason)
         request_id = stream.request.request_id
         stream.queue.put_nowait(TokenEvent(request_id, (token_id,), text, (logprob,) if logprob else (), reason,
-                                           None, stream.num_prompt_tokens, stream.num_output_tokens))
+                                           None, stream.num_prompt_tokens, stream.num_output_tokens,
+                                           stream.num_cached_tokens))
         if reason is not None:
             del self._streams[request_id]
             if actor_reason is None:               # a stop string: the actors still hold the sequence
@@ -231,13 +248,15 @@ class Engine:
     @staticmethod
     def _final_event(stream: _Stream, reason: FinishReason, error: str | None = None) -> TokenEvent:
         return TokenEvent(stream.request.request_id, finish_reason=reason, error=error,
-                          num_prompt_tokens=stream.num_prompt_tokens,
+                          num_prompt_tokens=stream.num_prompt_tokens, num_cached_tokens=stream.num_cached_tokens,
                           num_output_tokens=stream.num_output_tokens)
 
     def stats(self) -> EngineStats:
         actors = tuple(actor.stats() for actor in self.actors)
         if self.mode == "colocated":
             running, waiting = actors[0].running, actors[0].waiting
+        elif self.mode == "adaptive":               # decode: (decoding and landing, queued for local prefill)
+            running, waiting = actors[1].running, actors[1].waiting + actors[0].waiting
         else:
             running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams))

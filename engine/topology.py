@@ -3,26 +3,33 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+import kernels
+from engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
 from engine.actors.base import Actor, Emit
 from engine.actors.colocated import ColocatedActor
 from engine.actors.decode import DecodeActor
+from engine.actors.placement import PlacementPolicy, StepCostModel
 from engine.actors.prefill import PrefillActor
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
+from engine.model.quant import gguf_source, quantize_model
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
 from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
-from engine.worker.memory import num_kv_blocks
+from engine.worker.device import with_index
 from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.sizing import PoolSizer
+from engine.worker.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
 PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
+MODES = ("adaptive", "disaggregated", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +56,24 @@ def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
     for device in (prefill, decode):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available")
-    mode = config.mode or ("disaggregated" if prefill != decode or prefill.type == "cpu" else "colocated")
-    if mode not in ("disaggregated", "colocated"):
-        raise ValueError(f"mode must be disaggregated or colocated, got {mode!r}")
+    mode = config.mode or _default_mode(prefill, decode)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if config.dtype is not None and config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     dtype_name = config.dtype or _logged(choose_dtype([prefill, decode])).value
     limits = [model_config.max_position_embeddings, model_config.sliding_window or 1 << 30]
     max_model_len = min(limits + ([config.scheduler.max_model_len] if config.scheduler.max_model_len else []))
     prefill_cores, decode_cores = _split_cores(mode, config)
-    return Plan(mode, prefill, decode if mode == "disaggregated" else prefill, DTYPES[dtype_name],
+    return Plan(mode, prefill, prefill if mode == "colocated" else decode, DTYPES[dtype_name],
                 max_model_len, prefill_cores, decode_cores)
+
+
+def _default_mode(prefill: torch.device, decode: torch.device) -> str:
+    """Adaptive wherever there are two compute units (two devices, or two CPU cores); else colocated."""
+    if prefill.type == decode.type == "cpu" and len(os.sched_getaffinity(0)) < 2:
+        return "colocated"
+    return "adaptive"
 
 
 def _devices(config: EngineConfig) -> tuple[torch.device, torch.device]:
@@ -96,35 +110,69 @@ def _split_cores(mode: str, config: EngineConfig) -> tuple[tuple[int, ...], tupl
 
 def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
                  emit: Emit) -> list[Actor]:
-    """Load the model(s) and wire the actors for `plan.mode`. Raises ValueError on a bad setting."""
+    """Load the model(s), size the pools, warm up and wire the actors for `plan.mode`.
+
+    Raises ValueError on a bad setting or when a device cannot hold the model and a minimum pool."""
     sched, cache = config.scheduler, config.cache
+    plan = replace(plan, prefill_device=with_index(plan.prefill_device), decode_device=with_index(plan.decode_device))
+    for device in {plan.prefill_device, plan.decode_device}:
+        kernels.check_backend(device)
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                       max_seqs=2 * sched.max_num_seqs)
+    sizer = PoolSizer(cache, sched, model_config, plan.dtype, plan.max_model_len,
+                      {plan.prefill_device, plan.decode_device})          # NOTE: before any weights are loaded
     prefill_model = load_model(model_config, plan.dtype, plan.prefill_device, plan.max_model_len)
     if plan.mode == "colocated":
-        blocks = num_kv_blocks(cache.kv_cache_memory, 1.0, plan.prefill_device, model_config,
-                               cache.block_size, plan.dtype, per_seq * sched.max_num_seqs)
+        _quantize(prefill_model, config, plan.prefill_cores)
+        demand = sizer.demand("colocated", prefill_model, 1.0, per_seq * sched.max_num_seqs, graph_batch)
+        [blocks] = sizer.blocks(plan.prefill_device, [demand])
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
+        warm_up_for_serving(runner, "colocated", sched, plan.max_model_len)
         return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
-                               _overlap(config, plan.prefill_device))]
+                               _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
-    prefill_share = PREFILL_SHARE_OF_SHARED_DEVICE if shared else 1.0
-    prefill_blocks = num_kv_blocks(cache.kv_cache_memory, prefill_share, plan.prefill_device, model_config,
-                                   cache.block_size, plan.dtype, per_seq * 4)
-    decode_blocks = num_kv_blocks(cache.kv_cache_memory, 1.0 - prefill_share if shared else 1.0,
-                                  plan.decode_device, model_config, cache.block_size, plan.dtype,
-                                  per_seq * sched.max_num_seqs)
+    _quantize(decode_model, config, plan.decode_cores)      # NOTE: shared with prefill on one device
+    prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
-    decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
-                         _overlap(config, plan.decode_device))
-    transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
+    adaptive = plan.mode == "adaptive"
+    warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len)
+    warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
+    transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
+    if adaptive:
+        return _adaptive_actors(config, plan, decode_runner, prefill_runner, transfer, emit)
+    decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
+                         _overlap(config, plan.decode_device), cache.enable_prefix_caching)
     prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
-                           _overlap(config, plan.prefill_device))
+                           _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
+    return _wired(prefill, decode)
+
+
+def _adaptive_actors(config: EngineConfig, plan: Plan, decode_runner: ModelRunner, prefill_runner: ModelRunner,
+                     transfer, emit: Emit) -> list[Actor]:
+    """Adaptive mode: the decode actor places prompts and prefills some itself; on CPU cores are lent."""
+    sched, cache = config.scheduler, config.cache
+    on_cpu = plan.decode_device.type == "cpu" and plan.prefill_device.type == "cpu"
+    share = CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if on_cpu else None
+    all_cores = tuple(sorted({*plan.prefill_cores, *plan.decode_cores})) if on_cpu else ()
+    decode_cost, prefill_cost = StepCostModel(), StepCostModel()
+    itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
+    policy = PlacementPolicy(decode_cost, prefill_cost, sched.max_prefill_tokens, itl_target)
+    decode = AdaptiveDecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, all_cores,
+                                 _overlap(config, plan.decode_device), cache.enable_prefix_caching,
+                                 policy=policy, cost=decode_cost, share=share)
+    prefill = LendingPrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, all_cores,
+                                  _overlap(config, plan.prefill_device), cache.enable_prefix_caching,
+                                  cost=prefill_cost, share=share)
+    decode.prefill_actor = prefill
+    return _wired(prefill, decode)
+
+
+def _wired(prefill: PrefillActor, decode: DecodeActor) -> list[Actor]:
     decode.send_to_prefill = prefill.send
     decode.on_blocks_freed = prefill.poke
     return [prefill, decode]
@@ -133,3 +181,22 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
 def _overlap(config: EngineConfig, device: torch.device) -> bool:
     """Async scheduling: forced by the config, else on for CUDA (off on CPU: measured, bench/RESULTS.md)."""
     return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+
+
+def _split_pools(sizer: PoolSizer, plan: Plan, prefill_model, decode_model, per_seq: int,
+                 graph_batch: int) -> tuple[int, int]:
+    """(prefill, decode) pool blocks: one device's budget shared, or each device's own."""
+    shared = plan.prefill_device == plan.decode_device
+    prefill_share = PREFILL_SHARE_OF_SHARED_DEVICE if shared else 1.0
+    prefill = sizer.demand("prefill", prefill_model, prefill_share, per_seq * 4)
+    decode = sizer.demand("decode", decode_model, 1.0 - prefill_share if shared else 1.0,
+                          per_seq * sizer.sched.max_num_seqs, graph_batch)
+    if shared:
+        prefill_blocks, decode_blocks = sizer.blocks(plan.prefill_device, [prefill, decode])
+        return prefill_blocks, decode_blocks
+    return sizer.blocks(plan.prefill_device, [prefill])[0], sizer.blocks(plan.decode_device, [decode])[0]
+
+
+def _quantize(model, config: EngineConfig, cores: tuple[int, ...]) -> None:
+    if config.quantization != "none":
+        quantize_model(model, config.quantization, gguf_source(model.config.model_dir), max(len(cores), 1))

@@ -3,7 +3,8 @@
 Each function has a plain-torch reference (`<name>_ref`, used on CPU) beside
 its Triton version (`<name>_triton`, used on CUDA tensors). The environment
 variable PDSERVE_KERNELS=torch|triton forces one path (triton on CPU needs
-TRITON_INTERPRET=1). Without Triton installed the reference is always used.
+TRITON_INTERPRET=1). Without Triton installed the reference is used, with a warning
+from `check_backend` at start-up for CUDA devices; PDSERVE_KERNELS=triton is then an error.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
@@ -22,7 +24,7 @@ from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "use_triton"]
+           "use_triton", "check_backend", "KernelBackendError"]
 
 
 _INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
@@ -32,7 +34,11 @@ _INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext(
 def use_triton(x: torch.Tensor) -> bool:
     """True when the Triton path serves tensors like x (CUDA, or forced by PDSERVE_KERNELS)."""
     mode = os.environ.get("PDSERVE_KERNELS", "")
-    if mode == "torch" or not HAS_TRITON:
+    if mode == "torch":
+        return False
+    if not HAS_TRITON:
+        if mode == "triton":
+            raise KernelBackendError(f"PDSERVE_KERNELS=triton: {triton_unusable_reason(x.device)}")
         return False
     return mode == "triton" or x.is_cuda
 

@@ -38,7 +38,8 @@ def decode_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     return out.masked_fill((context_lens == 0).to(q.device).view(-1, 1, 1), 0.0)
 
 
-@jit
+# NOTE: num_splits and the strides derived from it (the mid_* tensors) vary with the batch
+@jit(do_not_specialize=("layer", "stride_bts", "stride_ms", "stride_mh", "stride_ls", "stride_lh", "num_splits"))
 def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mid_o_ptr, mid_lse_ptr,
                          layer, scale_log2, stride_qs, stride_qh,
                          stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
@@ -87,7 +88,7 @@ def _decode_split_kernel(q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr, mi
     tl.store(lse, m_i + tl.log2(l_i), mask=g < group)
 
 
-@jit
+@jit(do_not_specialize=("stride_ms", "stride_mh", "stride_ls", "stride_lh", "num_splits"))
 def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, context_lens_ptr, out_ptr,
                           stride_ms, stride_mh, stride_msplit, stride_ls, stride_lh,
                           stride_os, stride_oh, head_dim, num_splits,

@@ -1,10 +1,20 @@
 """Causal attention for a packed variable-length batch whose context sits in the KV pool."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
+from kernels._triton import (
+    INTERPRETED,
+    jit,
+    launch_fitting,
+    next_power_of_2,
+    shared_memory_limit,
+    target_arch,
+    tl,
+)
 from kernels.decode_attention import decode_attention_ref, gather_blocks
 from kernels.kv_layout import KVLayout
 
@@ -52,7 +62,7 @@ def _same_shape_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, bloc
     return o.transpose(1, 2)
 
 
-@jit
+@jit(do_not_specialize=("layer", "stride_bts", "num_seqs", "num_tiles"))
 def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
                     layer, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
@@ -117,14 +127,33 @@ def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, 
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _tile_config(head_dim: int, compiled: bool) -> dict:
-    if not compiled:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+# NOTE: (BLOCK_M, BLOCK_N, num_warps, num_stages) by (largest head_dim, bytes per element), for targets
+# with 227 KB (sm_90), 163 KB (sm_80) and 99 KB (sm_86, sm_89 and the rest) of shared memory per block.
+# tests/test_kernels_compile.py compiles the 2-byte rows and the fp32 head_dim 128 row for each target
+# and checks the limit; the other fp32 rows take tiles that need no more shared memory than that one.
+_TILES = {
+    (64, 2): ((128, 64, 4, 3),) * 3,
+    (128, 2): ((128, 64, 8, 3),) * 3,
+    (256, 2): ((64, 32, 4, 2),) * 3,
+    (64, 4): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)),
+    (128, 4): ((128, 32, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)),
+    (256, 4): ((32, 16, 4, 1),) * 3,
+}
+SMALLER_TILES = ((64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1))  # when a chosen tile does not fit
+INTERPRETER_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+
+
+@functools.cache
+def tile_configs(head_dim: int, element_bytes: int, arch: int | None) -> tuple[dict, ...]:
+    """Tile configurations for `arch` (None: the interpreter), best first, then ever smaller ones."""
+    if arch is None:
+        return (INTERPRETER_TILE,)
+    width = next(d for d in (64, 128, 256) if head_dim <= d)
+    limit = shared_memory_limit(arch)
+    column = 0 if limit >= 200 * 1024 else 1 if limit >= 160 * 1024 else 2
+    chosen = _TILES[(width, 2 if element_bytes <= 2 else 4)][column]
+    fallbacks = [t for t in SMALLER_TILES if t[0] * t[1] < chosen[0] * chosen[1]]
+    return tuple(dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), t)) for t in (chosen, *fallbacks))
 
 
 def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
@@ -148,13 +177,17 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = _tile_config(head_dim, compiled=not INTERPRETED)
-    num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
     dot_fp32 = q.dtype == torch.float32 or INTERPRETED  # NOTE: the interpreter has no bf16 dot
-    _prefill_kernel[(num_tiles, num_q_heads)](
-        q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
-        layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *layout.strides(kv_pool), block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles, PAGE_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
+    configs = tile_configs(head_dim, 4 if dot_fp32 else q.element_size(), target_arch(q.device))
+
+    def launch(config: dict) -> None:
+        num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
+        _prefill_kernel[(num_tiles, num_q_heads)](
+            q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
+            layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *layout.strides(kv_pool), block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles,
+            PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+            DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
+
+    launch_fitting(launch, configs, ("prefill", q.device, head_dim, q.dtype))
     return out

@@ -19,7 +19,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, 
     v_cache[blocks, offsets] = value[valid].to(kv_pool.dtype)
 
 
-@jit
+@jit(do_not_specialize=("layer",))
 def _store_kv_kernel(key_ptr, value_ptr, pool_ptr, slot_ptr, layer,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph,

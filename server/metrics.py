@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.messages import EngineStats, FinishReason
@@ -42,10 +42,32 @@ class EngineCollector(Collector):
             "steps": GaugeMetricFamily("pdserve_actor_steps", "Steps the actor has run", labels=["actor"]),
             "alive": GaugeMetricFamily("pdserve_actor_alive", "1 while the actor's loop runs", labels=["actor"]),
         }
+        counters = {
+            "prefix_cache_queries": CounterMetricFamily("pdserve_prefix_cache_queries", "Prompt tokens looked up "
+                                                        "in the prefix cache", labels=["actor"]),
+            "prefix_cache_hits": CounterMetricFamily("pdserve_prefix_cache_hits", "Prompt tokens found in the "
+                                                     "prefix cache", labels=["actor"]),
+        }
+        counters["lent_steps"] = CounterMetricFamily("pdserve_lent_steps", "Steps an actor ran with cores "
+                                                     "borrowed from the other actor", labels=["actor"])
         for actor in stats.actors:
-            for name, family in families.items():
+            for name, family in {**families, **counters}.items():
                 family.add_metric([actor.name], float(getattr(actor, name)))
         yield from families.values()
+        yield from counters.values()
+        yield from EngineCollector._placement(stats)
+
+    @staticmethod
+    def _placement(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        prefills = CounterMetricFamily("pdserve_prefills", "Prompts placed by adaptive mode", labels=["placement"])
+        prefills.add_metric(["local"], float(sum(a.local_prefills for a in stats.actors)))
+        prefills.add_metric(["remote"], float(sum(a.remote_prefills for a in stats.actors)))
+        roles = GaugeMetricFamily("pdserve_actor_role", "1 for what each actor's compute does now",
+                                  labels=["actor", "role"])
+        for actor in stats.actors:
+            roles.add_metric([actor.name, actor.role], 1.0)
+        yield prefills
+        yield roles
 
 
 class Metrics:

@@ -148,7 +148,7 @@ def test_env_forces_a_path(monkeypatch):
     assert not kernels.use_triton(x)
 
 
-def test_import_without_triton_uses_reference():
+def test_import_without_triton_uses_reference_unless_triton_is_forced():
     script = ("import sys; sys.modules['triton'] = None\n"
               "import torch, kernels\n"
               "assert not kernels.HAS_TRITON\n"
@@ -156,7 +156,9 @@ def test_import_without_triton_uses_reference():
               "out = kernels.rms_norm(x, torch.ones(16), 1e-6)\n"
               "assert out.shape == (4, 16)\n"
               "print('ok')\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env={"PDSERVE_KERNELS": "triton", "PYTHONPATH": "."}, timeout=120,
-                            cwd=Path(__file__).resolve().parents[1])
-    assert result.stdout.strip() == "ok", result.stderr
+    results = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env={"PYTHONPATH": ".", **forced}, timeout=120, cwd=Path(__file__).resolve().parents[1])
+               for forced in ({}, {"PDSERVE_KERNELS": "triton"})]
+    assert results[0].stdout.strip() == "ok", results[0].stderr
+    assert results[1].returncode != 0 and "KernelBackendError: PDSERVE_KERNELS=triton: Triton is not importable" \
+        in results[1].stderr

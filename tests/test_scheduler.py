@@ -164,3 +164,17 @@ def test_random_adds_and_removes_keep_order_and_counts():
         assert len(scheduler) == len(live)
     expected = sorted(live.values(), key=lambda s: (-s.priority, int(s.request_id[1:])))
     assert list(scheduler.schedule()) == expected
+
+
+def test_admitted_prompts_keep_their_chunks_while_admission_is_refused():
+    refused = set()
+    scheduler = PrefillScheduler(BlockManager(100, 16), max_prefill_tokens=16, max_num_seqs=8,
+                                 reserve=lambda s: s.request_id not in refused)
+    scheduler.add(seq("long", 60))
+    assert [(c.seq.request_id, c.num_tokens) for c in scheduler.schedule()] == [("long", 16)]
+    refused.add("blocked")
+    scheduler.add(seq("blocked", 4, priority=1))        # first in line, but cannot be admitted now
+    steps = [[c.seq.request_id for c in scheduler.schedule()] for _ in range(3)]
+    assert steps == [["long"], ["long"], ["long"]]     # was: nothing, forever
+    refused.clear()
+    assert [c.seq.request_id for c in scheduler.schedule()] == ["blocked"]

@@ -226,3 +226,17 @@ def test_serve_does_not_import_the_benchmark_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(cli.__file__))).stdout
     assert out.strip() == "[]"
+
+
+def test_adaptive_placement_and_lending_are_exported():
+    from server.metrics import Metrics
+
+    stats = EngineStats((ActorStats("prefill", 0, 1, 2, 10, 3, 0.0, role="lent", lent_steps=4),
+                         ActorStats("decode", 1, 0, 2, 10, 3, 0.0, role="decode", local_prefills=5,
+                                    remote_prefills=2)), 1, 1)
+    text = Metrics(lambda: stats, lambda: []).render().decode()
+    for line in ('pdserve_prefills_total{placement="local"} 5.0', 'pdserve_prefills_total{placement="remote"} 2.0',
+                 'pdserve_lent_steps_total{actor="prefill"} 4.0', 'pdserve_actor_role{actor="prefill",role="lent"} 1.0',
+                 'pdserve_actor_role{actor="decode",role="decode"} 1.0',
+                 'pdserve_prefix_cache_hits_total{actor="decode"} 0.0'):
+        assert line in text

@@ -24,6 +24,7 @@ from engine.actors.planner import StepPlanner
 from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
 from engine.core.messages import ActorStats, FinishReason, StepOutput
+from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step import StepResult
@@ -51,12 +52,12 @@ class Actor(abc.ABC):
 
     name = "actor"
 
-    def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit,
-                 cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (),
+                 overlap: bool = False, prefix_caching: bool = False) -> None:
         self.runner = runner
         self.device = runner.device
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_caching=prefix_caching)
         self.emit = emit
         self.cpu_cores = cpu_cores
         self.pipeline_depth = 2 if overlap else 1
@@ -65,6 +66,8 @@ class Actor(abc.ABC):
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
         self.completed_step = -1
+        self.lent_steps = 0              # steps run with cores borrowed from the other actor
+        self.local_prefills = self.remote_prefills = 0     # placement decisions (adaptive mode)
         self._next_step = 0
         self._in_flight: deque[InFlight] = deque()
         self._mailbox: deque = deque()
@@ -148,8 +151,8 @@ class Actor(abc.ABC):
         self._next_step += 1
         for seq in batch.sequences():
             seq.last_step = step_id
-        work = self.prepare(batch)
-        future = loop.run_in_executor(self._executor, self.execute, work)
+        work, threads = self.prepare(batch), self.step_threads()
+        future = loop.run_in_executor(self._executor, self._run_step, work, threads)
         self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
         self.step_seconds += time.perf_counter() - started
         return True
@@ -157,13 +160,15 @@ class Actor(abc.ABC):
     async def _complete_oldest(self) -> StepOutput | None:
         step = self._in_flight[0]
         try:
-            result = await step.future
+            result, seconds, threads = await step.future
         except Exception as e:                     # a failed step fails its sequences, not the actor
             logger.exception("%s step failed", self.name)
             self._step_done(step)
             return self.fail(step.batch, f"{type(e).__name__}: {e}")
         self._step_done(step)
         started = time.perf_counter()
+        self.observe_step(step.batch, seconds, threads)
+        self.cache_landed(step.batch)
         output = self.record(step.batch, result)
         self.steps += 1
         self.step_seconds += time.perf_counter() - started
@@ -206,6 +211,20 @@ class Actor(abc.ABC):
         """Run one step on the device (compute thread)."""
         return self.runner.execute(work)
 
+    def _run_step(self, work, threads: int | None):
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        result = self.execute(work)
+        return result, time.perf_counter() - started, torch.get_num_threads()
+
+    def step_threads(self) -> int | None:
+        """CPU threads for the next step (None: keep the compute thread's own); lending overrides it."""
+        return None
+
+    def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
+        """A finished step's compute time (the cost model of adaptive placement listens here)."""
+
     def _init_thread(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -215,9 +234,20 @@ class Actor(abc.ABC):
             torch.set_num_threads(len(self.cpu_cores))
 
     # bookkeeping shared by the actors
+    def cache_landed(self, batch: Batch) -> None:
+        """Register in the prefix cache the blocks this finished step filled (their KV now exists)."""
+        if not self.blocks.enable_caching:
+            return
+        size = self.blocks.block_size
+        for seq, landed in batch.landed():
+            full = landed // size
+            if not seq.done and full > seq.num_registered_blocks:
+                self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size), seq.num_registered_blocks)
+                seq.num_registered_blocks = full
+
     def record_tokens(self, seqs: Seq[Sequence], result: StepResult) -> tuple[StepOutput, Recorded]:
         """Append each live sequence's sampled token; the output to publish and who finished why."""
-        ids, tokens, reasons, logprobs, recorded = [], [], [], [], []
+        ids, tokens, reasons, logprobs, cached, recorded = [], [], [], [], [], []
         eos, limit, all_logprobs = self.runner.eos_token_ids, self.max_model_len, result.logprobs
         for i, seq in enumerate(seqs):
             if seq.done:                           # left while the step ran: its token is dropped
@@ -230,8 +260,10 @@ class Actor(abc.ABC):
             tokens.append(token)
             reasons.append(reason)
             logprobs.append(all_logprobs[i] if all_logprobs else None)
+            cached.append(seq.num_cached_tokens)
             recorded.append((seq, reason))
-        output = StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if all_logprobs else None)
+        output = StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if all_logprobs else None,
+                            cached_tokens=tuple(cached) if any(cached) else None)
         return output, recorded
 
     def leave(self, seq: Sequence) -> None:
@@ -252,9 +284,22 @@ class Actor(abc.ABC):
 
     def stats(self) -> ActorStats:
         running, waiting = self.queue_lengths()
-        return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=self.blocks.num_used,
-                          kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
-                          last_step_time=self.last_step_time, alive=self.alive)
+        b = self.blocks
+        return ActorStats(self.name, running=running, waiting=waiting, kv_blocks_used=b.num_used,
+                          kv_blocks_total=b.num_blocks, steps=self.steps, last_step_time=self.last_step_time,
+                          alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
+                          role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
+                          remote_prefills=self.remote_prefills)
+
+    def role(self) -> str:
+        """What this actor's compute does now (adaptive mode lends it; the fixed modes keep their role)."""
+        return self.name
+
+    @property
+    def busy(self) -> bool:
+        """Has sequences to run or a step in flight."""
+        running, waiting = self.queue_lengths()
+        return bool(running or waiting or self._in_flight)
 
     # subclass interface
     @abc.abstractmethod

@@ -2,16 +2,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.actors.base import Actor, Emit
 from engine.core.admission import can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, KVHandoff, Preempted, StepOutput
+from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step import StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Decode blocks reserved for a sequence being prefilled; the first `num_cached` were cached here."""
+
+    blocks: tuple[int, ...]
+    num_cached: int
 
 
 class DecodeActor(Actor):
@@ -20,8 +30,9 @@ class DecodeActor(Actor):
     name = "decode"
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores, overlap)
+                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (), overlap: bool = False,
+                 prefix_caching: bool = False) -> None:
+        super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,
@@ -30,11 +41,18 @@ class DecodeActor(Actor):
         self.send_to_prefill: Callable[[object], None] = lambda message: None
         self.on_blocks_freed: Callable[[], None] = lambda: None
 
-    def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
-        """Blocks for a sequence about to be prefilled, or None (back-pressure) above the watermark."""
-        if not can_admit(self.blocks, request_id, num_tokens, self.max_num_seqs, self.kv_watermark):
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Blocks for a sequence about to be prefilled elsewhere, or None (back-pressure) above the watermark.
+
+        Its prefix already cached here is shared, and only the blocks after it need to be copied in.
+        """
+        size, held = self.blocks.block_size, seq.num_tokens
+        hashes = extend_hashes(seq, held, size) if self.blocks.enable_caching else []
+        hits = self.blocks.match(hashes)
+        if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits):
             return None
-        return tuple(self.blocks.grow(request_id, num_tokens))
+        self.blocks.count_lookup(held, len(hits) * size)
+        return Reservation(tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits)), len(hits))
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that was never handed off (no step of this actor has used it)."""
@@ -44,7 +62,8 @@ class DecodeActor(Actor):
     def handle(self, message) -> None:
         if isinstance(message, KVHandoff):
             seq = Sequence(message.request, list(message.output_token_ids), message.num_computed_tokens,
-                           self.blocks.table(message.request.request_id))
+                           self.blocks.table(message.request.request_id), block_hashes=list(message.block_hashes),
+                           num_cached_tokens=message.num_cached_tokens)
             self.landing.append((seq, message.transfers))
         elif isinstance(message, Abort):
             self._abort(message.request_id)
@@ -60,7 +79,7 @@ class DecodeActor(Actor):
     def schedule(self) -> Batch | None:
         self._admit_landed()
         decode = self.scheduler.schedule()
-        return Batch(decode=decode) if decode else None
+        return Batch.of(decode) if decode else None
 
     def _admit_landed(self) -> None:
         waiting = []
@@ -70,8 +89,16 @@ class DecodeActor(Actor):
             elif seq.aborted:
                 self.release(seq.request_id)
             else:
+                self._cache_arrived(seq)
                 self.scheduler.add(seq)
         self.landing = waiting
+
+    def _cache_arrived(self, seq: Sequence) -> None:
+        """The copied blocks hold this sequence's KV now: the full ones join the prefix cache."""
+        size = self.blocks.block_size
+        full = seq.num_computed_tokens // size
+        self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size))
+        seq.num_registered_blocks = full
 
     def record(self, batch: Batch, result: StepResult) -> StepOutput:
         output, recorded = self.record_tokens(batch.decode, result)

@@ -29,7 +29,7 @@ class StepPlanner:
         freed, self._freed = tuple(self._freed), []
         decode = batch.decode
         return StepInput(freed, tuple(new_rows), tuple(appends), tuple([s.row for s in decode]),
-                         tuple([s.num_computed_tokens - 1 for s in decode]),
+                         batch.decode_positions or tuple([s.num_computed_tokens - 1 for s in decode]),
                          tuple(ChunkInput(c.seq.row, c.start, c.num_tokens, c.sample) for c in batch.chunks))
 
     def _new_row(self, seq: Sequence) -> NewRow:

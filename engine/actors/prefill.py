@@ -23,6 +23,7 @@ class Outgoing:
 
     seq: Sequence
     decode_blocks: tuple[int, ...]
+    decode_cached: int              # leading decode blocks the decode pool already held: not copied
     transfers: list = field(default_factory=list)
     handed_off: bool = False        # the decode actor owns the reservation now
 
@@ -42,8 +43,8 @@ class PrefillActor(Actor):
 
     def __init__(self, runner: ModelRunner, decode: DecodeActor, transfer: KVTransfer,
                  config: SchedulerConfig, max_model_len: int, emit: Emit,
-                 cpu_cores: tuple[int, ...] = (), overlap: bool = False) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores, overlap)
+                 cpu_cores: tuple[int, ...] = (), overlap: bool = False, prefix_caching: bool = False) -> None:
+        super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
         self.decode = decode
         self.transfer = transfer
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
@@ -69,29 +70,31 @@ class PrefillActor(Actor):
         return self.scheduler.find(request_id)
 
     def _reserve_decode_blocks(self, seq: Sequence) -> bool:
-        decode_blocks = self.decode.reserve(seq.request_id, seq.num_tokens + 1)
-        if decode_blocks is None:
+        reservation = self.decode.reserve(seq)
+        if reservation is None:
             return False
-        self.outgoing[seq.request_id] = Outgoing(seq, decode_blocks)
+        self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached)
         return True
 
     def schedule(self) -> Batch | None:
         self._retire_landed()
         chunks = self.scheduler.schedule()
-        return Batch(chunks=chunks) if chunks else None
+        return Batch.of(chunks=chunks) if chunks else None
 
     def prepare(self, batch: Batch) -> tuple[StepInput, tuple[BlockCopy, ...]]:
         copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)
         return self.plan.step_input(batch), copies
 
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
-        """The blocks this chunk completes (the partial last one too, after the last chunk)."""
+        """The blocks this chunk completes (the partial last one too, after the last chunk) that the
+        decode pool does not hold yet; the first chunk also sends the prefix found in this pool's cache."""
         size = self.runner.block_size
-        first = chunk.start // size
+        out = self.outgoing[chunk.seq.request_id]
+        start = 0 if chunk.start == chunk.seq.num_cached_tokens else chunk.start   # the first chunk sends the hits too
+        first = max(start // size, out.decode_cached)
         last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
         if last <= first:
             return None
-        out = self.outgoing[chunk.seq.request_id]
         return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last])
 
     def execute(self, work: tuple[StepInput, tuple[BlockCopy, ...]]):
@@ -111,7 +114,7 @@ class PrefillActor(Actor):
             out = self.outgoing[seq.request_id]
             if reason is None:
                 self.decode.send(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
-                                           tuple(out.transfers)))
+                                           tuple(out.transfers), tuple(seq.block_hashes), seq.num_cached_tokens))
                 out.handed_off = True
             self._finish(seq)
         self._retire_landed()

@@ -28,8 +28,19 @@ class Batch:
     position is its `num_computed_tokens` before the step was scheduled.
     """
 
+    @classmethod
+    def of(cls, decode: tuple[Sequence, ...] = (), chunks: tuple[ScheduledChunk, ...] = ()) -> "Batch":
+        """A batch of sequences just scheduled: decode positions read off `num_computed_tokens`."""
+        return cls(decode, chunks, tuple([s.num_computed_tokens - 1 for s in decode]))
+
+    def landed(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens whose KV exists once this step has run), for every sequence in it."""
+        return ([(s, p + 1) for s, p in zip(self.decode, self.decode_positions)]
+                + [(c.seq, c.stop) for c in self.chunks])
+
     decode: tuple[Sequence, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
+    decode_positions: tuple[int, ...] = ()      # the position each decode sequence computes
 
     @property
     def is_decode(self) -> bool:

@@ -1,7 +1,8 @@
-"""Paged KV bookkeeping in pure integers: free list, reference counts, per-sequence block tables."""
+"""Paged KV bookkeeping in pure integers: free list, reference counts, block tables, prefix cache."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class NoFreeBlocks(RuntimeError):
@@ -15,19 +16,29 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Owns the block ids of one KV pool. Never touches tensors.
 
-    Invariant: every block id is either on the free list (ref count 0) or held
-    by one or more sequences' tables (ref count = number of holders), a table
-    released with `free_after` counting as a holder until its fence is released.
+    Invariant: every block id is either on the free list (ref count 0) or held by one or more
+    sequences' tables (ref count = number of holders), a table released with `free_after`
+    counting as a holder until its fence is released.
+
+    Prefix cache (`enable_caching`): a full block whose KV is computed can be registered under
+    its hash; a new sequence takes the longest run of registered blocks matching its own hashes
+    (sharing them: ref count + 1). A registered block keeps its hash on the free list, which is
+    least-recently-used first: it stays reusable until it is handed out for new tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # first out first
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._deferred: dict[int, list[list[int]]] = {}     # fence -> tables released once it passes
         self.num_deferred = 0
+        self._cached: dict[bytes, int] = {}                 # hash -> block
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self.prefix_queries = 0                             # tokens looked up at admission
+        self.prefix_hits = 0                                # of which found in the cache
 
     @property
     def num_free(self) -> int:
@@ -36,6 +47,10 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def usage_after(self, extra_blocks: int) -> float:
         return (self.num_used + extra_blocks) / max(self.num_blocks, 1)
@@ -50,29 +65,79 @@ class BlockManager:
     def holds(self, seq_id: str) -> bool:
         return seq_id in self._tables
 
-    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """Blocks to add so that `seq_id` can hold `num_tokens` tokens."""
-        held = len(self._tables.get(seq_id, ()))
-        return max(blocks_for(num_tokens, self.block_size) - held, 0)
+    def blocks_needed(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> int:
+        """Free blocks that growing `seq_id` to `num_tokens` tokens takes (sharing `prefix` first)."""
+        held = len(self._tables.get(seq_id, ())) or len(prefix)
+        idle_hits = sum(1 for block in prefix if self._ref_counts[block] == 0)
+        return max(blocks_for(num_tokens, self.block_size) - held, 0) + idle_hits
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free
 
-    def grow(self, seq_id: str, num_tokens: int) -> list[int]:
+    def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
         """Extend (or create) the table of `seq_id` to cover `num_tokens` tokens; returns the table.
 
-        Raises NoFreeBlocks, changing nothing, when there are not enough free blocks.
+        A new table starts with the cached blocks `prefix` (from `match`). Raises NoFreeBlocks,
+        changing nothing, when there are not enough free blocks.
         """
-        needed = self.blocks_needed(seq_id, num_tokens)
+        if seq_id in self._tables:
+            prefix = ()
+        needed = self.blocks_needed(seq_id, num_tokens, prefix)
         if needed > len(self._free):
             raise NoFreeBlocks(f"need {needed} blocks, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
-        for _ in range(needed):
-            block = self._free.popleft()
-            self._ref_counts[block] = 1
+        for block in prefix:
+            self._share(block)
             table.append(block)
+        while len(table) < blocks_for(num_tokens, self.block_size):
+            table.append(self._take_free())
         return table
 
+    def _share(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        stale = self._hash_of[block]
+        if stale is not None:                                # evicted: its KV is about to be overwritten
+            del self._cached[stale]
+            self._hash_of[block] = None
+        self._ref_counts[block] = 1
+        return block
+
+    # prefix cache
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (block i holds hash i)."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for digest in hashes:
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def register(self, seq_id: str, hashes: Sequence[bytes], start: int = 0) -> None:
+        """Register blocks start .. len(hashes) - 1 of `seq_id`'s table (full, KV computed) under `hashes`."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        for index in range(start, min(len(hashes), len(table))):
+            block, digest = table[index], hashes[index]
+            if self._hash_of[block] is None and digest not in self._cached:
+                self._cached[digest] = block
+                self._hash_of[block] = digest
+
+    def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
+
+    # release
     def free(self, seq_id: str) -> int:
         """Release every block of `seq_id`; a second call is a no-op. Returns the number released."""
         table = self._tables.pop(seq_id, None)
@@ -102,10 +167,12 @@ class BlockManager:
         return released
 
     def _release(self, table: list[int]) -> int:
-        for block in reversed(table):
+        for block in reversed(table):                        # NOTE: a table's tail is evicted before its head
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.appendleft(block)
+                self._free[block] = None
+                if self._hash_of[block] is None:             # nothing worth keeping: handed out first
+                    self._free.move_to_end(block, last=False)
         return len(table)
 
     def check_consistency(self) -> None:
@@ -116,8 +183,8 @@ class BlockManager:
         for table in [*self._tables.values(), *deferred]:
             for block in table:
                 held[block] = held.get(block, 0) + 1
-        free = set(self._free)
-        assert len(free) == len(self._free), "free list has duplicates"
         for block in range(self.num_blocks):
             assert self._ref_counts[block] == held.get(block, 0), f"block {block} ref count"
-            assert (block in held) != (block in free), f"block {block} both free and held"
+            assert (block in held) != (block in self._free), f"block {block} both free and held"
+        for digest, block in self._cached.items():
+            assert self._hash_of[block] == digest, f"block {block} hash map"

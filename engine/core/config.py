@@ -7,9 +7,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: str | None = None   # bytes ("2GiB") or a fraction of free device memory; None:
-    #                                      2GiB per CPU, 0.8 of each GPU's free memory
+    kv_cache_memory: str | None = None   # bytes ("2GiB"), or a fraction of the memory free at start-up
+    #                                      (CUDA: weights, activations, graphs and KV together); None:
+    #                                      2GiB per CPU, 0.8 of each GPU's
     kv_watermark: float = 0.9
+    enable_prefix_caching: bool = True   # share the KV of identical prompt prefixes (full blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,3 +20,4 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queue: int = 1024
+    itl_target_ms: float | None = None   # adaptive mode's decode step target; None: twice the decode-only step

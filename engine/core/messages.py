@@ -47,6 +47,7 @@ class StepOutput:
     finish_reasons: tuple[FinishReason | None, ...]
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None
+    cached_tokens: tuple[int, ...] | None = None     # prompt tokens found in the prefix cache; None: all 0
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -94,6 +95,8 @@ class KVHandoff:
     num_computed_tokens: int
     output_token_ids: tuple[int, ...]
     transfers: tuple = ()          # engine.transfer.base.TransferHandle, one per started copy
+    block_hashes: tuple[bytes, ...] = ()   # prefix-cache hashes of its full blocks
+    num_cached_tokens: int = 0     # prompt tokens the prefill actor found in its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,12 @@ class ActorStats:
     steps: int
     last_step_time: float      # time.monotonic() at the end of the newest step; 0.0 before the first
     alive: bool = True
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0      # of which found there
+    role: str = ""                  # what its compute does now: prefill, decode, colocated, lent, idle
+    lent_steps: int = 0             # steps run with cores borrowed from the other actor
+    local_prefills: int = 0         # prompts this actor placed on itself (adaptive mode)
+    remote_prefills: int = 0        # and on the prefill actor
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,9 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from engine.core.admission import can_admit
-from engine.core.batch import ScheduledChunk
+from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
 
 ReserveHook = Callable[[Sequence], bool]
@@ -21,53 +22,70 @@ class PrefillScheduler:
     """Priority, then arrival; long prompts run in chunks of at most `max_prefill_tokens`.
 
     A sequence that got a chunk goes to the back of its priority class, so a short prompt
-    arriving during a long one runs between two of its chunks. `reserve` is asked before a
-    sequence is first admitted (the decode side's blocks in disaggregated mode); when it says
-    no, admission stops this step. A sequence whose last chunk is scheduled leaves the queue.
+    arriving during a long one runs between two of its chunks. A sequence is admitted when it
+    fits the pool (the cached prefix shared, at most `pool_max_seqs` sequences, `watermark`) and
+    `reserve` agrees (the decode side's blocks in disaggregated mode); when admission fails, no
+    later arrival is admitted this step (back-pressure keeps arrival order), but sequences
+    already admitted keep getting chunks. A sequence whose last chunk is scheduled leaves.
     """
 
     def __init__(self, blocks: BlockManager, max_prefill_tokens: int, max_num_seqs: int,
-                 reserve: ReserveHook | None = None) -> None:
+                 reserve: ReserveHook | None = None, pool_max_seqs: int | None = None,
+                 watermark: float = 1.0) -> None:
         self.blocks = blocks
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_seqs = max_num_seqs
         self.reserve = reserve
-        self._heap: list[tuple[int, int, Sequence]] = []
-        self._queued: dict[str, Sequence] = {}            # NOTE: heap entries not in here are stale
+        self.pool_max_seqs = pool_max_seqs
+        self.watermark = watermark
+        self._waiting: list[tuple[int, int, Sequence]] = []    # not admitted yet
+        self._running: list[tuple[int, int, Sequence]] = []    # admitted, more chunks to go
+        self._queued: dict[str, Sequence] = {}                 # NOTE: heap entries not in here are stale
         self._turn = itertools.count()
-        self._admitted: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._queued)
 
     def add(self, seq: Sequence) -> None:
         self._queued[seq.request_id] = seq
-        heapq.heappush(self._heap, (-seq.priority, next(self._turn), seq))
+        heapq.heappush(self._waiting, (-seq.priority, next(self._turn), seq))
 
     def sequences(self) -> Iterator[Sequence]:
         return iter(list(self._queued.values()))
 
     def schedule(self, token_budget: int | None = None) -> tuple[ScheduledChunk, ...]:
         budget = self.max_prefill_tokens if token_budget is None else token_budget
-        chunks, deferred = [], []
-        while self._heap and budget > 0 and len(chunks) < self.max_num_seqs:
-            seq = self._heap[0][2]
-            if self._queued.get(seq.request_id) is not seq:
-                heapq.heappop(self._heap)
-                continue
-            if seq.request_id not in self._admitted and not self._admit(seq):
+        chunks, requeue, admitting = [], [], True
+        while budget > 0 and len(chunks) < self.max_num_seqs:
+            heap = self._next_heap(admitting)
+            if heap is None:
                 break
-            heapq.heappop(self._heap)
+            entry = heapq.heappop(heap)
+            seq = entry[2]
+            if heap is self._waiting and not self._admit(seq):
+                heapq.heappush(heap, entry)                      # NOTE: keeps its place in line
+                admitting = False
+                continue
             chunk = self._take_chunk(seq, budget)
             chunks.append(chunk)
             budget -= chunk.num_tokens
             if chunk.sample:
                 self.remove(seq)
             else:
-                deferred.append(seq)
-        for seq in deferred:
-            heapq.heappush(self._heap, (-seq.priority, next(self._turn), seq))
+                requeue.append(seq)
+        for seq in requeue:
+            heapq.heappush(self._running, (-seq.priority, next(self._turn), seq))
         return tuple(chunks)
+
+    def _next_heap(self, admitting: bool) -> list | None:
+        """The heap whose first live entry comes next (waiting ones only while admitting)."""
+        heaps = [h for h in ((self._running, self._waiting) if admitting else (self._running,)) if self._top(h)]
+        return min(heaps, key=lambda h: h[0][:2], default=None)
+
+    def _top(self, heap: list) -> bool:
+        while heap and self._queued.get(heap[0][2].request_id) is not heap[0][2]:
+            heapq.heappop(heap)
+        return bool(heap)
 
     @staticmethod
     def _take_chunk(seq: Sequence, budget: int) -> ScheduledChunk:
@@ -79,19 +97,24 @@ class PrefillScheduler:
         return chunk
 
     def _admit(self, seq: Sequence) -> bool:
-        if not can_admit(self.blocks, seq.request_id, seq.num_tokens):
+        """Take blocks for `seq` (its cached prefix shared): its KV starts after the prefix."""
+        blocks, size = self.blocks, self.blocks.block_size
+        hashes = extend_hashes(seq, seq.num_tokens, size) if blocks.enable_caching else []
+        hits = blocks.match(hashes[:(seq.num_tokens - 1) // size])     # NOTE: the last token is always computed
+        if not can_admit(blocks, seq.request_id, seq.num_tokens + 1, self.pool_max_seqs, self.watermark, hits):
             return False
         if self.reserve is not None and not self.reserve(seq):
             return False
-        seq.block_table = self.blocks.grow(seq.request_id, seq.num_tokens)
-        self._admitted.add(seq.request_id)
+        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens, prefix=hits)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * size
+        seq.num_registered_blocks = len(hits)
+        blocks.count_lookup(seq.num_tokens, seq.num_cached_tokens)
         return True
 
     def remove(self, seq: Sequence) -> None:
         """Forget `seq` (prefilled, aborted or failed). Its blocks are the caller's to free."""
         if self._queued.get(seq.request_id) is seq:
             del self._queued[seq.request_id]
-        self._admitted.discard(seq.request_id)
 
     def find(self, request_id: str) -> Sequence | None:
         return self._queued.get(request_id)
@@ -188,3 +211,16 @@ class DecodeScheduler:
 
     def find(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
+
+
+def mixed_batch(decode: DecodeScheduler, prefill: PrefillScheduler,
+                prefill_budget: Callable[[int], int]) -> Batch | None:
+    """One step on one pool: every running sequence decodes, then prefill chunks of up to
+    `prefill_budget(decode rows)` tokens. A sequence whose last chunk is scheduled joins the decode
+    side at once (it decodes from the next step)."""
+    running = decode.schedule()
+    chunks = prefill.schedule(prefill_budget(len(running)))
+    for chunk in chunks:
+        if chunk.sample:
+            decode.add(chunk.seq)
+    return Batch.of(running, chunks) if running or chunks else None

@@ -28,6 +28,9 @@ class Sequence:
     num_in_flight: int = 0
     last_step: int = -1              # id of the newest step that scheduled it
     done: bool = False               # left this actor (finished, aborted, failed, preempted)
+    block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks (prefix caching)
+    num_registered_blocks: int = 0   # of its blocks registered in the prefix cache
+    num_cached_tokens: int = 0       # prompt tokens found in the prefix cache at admission
 
     @property
     def request_id(self) -> str:

@@ -98,5 +98,6 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()     # logits: [S, V] fp32
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()  # logits: [S, V] fp32
+        return self.lm_head(hidden).float()

@@ -1,6 +1,11 @@
-"""The "cupy-p2p" KV transfer backend: cudaMemcpyPeerAsync per coalesced block run."""
+"""The "cupy-p2p" KV transfer backend: cudaMemcpyPeerAsync per coalesced block run.
+
+A peer copy that fails at run time does not fail its request: the backend logs a warning once and
+copies through pinned host memory (`engine.transfer.staged`) from then on.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -13,8 +18,14 @@ from engine.transfer.base import (
     coalesce_runs,
     timing_events,
 )
+from engine.transfer.staged import StagedTransfer
 
+logger = logging.getLogger(__name__)
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+class PeerAccessUnavailable(TransferUnavailable):
+    """CuPy and CUDA work, but the two devices cannot (or may not) access each other's memory."""
 
 
 class CupyP2PTransfer:
@@ -31,6 +42,7 @@ class CupyP2PTransfer:
         self._runtime = runtime   # cupy.cuda.runtime
         self._src, self._dst = src_device, dst_device
         self._stream = torch.cuda.Stream(device=src_device)
+        self._fallback: StagedTransfer | None = None
 
     def copy_blocks(
         self,
@@ -41,17 +53,30 @@ class CupyP2PTransfer:
     ) -> TransferHandle:
         check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
         self._check_pools(src_pool, dst_pool)
+        if self._fallback is not None:
+            return self._fallback.copy_blocks(src_pool, dst_pool, src_block_ids, dst_block_ids)
         runs = coalesce_runs(src_block_ids, dst_block_ids)
         nbytes = len(src_block_ids) * block_nbytes(src_pool)
         if not runs:
             return TransferHandle.finished(0, 0.0)
         self._stream.wait_stream(torch.cuda.current_stream(self._src))
         start, end = timing_events()
-        with torch.cuda.device(self._src):
-            start.record(self._stream)
-            self._memcpy_runs(src_pool, dst_pool, runs)
-            end.record(self._stream)
+        try:
+            with torch.cuda.device(self._src):
+                start.record(self._stream)
+                self._memcpy_runs(src_pool, dst_pool, runs)
+                end.record(self._stream)
+        except self._runtime.CUDARuntimeError as exc:
+            return self._fall_back(exc).copy_blocks(src_pool, dst_pool, src_block_ids, dst_block_ids)
         return TransferHandle.pending(nbytes, start, end)
+
+    def _fall_back(self, exc: BaseException) -> StagedTransfer:
+        logger.warning("cupy-p2p %s -> %s failed (%s); copying KV blocks through pinned host memory from now on",
+                       self._src, self._dst, _describe(exc))
+        # NOTE: the staged copy waits on the current stream, so it lands after any peer copy already queued
+        torch.cuda.current_stream(self._src).wait_stream(self._stream)
+        self._fallback = StagedTransfer(self._src, self._dst)
+        return self._fallback
 
     def _memcpy_runs(self, src_pool, dst_pool, runs) -> None:
         stride = block_nbytes(src_pool)   # bytes per block, both pools (same geometry, contiguous)
@@ -75,7 +100,8 @@ class CupyP2PTransfer:
 def make_cupy_p2p(src: torch.device, dst: torch.device) -> CupyP2PTransfer:
     """Check CuPy, CUDA and peer access, enable peer access both ways where possible, build the backend.
 
-    Raises TransferUnavailable saying why when any of them is missing.
+    Raises TransferUnavailable saying why when any of them is missing (PeerAccessUnavailable when
+    only peer access is).
     """
     if src.type != "cuda" or dst.type != "cuda":
         raise TransferUnavailable(f"cupy-p2p needs two different CUDA devices, got {src} and {dst}")
@@ -114,7 +140,7 @@ def enable_peer_access(runtime, device: int, peer: int) -> None:
         # NOTE: cupy-cuda12x links cudart statically, so this stale "last error" never reaches torch's.
         if exc.status != PEER_ACCESS_ALREADY_ENABLED:
             reason = f"cannot enable peer access cuda:{device} -> cuda:{peer}: {_describe(exc)}"
-            raise TransferUnavailable(reason) from exc
+            raise PeerAccessUnavailable(reason) from exc
     finally:
         runtime.setDevice(previous)
 
@@ -131,7 +157,7 @@ def _check_peers(runtime, src: torch.device, dst: torch.device) -> None:
     if src == dst:
         raise TransferUnavailable(f"cupy-p2p needs two different CUDA devices, got {src} and {dst}")
     if not runtime.deviceCanAccessPeer(src.index, dst.index):
-        raise TransferUnavailable(f"devices {src} and {dst} cannot access each other as peers")
+        raise PeerAccessUnavailable(f"devices {src} and {dst} cannot access each other as peers")
 
 
 def _describe(exc: BaseException) -> str:

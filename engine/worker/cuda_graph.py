@@ -1,7 +1,9 @@
 """CUDA graphs for decode steps: one captured graph per batch-size bucket, sharing one memory pool.
 
 The graphs read their inputs from one InputBuffers of their own (the largest bucket, full table
-width), so a replay needs one host-to-device copy and no copies between device buffers.
+width), so a replay needs one host-to-device copy and no copies between device buffers. Capture
+runs on the pool's own device and on a stream created there (`on_device`): the graphs are built
+on the loader thread, whose current device may be another GPU.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.model.llama import CausalLM
+from engine.worker.device import on_device
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs
 from engine.worker.step import StepInput
@@ -27,19 +30,22 @@ class DecodeGraphs:
     """Replays a captured decode step; a batch is padded to the next bucket with slot -1 and context 0."""
 
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, max_batch: int, max_blocks_per_seq: int) -> None:
+        device = kv_pool.device
         self.model, self.kv_pool = model, kv_pool
         self.buckets = batch_buckets(max_batch)
         size = self.buckets[-1]
         self.width = max_blocks_per_seq
         self.block_size = KVLayout.of(kv_pool).block_size
-        self.buffers = InputBuffers(size, size, max_blocks_per_seq, kv_pool.device)
-        self._pad(0, size)
-        self.buffers.np["logits_indices"][:size] = np.arange(size)
-        self.buffers.upload(size, self.width)
-        self.memory_pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        for bucket in reversed(self.buckets):       # largest first: the others reuse its memory
-            self.graphs[bucket] = self._capture(bucket)
+        with on_device(device):
+            self.buffers = InputBuffers(size, size, max_blocks_per_seq, device)
+            self._pad(0, size)
+            self.buffers.np["logits_indices"][:size] = np.arange(size)
+            self.buffers.upload(size, self.width)
+            self.memory_pool = torch.cuda.graph_pool_handle()
+            self.capture_stream = torch.cuda.Stream(device)
+            for bucket in reversed(self.buckets):       # largest first: the others reuse its memory
+                self.graphs[bucket] = self._capture(bucket)
 
     def _pad(self, start: int, stop: int) -> None:
         b = self.buffers.np
@@ -50,15 +56,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # NOTE: called inside on_device(pool device); every stream here is that device's
         batch = self.buffers.forward_batch(bucket, bucket, bucket, self.width, is_decode=True)
-        side = torch.cuda.Stream(self.kv_pool.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                # warm-up: compile kernels, settle allocations
+        stream = self.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):              # warm-up: compile kernels, settle allocations
             self.model.compute_logits(self.model(batch, self.kv_pool))
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
+        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
             logits = self.model.compute_logits(self.model(batch, self.kv_pool))   # capture
+        torch.cuda.current_stream().wait_stream(stream)
         return graph, logits
 
     def fits(self, num_seqs: int, width: int) -> bool:

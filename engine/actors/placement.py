@@ -1,0 +1,130 @@
+"""Adaptive placement: where a prompt is prefilled, and how much prefill a decode step may carry.
+
+A measured cost model, not a constant, decides. Each compute unit's step time is fit online as
+`fixed + per_decode_row * D + per_prefill_token * P` (one fit per thread count); from it:
+
+- the decode unit's prefill budget per step: the prefill tokens that keep a decode step within the
+  ITL target (`--itl-target-ms`; by default twice the decode-only step), or the full
+  `max_prefill_tokens` when nothing decodes or when the local queue would otherwise take more
+  than a few steps to drain (throughput first once requests pile up, as colocated serving does);
+- per request: prefilled locally when the decode unit is idle or the uncached prompt fits one
+  step's budget, else where its first token comes sooner (local chunks at that budget, or the
+  prefill actor's backlog plus the prompt at its measured rate). Prefix-cache hits on either pool
+  lower that side's cost: a conversation's next turn goes where its history is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BACKLOG_STEPS = 4            # a local queue that needs more steps than this at the ITL budget: throughput mode
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Seconds of one step on one compute unit, fit by exponentially weighted least squares."""
+
+    decay: float = 0.97
+    ridge: float = 1e-3
+    _fits: dict[int, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+
+    def observe(self, threads: int, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        a, b, n = self._fits.get(threads, (np.zeros((3, 3)), np.zeros(3), 0))
+        x = np.array([1.0, decode_rows, prefill_tokens])
+        self._fits[threads] = (self.decay * a + np.outer(x, x), self.decay * b + seconds * x, n + 1)
+
+    def coefficients(self, threads: int) -> np.ndarray | None:
+        """(fixed, per decode row, per prefill token) seconds, or None before three observations."""
+        fit = self._fits.get(threads) or next((f for t, f in sorted(self._fits.items(), reverse=True)), None)
+        if fit is None or fit[2] < 3:
+            return None
+        a, b, _ = fit
+        return np.maximum(np.linalg.solve(a + self.ridge * np.eye(3), b), 0.0)
+
+    def predict(self, threads: int, decode_rows: int, prefill_tokens: int) -> float | None:
+        c = self.coefficients(threads)
+        return None if c is None else float(c @ [1.0, decode_rows, prefill_tokens])
+
+    def seconds_per_prefill_token(self, threads: int) -> float | None:
+        c = self.coefficients(threads)
+        return None if c is None or c[2] <= 0 else float(c[2])
+
+
+@dataclass(frozen=True, slots=True)
+class LoadState:
+    """What a placement decision reads off the two actors."""
+
+    decode_rows: int                 # sequences decoding on the decode unit
+    local_queued_tokens: int         # prompt tokens waiting for a local prefill
+    remote_backlog_tokens: int       # prompt tokens queued on or being prefilled by the prefill actor
+    decode_threads: int
+    prefill_threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    local: bool
+    reason: str
+
+
+class PlacementPolicy:
+    def __init__(self, decode_cost: StepCostModel, prefill_cost: StepCostModel, max_prefill_tokens: int,
+                 itl_target: float | None = None, min_local_chunk: int = 32) -> None:
+        self.decode_cost, self.prefill_cost = decode_cost, prefill_cost
+        self.max_prefill_tokens = max_prefill_tokens
+        self.itl_target = itl_target
+        self.min_local_chunk = min(min_local_chunk, max_prefill_tokens)
+
+    def step_budget(self, state: LoadState) -> int:
+        """Prefill tokens the decode unit's next step may carry."""
+        itl_budget = self._itl_budget(state)
+        if itl_budget is None or state.local_queued_tokens > itl_budget * BACKLOG_STEPS:
+            return self.max_prefill_tokens
+        return itl_budget
+
+    def _itl_budget(self, state: LoadState) -> int | None:
+        """Prefill tokens that keep a decode step within the ITL target; None when nothing limits them."""
+        if state.decode_rows == 0:
+            return None
+        decode_step = self.decode_cost.predict(state.decode_threads, state.decode_rows, 0)
+        per_token = self.decode_cost.seconds_per_prefill_token(state.decode_threads)
+        if decode_step is None or per_token is None:
+            return None
+        target = self.itl_target if self.itl_target is not None else 2.0 * decode_step
+        tokens = int((target - decode_step) / per_token)
+        return max(self.min_local_chunk, min(tokens, self.max_prefill_tokens))
+
+    def place(self, local_tokens: int, remote_tokens: int, state: LoadState) -> Placement:
+        """Where to prefill a prompt needing `local_tokens` here or `remote_tokens` on the prefill actor."""
+        if state.decode_rows == 0:
+            return Placement(True, "nothing decodes: the decode unit prefills at full budget")
+        budget = self._itl_budget(state)
+        if budget is None:
+            return Placement(True, "no step costs measured yet")
+        if local_tokens <= budget:
+            return Placement(True, f"{local_tokens} tokens fit one decode step's budget of {budget}")
+        local, remote = self._local_ttft(local_tokens, budget, state), self._remote_ttft(remote_tokens, state)
+        if remote is None or local <= remote:
+            return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
+        return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
+
+    def _local_ttft(self, tokens: int, budget: int, state: LoadState) -> float:
+        steps = math.ceil((state.local_queued_tokens + tokens) / budget)
+        return steps * self.decode_cost.predict(state.decode_threads, state.decode_rows, budget)
+
+    def _remote_ttft(self, tokens: int, state: LoadState) -> float | None:
+        """The prefill actor's measured rate; before it has run, the decode unit's (same cores, its threads)."""
+        cost = self.prefill_cost if self.prefill_cost.coefficients(state.prefill_threads) is not None \
+            else self.decode_cost
+        per_token = cost.seconds_per_prefill_token(state.prefill_threads)
+        fixed = cost.predict(state.prefill_threads, 0, 0)
+        if per_token is None or fixed is None:
+            return None
+        queued = state.remote_backlog_tokens + tokens
+        return queued * per_token + math.ceil(queued / self.max_prefill_tokens) * fixed
+
+
+def _s(seconds: float | None) -> str:
+    return "unmeasured" if seconds is None else f"{seconds:.2f}s"

@@ -1,0 +1,63 @@
+"""Start-up probe: does the quantized kernel beat the dense matmul on this CPU, and up to what batch?
+
+Self-contained (weights in, decision out) so the machine-defaults probe can call it beside its
+dtype probe. It times one pass over a few layers' copies of one projection (the largest of a
+layer), so the weights stream from memory as in a real step rather than sitting in cache, at
+growing batch sizes, and stops at the first size where the quantized pass is not clearly faster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant_linear import KernelWeight, quant_linear_native
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+WIN_MARGIN = 0.9          # quantized must take at most 90% of the dense time to count as a win
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    max_rows: int                                       # largest batch where quantized won (0: none)
+    timings: tuple[tuple[int, float, float], ...]       # (rows, dense seconds, quantized seconds)
+
+    def describe(self) -> str:
+        return "; ".join(f"batch {rows}: dense {dense * 1e3:.2f} ms, quantized {quant * 1e3:.2f} ms"
+                         for rows, dense, quant in self.timings)
+
+
+def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threads: int,
+                    batch_sizes: tuple[int, ...] = BATCH_SIZES) -> ProbeResult:
+    """Time F.linear over `dense` (weights [N, K] in the serving dtype) against the kernel over
+    `packed` (the same weights quantized), with `threads` threads, at each batch size in turn."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timings, max_rows = [], 0
+        for rows in batch_sizes:
+            x = torch.randn(rows, dense[0].shape[1], dtype=dense[0].dtype)
+            dense_s, quant_s = _best_passes(lambda x=x: [F.linear(x, w) for w in dense],
+                                            lambda x=x: [quant_linear_native(x, w, threads) for w in packed])
+            timings.append((rows, dense_s, quant_s))
+            if quant_s > WIN_MARGIN * dense_s:
+                break
+            max_rows = rows
+        return ProbeResult(max_rows, tuple(timings))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _best_passes(*runs, passes: int = 3) -> list[float]:
+    """The fastest of `passes` timed passes of each run, the runs taking turns (so noise hits all)."""
+    for run in runs:
+        run()                                                # warm-up
+    best = [float("inf")] * len(runs)
+    for _ in range(passes):
+        for i, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best

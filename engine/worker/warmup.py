@@ -1,0 +1,124 @@
+"""Run every kernel variant serving can hit before the server reports ready.
+
+A Triton kernel compiles on its first launch with each new specialization (1-2 s that stall every
+stream); the kernels mark their runtime sizes `do_not_specialize`, so what is left to specialize on
+is the shape class of a step. `warmup_shapes` lists those classes from what the schedulers can build
+(decode at every batch bucket, prefill from one token up to the prefill budget, a chunk after a
+prefix, mixed steps in colocated mode) and `warm_up` runs each one through the runner, on its own
+device, before the actor starts.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.config import SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.worker.cuda_graph import batch_buckets
+from engine.worker.device import on_device, side_stream
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step import ChunkInput, NewRow, StepInput
+
+ROLES = ("prefill", "decode", "colocated")
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+# NOTE: a sampled step alternates these per row, so every sampler branch runs: penalties, top-k, top-p, min-p,
+# logprobs, greedy rows among sampled ones
+SAMPLED = (SamplingParams(max_tokens=1, temperature=0.7, top_k=40, top_p=0.9, presence_penalty=0.5, logprobs=5),
+           SamplingParams(max_tokens=1, temperature=1.0, top_p=0.999, min_p=0.01, repetition_penalty=1.1),
+           SamplingParams(max_tokens=1, temperature=0.0, logprobs=0))
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """One class of step: `num_seqs` sequences, each computing `new_tokens` after `context` cached ones."""
+
+    kind: str              # "prefill", "decode" or "mixed" (decode rows plus one prefill chunk)
+    num_seqs: int
+    new_tokens: int
+    context: int = 0
+    sampled: bool = False  # rows take SAMPLED's parameters in turn instead of greedy ones
+
+
+def warmup_shapes(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int) -> list[StepShape]:
+    """The step classes an actor of `role` can be handed, smallest first."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    shapes = []
+    if role != "decode":
+        shapes += _prefill_shapes(max_num_seqs, min(max_prefill_tokens, max_model_len - 1))
+    if role != "prefill":
+        shapes += [StepShape("decode", n, 1, context=1) for n in batch_buckets(max_num_seqs)]
+        shapes.append(StepShape("decode", max_num_seqs, 1, context=1, sampled=True))
+    if role == "colocated":
+        budget = min(max_prefill_tokens, max_model_len - 1)
+        decode_rows = min(max_num_seqs, budget) - 1
+        shapes.append(StepShape("mixed", decode_rows + 1, max(1, budget - decode_rows), context=1))
+    return shapes
+
+
+def _prefill_shapes(max_num_seqs: int, budget: int) -> list[StepShape]:
+    sizes = sorted({1 << k for k in range(budget.bit_length()) if 1 << k <= budget} | {budget})
+    shapes = [StepShape("prefill", 1, size) for size in sizes]
+    many = min(max_num_seqs, budget)
+    shapes.append(StepShape("prefill", many, budget // many, sampled=True))
+    if budget >= 2:
+        shapes.append(StepShape("prefill", 1, budget // 2, context=budget - budget // 2))   # a later chunk
+    return shapes
+
+
+def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, max_model_len: int) -> int:
+    """Warm a CUDA runner up for every step class of `role` (see the module docstring); 0 steps elsewhere."""
+    if runner.device.type != "cuda":
+        return 0
+    return warm_up(runner, warmup_shapes(role, sched.max_num_seqs, sched.max_prefill_tokens, max_model_len))
+
+
+def warm_up(runner: ModelRunner, shapes: list[StepShape], seed: int = 0) -> int:
+    """Run one step of every shape on the runner's device; returns the number of steps run.
+
+    The steps write into the (still unused) KV pool; the runner's timing counters are reset after."""
+    rng = random.Random(seed)
+    with on_device(runner.device), side_stream(runner.device):
+        for shape in shapes:
+            run_synthetic(runner, synthetic_step(shape, runner.model.config.vocab_size, runner.block_size,
+                                                 runner.num_blocks, rng))
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    runner.forward_seconds = 0.0
+    return len(shapes)
+
+
+def synthetic_step(shape: StepShape, vocab_size: int, block_size: int, num_blocks: int,
+                   rng: random.Random) -> StepInput:
+    """A step of `shape` over random tokens in rows 0 .. n - 1; block ids wrap around a pool too small to hold it."""
+    new_rows, decode_rows, positions, chunks, next_block = [], [], [], [], 0
+    for row, (decode_row, context, new_tokens) in enumerate(_rows(shape)):
+        params = SAMPLED[row % len(SAMPLED)] if shape.sampled else GREEDY
+        known = context + (1 if decode_row else new_tokens)          # a decode row: its prompt and one output
+        tokens = tuple(rng.randrange(vocab_size) for _ in range(known))
+        needed = -(-(context + new_tokens) // block_size)
+        blocks = tuple((next_block + b) % num_blocks for b in range(needed))
+        next_block += needed
+        new_rows.append(NewRow(row, tokens, context if decode_row else known, blocks, params))
+        if decode_row:
+            decode_rows.append(row)
+            positions.append(context)
+        else:
+            chunks.append(ChunkInput(row, context, new_tokens, sample=True))
+    return StepInput(new_rows=tuple(new_rows), decode_rows=tuple(decode_rows), decode_positions=tuple(positions),
+                     chunks=tuple(chunks))
+
+
+def run_synthetic(runner: ModelRunner, step: StepInput) -> None:
+    """Run a synthetic step, then give its rows back (serving hands the same row numbers out again)."""
+    runner.execute(step)
+    runner.apply(StepInput(freed_rows=tuple(new.row for new in step.new_rows)))
+
+
+def _rows(shape: StepShape) -> list[tuple[bool, int, int]]:
+    """(decode row, cached tokens, new tokens) per sequence; a mixed step packs decode rows first."""
+    if shape.kind == "mixed":
+        return [(True, shape.context, 1)] * (shape.num_seqs - 1) + [(False, 0, shape.new_tokens)]
+    return [(shape.kind == "decode", shape.context, shape.new_tokens)] * shape.num_seqs

@@ -1,0 +1,171 @@
+"""Adaptive mode: per-request placement, lent cores, and outputs identical to the fixed modes."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
+from engine.core.messages import Request
+from engine.core.sampling_params import SamplingParams
+from engine.engine import Engine
+from tests.models import demo_checkpoint, engine_config
+from tests.test_async_scheduling import joining_every_step
+from tests.test_engine_modes import (
+    assert_pools_free,
+    collect,
+    prompts,
+    run_engine,
+    staggered,
+    wait_idle,
+)
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+TINY_TARGET = dict(itl_target_ms=0.001)      # every decode step is "over budget": long prompts go remote
+
+
+def mixed_requests(seed: int = 0) -> list[Request]:
+    lengths = [6, 150, 9, 120, 20, 7, 90, 12, 200, 5, 130, 8]
+    return [Request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts(lengths, seed))]
+
+
+# --- the policy ---------------------------------------------------------------------------------
+
+def seeded_costs(seed: int) -> tuple[StepCostModel, StepCostModel]:
+    """Cost models fed noisy observations of known linear costs (decode: 2 threads, prefill: 1)."""
+    rng = random.Random(seed)
+    decode, prefill = StepCostModel(), StepCostModel()
+    for _ in range(40):
+        rows, tokens = rng.randrange(1, 32), rng.choice([0, 0, 16, 64])
+        decode.observe(2, rows, tokens, (0.02 + 0.001 * rows + 0.0005 * tokens) * rng.uniform(0.95, 1.05))
+        chunk = rng.randrange(32, 512)
+        prefill.observe(1, 0, chunk, (0.01 + 0.001 * chunk) * rng.uniform(0.95, 1.05))
+    return decode, prefill
+
+
+def state(rows=8, queued=0, backlog=0) -> LoadState:
+    return LoadState(rows, queued, backlog, decode_threads=2, prefill_threads=1)
+
+
+def decisions(seed: int) -> list[tuple[bool, int]]:
+    policy = PlacementPolicy(*seeded_costs(seed), max_prefill_tokens=512)
+    cases = [(0, 500, state(rows=0)), (30, 30, state()), (400, 400, state()), (400, 400, state(backlog=4000)),
+             (400, 40, state(backlog=300)), (200, 200, state(queued=900))]
+    return [(policy.place(local, remote, s).local, policy.step_budget(s)) for local, remote, s in cases]
+
+
+def test_placement_is_deterministic_for_a_seeded_cost_model_and_follows_the_costs():
+    assert decisions(7) == decisions(7)
+    placed = [local for local, _ in decisions(7)]
+    assert placed == [True,     # nothing decodes: local at full budget
+                      True,     # fits one step's budget (~56 tokens at 8 rows)
+                      False,    # long, and the prefill actor is idle: its first token comes sooner there
+                      True,     # long, but the prefill actor is 4000 tokens behind
+                      False,    # the prefill pool has most of it cached
+                      False]    # a long local queue: the idle prefill actor has it done sooner
+    assert decisions(7)[5][1] == 512                    # that queue would take many steps: throughput first
+
+
+def test_the_step_budget_keeps_a_decode_step_within_the_itl_target():
+    decode, prefill = seeded_costs(3)
+    policy = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05)
+    budget = policy.step_budget(state(rows=10))
+    assert decode.predict(2, 10, budget) == pytest.approx(0.05, rel=0.1)
+    assert policy.step_budget(state(rows=0)) == 2048
+
+
+# --- engines ------------------------------------------------------------------------------------
+
+def run(mode: str, requests, joining=staggered, **overrides):
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=64, **overrides))
+    outputs = asyncio.run(run_engine(engine, joining(engine, requests)))
+    return outputs, engine
+
+
+def test_greedy_identical_in_all_three_modes_with_local_and_remote_prefills():
+    requests = mixed_requests()
+    outputs = {}
+    for mode in ("colocated", "disaggregated", "adaptive"):
+        outputs[mode], engine = run(mode, requests, joining_every_step, **(TINY_TARGET if mode == "adaptive" else {}))
+        if mode == "adaptive":
+            decode = engine.actors[1]
+            assert decode.local_prefills > 0 and decode.remote_prefills > 0
+        assert_pools_free(engine)
+        engine.close()
+    assert outputs["adaptive"] == outputs["colocated"] == outputs["disaggregated"]
+
+
+def test_preempted_sequences_are_placed_again_and_finish_as_in_a_roomy_pool():
+    requests = [Request(f"p{i}", p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(prompts([40] * 8, seed=4))]
+    roomy, engine = run("colocated", requests, max_model_len=256)
+    engine.close()
+    tight, engine = run("adaptive", requests, max_model_len=256, kv_cache_memory="1MiB", **TINY_TARGET)
+    assert engine.actors[1].scheduler.num_preemptions > 0
+    assert tight == roomy
+    assert_pools_free(engine)
+    engine.close()
+
+
+def test_random_aborts_while_cores_are_lent_leave_both_pools_free():
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_prefill_tokens=48, **TINY_TARGET))
+    rng = random.Random(11)
+
+    async def scenario():
+        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=30, ignore_eos=True)))
+                   for i, p in enumerate(prompts([rng.randrange(3, 150) for _ in range(20)], seed=12))]
+
+        async def consume(stream, stop_after: int):
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen >= stop_after:
+                    await stream.aclose()
+                    return
+
+        await asyncio.gather(*(consume(s, rng.randrange(1, 25)) for s in streams))
+        await wait_idle(engine)
+
+    asyncio.run(run_engine(engine, scenario()))
+    assert sum(a.lent_steps for a in engine.actors) > 0
+    assert_pools_free(engine)
+    engine.close()
+
+
+def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_step():
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", **TINY_TARGET))
+    prefill, decode = engine.actors
+    starts, threads = [], []
+    real_execute, real_threads = prefill.execute, decode.step_threads
+
+    def execute(work):
+        starts.append(decode.steps)                    # decode steps completed when this prefill step began
+        return real_execute(work)
+
+    def step_threads():
+        threads.append((decode.steps, real_threads()))
+        return threads[-1][1]
+
+    prefill.execute, decode.step_threads = execute, step_threads
+
+    async def scenario():
+        streaming = engine.submit(Request("long-decode", prompts([8])[0],
+                                          SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)))
+        first = await streaming.__anext__()
+        for _ in range(5):
+            await streaming.__anext__()                # decoding alone, on every core
+        arrived_at = decode.steps
+        remote = engine.submit(Request("long-prompt", prompts([400], seed=3)[0], GREEDY))
+        await collect(remote)
+        await collect(streaming)
+        return first, arrived_at
+
+    _, arrived_at = asyncio.run(run_engine(engine, scenario()))
+    assert decode.remote_prefills == 1 and starts
+    assert starts[0] - arrived_at <= 1
+    own, total = decode.share.decode_own, decode.share.total
+    assert any(n == total for steps, n in threads if steps < arrived_at)            # lent before
+    assert all(n == own for steps, n in threads if starts[0] < steps < starts[-1])   # given back during it
+    assert_pools_free(engine)
+    engine.close()

@@ -1,0 +1,264 @@
+"""Whole models with quantized projections against the same models loaded with the dequantized weights.
+
+The GGUF files are written here with gguf.GGUFWriter from the tiny checkpoints, q/k rows permuted as
+llama.cpp's converter does; the dequantized references are gguf.quants.dequantize un-permuted by
+transformers' own GGUF loader code. Every test runs in float32: the kernel then differs from the
+dense path only in the order of fp32 sums, so greedy tokens are equal and log-probs within 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.model import gguf_block_cache, quant
+from engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
+from engine.model.quant import QuantizedLinear, quantize_model
+from engine.model.quant_probe import ProbeResult
+from engine.worker.model_runner import load_model
+from kernels.quant_formats import dequantize, quantize_int8
+from kernels.quant_linear import kernel_layout, native_available
+from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler for the native kernel")
+
+CHECKPOINTS = {"demo-llama": lambda: demo_checkpoint("llama"),           # untied head, permuted q/k
+               "demo-qwen2": lambda: demo_checkpoint("qwen2"),           # tied head, q/k/v bias
+               "hf-llama3": lambda: hf_checkpoint("llama3")}
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+LAYER_TYPES = [  # per layer: q, k, v, o, gate, up, down (F32 and a mixed gate/up stay dense)
+    ("Q4_1", "Q4_1", "Q4_1", "Q8_0", "Q4_0", "Q4_0", "Q4_1"),
+    ("Q8_0", "Q8_0", "Q8_0", "F32", "Q4_1", "Q8_0", "Q4_0"),
+]
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+
+
+def copy_with_weights(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute of q_proj / k_proj rows."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def transformers_unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    return LlamaTensorProcessor()._reverse_permute_weights(weight, heads, heads)
+
+
+def gguf_entries(src: Path) -> list[tuple[str, str, str, int]]:
+    """(HF name, GGUF name, type, heads to permute by or 0) for every projection of the checkpoint."""
+    config = ModelConfig.from_dir(src)
+    permute = config.architecture == "llama"
+    entries = []
+    for i, types in enumerate(LAYER_TYPES[:config.num_layers]):
+        for (hf, short), kind in zip(GGUF_NAMES.items(), types):
+            heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(short, 0) if permute else 0
+            entries.append((f"model.layers.{i}.{hf}.weight", f"blk.{i}.{short}.weight", kind, heads))
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    entries.append((head, "token_embd.weight" if config.tie_word_embeddings else "output.weight", "Q8_0", 0))
+    return entries
+
+
+def write_gguf_model(src: Path, out: Path) -> Path:
+    """A copy of `src` at `out` whose projections are the dequantized blocks of `out/model.gguf`."""
+    tensors, staged = read_tensors(src), out.with_suffix(".gguf")
+    writer = gguf.GGUFWriter(str(staged), ModelConfig.from_dir(src).architecture.replace("mistral", "llama"))
+    for hf, name, kind, heads in gguf_entries(src):
+        weight = tensors[hf].numpy()
+        qtype = gguf.GGMLQuantizationType[kind]
+        raw = gguf.quants.quantize(llama_cpp_permute(weight, heads) if heads else weight, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        dense = gguf.quants.dequantize(raw, qtype)
+        tensors[hf] = torch.from_numpy(transformers_unpermute(dense, heads) if heads else dense)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    copy_with_weights(src, out, tensors)
+    shutil.move(staged, out / "model.gguf")
+    return out
+
+
+def write_int8_model(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose projections (and a tied head's embedding) are dequantized int8."""
+    tensors = read_tensors(src)
+    head = "model.embed_tokens.weight" if ModelConfig.from_dir(src).tie_word_embeddings else "lm_head.weight"
+    for name, tensor in tensors.items():
+        if any(p in name for p in GGUF_NAMES) and name.endswith(".weight") or name == head:
+            tensors[name] = dequantize(quantize_int8(tensor))
+    return copy_with_weights(src, dst, tensors)
+
+
+@pytest.fixture
+def kernel_for_every_batch(monkeypatch):
+    """The probe's decision made here: every batch up to 64 rows takes the quantized kernel."""
+    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(64, ()))
+
+
+def greedy(model_dir: Path, quantization: str) -> list:
+    llm = LLM(config=engine_config(model_dir, quantization=quantization, max_prefill_tokens=16))
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (3, 17, 40)]
+    try:
+        return llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0))
+    finally:
+        llm.close()
+
+
+def assert_same_generations(ours: list, expected: list) -> None:
+    for a, b in zip(ours, expected):
+        assert list(a.token_ids) == list(b.token_ids)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_gguf_model_generates_as_its_dequantized_weights(name, tmp_path, kernel_for_every_batch):
+    model_dir = write_gguf_model(CHECKPOINTS[name](), tmp_path / "gguf")
+    assert_same_generations(greedy(model_dir, "gguf"), greedy(model_dir, "none"))
+
+
+@pytest.mark.parametrize("name", ["demo-llama", "hf-llama3"])
+def test_int8_model_generates_as_its_dequantized_weights(name, tmp_path, kernel_for_every_batch):
+    src = CHECKPOINTS[name]()
+    assert_same_generations(greedy(src, "int8"), greedy(write_int8_model(src, tmp_path / "int8"), "none"))
+
+
+def test_gguf_blocks_land_in_the_fused_projections_in_hugging_face_row_order(tmp_path):
+    model_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
+    config, dense = ModelConfig.from_dir(model_dir), read_tensors(model_dir)
+    assert not config.tie_word_embeddings
+    read = read_gguf_projections(model_dir / "model.gguf", config, tied_head=False)
+    qkv = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(dequantize(read.weights["layers.0.self_attn.qkv_proj"]), qkv)
+    assert torch.equal(dequantize(read.weights["lm_head"]), dense["lm_head.weight"])
+    assert set(read.skipped) == {"layers.1.self_attn.o_proj", "layers.1.mlp.gate_up_proj"}
+    assert read.skipped["layers.1.mlp.gate_up_proj"].endswith("Q4_1+Q8_0")
+
+
+def test_gguf_blocks_are_read_once_then_come_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf")
+    config, path = ModelConfig.from_dir(model_dir), model_dir / "model.gguf"
+    first = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+
+    def unread(*args):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf_block_cache, "read_gguf_projections", unread)
+    again = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+    assert again.skipped == first.skipped and again.weights.keys() == first.weights.keys()
+    for name, w in first.weights.items():
+        assert torch.equal(dequantize(again.weights[name]), dequantize(w)) and again.weights[name].format == w.format
+    os.utime(path, ns=(1, 1))                                   # NOTE: a changed file is read again
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+
+
+def test_unpermute_rows_inverts_llama_cpp_permutation():
+    rows = np.arange(48 * 3, dtype=np.float32).reshape(48, 3)
+    permuted = torch.from_numpy(llama_cpp_permute(rows, 6))
+    assert torch.equal(permuted[unpermute_rows(48, 6)], torch.from_numpy(rows))
+
+
+def test_gguf_of_another_model_is_refused(tmp_path):
+    model_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
+    other = make_other_checkpoint(tmp_path / "other")
+    model = load_model(ModelConfig.from_dir(other), torch.float32, torch.device("cpu"), 64)
+    with pytest.raises(GGUFBlockError, match="does not hold the model's loaded weights"):
+        quantize_model(model, "gguf", model_dir / "model.gguf", threads=1)
+    decision = quantize_model(model, "auto", model_dir / "model.gguf", threads=1)      # auto: stays dense
+    assert decision.scheme == "none" and "does not hold" in decision.reason
+
+
+def make_other_checkpoint(out: Path) -> Path:
+    from engine.model.demo import make_model
+
+    return make_model(out, size="tiny", arch="llama", seed=1)
+
+
+def test_quantized_linear_takes_the_kernel_only_up_to_max_rows():
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(64, 96, generator=generator)
+    packed = quantize_int8(torch.randn(64, 96, generator=generator))    # NOTE: other weights on purpose
+    layer = QuantizedLinear(torch.nn.Parameter(dense, requires_grad=False), None, kernel_layout(packed), max_rows=4)
+    small, large = torch.randn(4, 96, generator=generator), torch.randn(5, 96, generator=generator)
+    torch.testing.assert_close(layer(small), small @ dequantize(packed).T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(large), large @ dense.T, atol=0, rtol=0)
+
+
+def tiny_model(dtype=torch.float32):
+    return load_model(ModelConfig.from_dir(demo_checkpoint("llama")), dtype, torch.device("cpu"), 64)
+
+
+def test_decisions_without_a_win_or_a_source_keep_the_model_dense(tmp_path, monkeypatch):
+    model = tiny_model()
+    assert quantize_model(model, "none", None, 1).scheme == "none"
+    assert "no GGUF file" in quantize_model(model, "auto", None, 1).reason
+    assert "bfloat16" in quantize_model(tiny_model(torch.float16), "int8", None, 1).reason
+    with pytest.raises(ValueError, match="needs the model's GGUF file"):
+        quantize_model(model, "gguf", None, 1)
+    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(0, ((1, 1.0, 2.0),)))
+    gguf_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
+    model = load_model(ModelConfig.from_dir(gguf_dir), torch.float32, torch.device("cpu"), 64)
+    decision = quantize_model(model, "auto", gguf_dir / "model.gguf", 1)
+    assert decision.scheme == "none" and "not faster" in decision.reason
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert quantize_model(model, "gguf", gguf_dir / "model.gguf", 1).max_rows == 1   # asked for: batch 1
+
+
+def test_probe_on_real_weights_returns_timings():
+    model = tiny_model()
+    weights = [model.layers[i].mlp.gate_up_proj.weight for i in range(2)]
+    packed = [kernel_layout(quantize_int8(w)) for w in weights]
+    result = quant.probe_quantized(weights, packed, threads=1, batch_sizes=(1, 2))
+    assert result.timings and all(dense > 0 and q > 0 for _, dense, q in result.timings)
+    assert result.max_rows in (0, 1, 2)
+
+
+def test_gguf_source_is_the_converted_file_or_the_one_in_the_directory(tmp_path):
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "gguf_source.json").write_text(json.dumps({"gguf_file": str(gguf_file)}))
+    assert quant.gguf_source(converted) == gguf_file
+    assert quant.gguf_source(tmp_path) == gguf_file
+    gguf_file.unlink()
+    assert quant.gguf_source(converted) is None and quant.gguf_source(tmp_path) is None
+
+
+def test_cli_option_reaches_the_engine_config():
+    import argparse
+
+    from engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).quantization == "auto"
+    assert engine_config_from_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
