@@ -20,7 +20,7 @@ from engine.core.messages import Abort, Request, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
-from engine.worker.step import StepResult
+from engine.worker.step_runner import StepOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class AdaptiveDecodeActor(DecodeActor):
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)
 
-    def record(self, batch: Batch, result: StepResult) -> StepOutput:
-        output, recorded = self.record_tokens(batch.sampled, result)
+    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
+        output, recorded = self.record_tokens(batch.sampled, outcome)
         for seq, reason in recorded:
             if reason is not None:
                 self.drop(seq)

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +27,8 @@ from engine.core.messages import ActorStats, FinishReason, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepResult
+from engine.worker.step import StepWork
+from engine.worker.step_runner import StepOutcome, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Actor(abc.ABC):
     def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (),
                  overlap: bool = False, prefix_caching: bool = False) -> None:
         self.runner = runner
+        self.step_runner = StepRunner(runner)
         self.device = runner.device
         self.max_model_len = max_model_len
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_caching=prefix_caching)
@@ -151,8 +153,8 @@ class Actor(abc.ABC):
         self._next_step += 1
         for seq in batch.sequences():
             seq.last_step = step_id
-        work, threads = self.prepare(batch), self.step_threads()
-        future = loop.run_in_executor(self._executor, self._run_step, work, threads)
+        work = self.prepare(batch)
+        future = loop.run_in_executor(self._executor, self.execute, replace(work, threads=self.step_threads()))
         self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
         self.step_seconds += time.perf_counter() - started
         return True
@@ -160,16 +162,16 @@ class Actor(abc.ABC):
     async def _complete_oldest(self) -> StepOutput | None:
         step = self._in_flight[0]
         try:
-            result, seconds, threads = await step.future
+            outcome = await step.future
         except Exception as e:                     # a failed step fails its sequences, not the actor
             logger.exception("%s step failed", self.name)
             self._step_done(step)
             return self.fail(step.batch, f"{type(e).__name__}: {e}")
         self._step_done(step)
         started = time.perf_counter()
-        self.observe_step(step.batch, seconds, threads)
+        self.observe_step(step.batch, outcome.seconds, outcome.threads)
         self.cache_landed(step.batch)
-        output = self.record(step.batch, result)
+        output = self.record(step.batch, outcome)
         self.steps += 1
         self.step_seconds += time.perf_counter() - started
         self.last_step_time = time.monotonic()
@@ -203,20 +205,13 @@ class Actor(abc.ABC):
         return None
 
     # compute thread
-    def prepare(self, batch: Batch):
-        """What `execute` needs for `batch`, built on the loop (the runner's StepInput by default)."""
-        return self.plan.step_input(batch)
+    def prepare(self, batch: Batch) -> StepWork:
+        """What the compute unit runs for `batch`, built on the loop."""
+        return StepWork(self.plan.step_input(batch))
 
-    def execute(self, work) -> StepResult:
+    def execute(self, work: StepWork) -> StepOutcome:
         """Run one step on the device (compute thread)."""
-        return self.runner.execute(work)
-
-    def _run_step(self, work, threads: int | None):
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        started = time.perf_counter()
-        result = self.execute(work)
-        return result, time.perf_counter() - started, torch.get_num_threads()
+        return self.step_runner.run(work)
 
     def step_threads(self) -> int | None:
         """CPU threads for the next step (None: keep the compute thread's own); lending overrides it."""
@@ -245,9 +240,10 @@ class Actor(abc.ABC):
                 self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size), seq.num_registered_blocks)
                 seq.num_registered_blocks = full
 
-    def record_tokens(self, seqs: Seq[Sequence], result: StepResult) -> tuple[StepOutput, Recorded]:
+    def record_tokens(self, seqs: Seq[Sequence], outcome: StepOutcome) -> tuple[StepOutput, Recorded]:
         """Append each live sequence's sampled token; the output to publish and who finished why."""
         ids, tokens, reasons, logprobs, cached, recorded = [], [], [], [], [], []
+        result = outcome.result
         eos, limit, all_logprobs = self.runner.eos_token_ids, self.max_model_len, result.logprobs
         for i, seq in enumerate(seqs):
             if seq.done:                           # left while the step ran: its token is dropped
@@ -311,7 +307,7 @@ class Actor(abc.ABC):
         """The next step's batch, or None when there is nothing to run."""
 
     @abc.abstractmethod
-    def record(self, batch: Batch, result: StepResult) -> StepOutput | None:
+    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput | None:
         """Record a finished step's results on the loop; returns the tokens to publish."""
 
     @abc.abstractmethod

@@ -8,7 +8,7 @@ from engine.core.messages import Abort, Request, StepOutput
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepResult
+from engine.worker.step_runner import StepOutcome
 
 
 class ColocatedActor(Actor):
@@ -37,8 +37,8 @@ class ColocatedActor(Actor):
     def schedule(self) -> Batch | None:
         return mixed_batch(self.decode, self.prefill, lambda decode_rows: self.max_prefill_tokens - decode_rows)
 
-    def record(self, batch: Batch, result: StepResult) -> StepOutput:
-        output, recorded = self.record_tokens(batch.sampled, result)
+    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
+        output, recorded = self.record_tokens(batch.sampled, outcome)
         for seq, reason in recorded:
             if reason is not None:
                 self.drop(seq)

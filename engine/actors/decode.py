@@ -13,7 +13,7 @@ from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
 from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepResult
+from engine.worker.step_runner import StepOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +100,8 @@ class DecodeActor(Actor):
         self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size))
         seq.num_registered_blocks = full
 
-    def record(self, batch: Batch, result: StepResult) -> StepOutput:
-        output, recorded = self.record_tokens(batch.decode, result)
+    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
+        output, recorded = self.record_tokens(batch.decode, outcome)
         for seq, reason in recorded:
             if reason is not None:
                 self.drop(seq)

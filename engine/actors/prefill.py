@@ -14,7 +14,8 @@ from engine.core.scheduler import PrefillScheduler
 from engine.core.sequence import Sequence
 from engine.transfer.base import KVTransfer
 from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepInput
+from engine.worker.step import BlockCopy, StepWork
+from engine.worker.step_runner import StepOutcome, StepRunner
 
 
 @dataclass(slots=True, eq=False)
@@ -31,13 +32,6 @@ class Outgoing:
         return all(t.done() for t in self.transfers)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    request_id: str
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-
-
 class PrefillActor(Actor):
     name = "prefill"
 
@@ -47,6 +41,7 @@ class PrefillActor(Actor):
         super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
         self.decode = decode
         self.transfer = transfer
+        self.step_runner = StepRunner(runner, transfer, decode.runner.kv_pool)
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                           reserve=self._reserve_decode_blocks)
         self.outgoing: dict[str, Outgoing] = {}
@@ -81,9 +76,9 @@ class PrefillActor(Actor):
         chunks = self.scheduler.schedule()
         return Batch.of(chunks=chunks) if chunks else None
 
-    def prepare(self, batch: Batch) -> tuple[StepInput, tuple[BlockCopy, ...]]:
+    def prepare(self, batch: Batch) -> StepWork:
         copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)
-        return self.plan.step_input(batch), copies
+        return StepWork(self.plan.step_input(batch), copies)
 
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
         """The blocks this chunk completes (the partial last one too, after the last chunk) that the
@@ -97,19 +92,10 @@ class PrefillActor(Actor):
             return None
         return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last])
 
-    def execute(self, work: tuple[StepInput, tuple[BlockCopy, ...]]):
-        step, copies = work
-        result = self.runner.execute(step)
-        handles = [(copy.request_id, self.transfer.copy_blocks(self.runner.kv_pool, self.decode.runner.kv_pool,
-                                                               copy.src_blocks, copy.dst_blocks))
-                   for copy in copies]
-        return result, handles
-
-    def record(self, batch: Batch, work_result) -> StepOutput:
-        result, handles = work_result
-        for request_id, handle in handles:
+    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
+        for request_id, handle in outcome.copies:
             self.outgoing[request_id].transfers.append(handle)
-        output, recorded = self.record_tokens(batch.sampled, result)
+        output, recorded = self.record_tokens(batch.sampled, outcome)
         for seq, reason in recorded:
             out = self.outgoing[seq.request_id]
             if reason is None:

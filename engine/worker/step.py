@@ -61,6 +61,24 @@ class StepInput:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """After the step: copy these blocks of the runner's pool into the peer pool (a KV hand-off)."""
+
+    key: str                         # whose blocks (a request id): the copy's handle comes back under it
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """Everything one step does on its compute unit: the step, then the KV copies it completes."""
+
+    step: StepInput
+    copies: tuple[BlockCopy, ...] = ()
+    threads: int | None = None       # CPU threads to run with (None: keep the unit's own setting)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """One token per sampled row, in `StepInput.sampled_rows` order; logprobs where a row asked."""
 

@@ -1,0 +1,36 @@
+"""Running one StepWork on a compute unit: the same code on an actor's thread or in a worker process."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.transfer.base import KVTransfer, TransferHandle
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step import StepResult, StepWork
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    result: StepResult
+    copies: tuple[tuple[str, TransferHandle], ...]   # (BlockCopy.key, its handle), in order
+    seconds: float                                    # wall time of the step's compute
+    threads: int                                      # CPU threads it ran with
+
+
+class StepRunner:
+    """A runner, and where its KV hand-offs go (`peer_pool` through `transfer`; None when it hands off nothing)."""
+
+    def __init__(self, runner: ModelRunner, transfer: KVTransfer | None = None,
+                 peer_pool: torch.Tensor | None = None) -> None:
+        self.runner, self.transfer, self.peer_pool = runner, transfer, peer_pool
+
+    def run(self, work: StepWork) -> StepOutcome:
+        if work.threads is not None and work.threads != torch.get_num_threads():
+            torch.set_num_threads(work.threads)
+        started = time.perf_counter()
+        result = self.runner.execute(work.step)
+        copies = tuple((copy.key, self.transfer.copy_blocks(self.runner.kv_pool, self.peer_pool, copy.src_blocks,
+                                                            copy.dst_blocks)) for copy in work.copies)
+        return StepOutcome(result, copies, time.perf_counter() - started, torch.get_num_threads())
