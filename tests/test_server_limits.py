@@ -180,3 +180,25 @@ async def test_cached_tokens_in_usage_streamed_and_whole(engines, serve, tiny_mo
         assert usage.prompt_tokens_details.cached_tokens == 3 + 7        # per prompt the fewest of its choices
     assert chat_usage.prompt_tokens_details.cached_tokens == 6
     await wait_until_idle(base)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "disaggregated", "colocated"])
+async def test_a_resent_prompt_reports_the_real_prefix_cache_hits_and_a_salt_opts_out(engines, serve,
+                                                                                       tiny_model_dir, mode):
+    engine = engines(mode)
+    base = await serve(engine)
+    block = engine.config.cache.block_size
+    history = f"turn one of conversation {uuid.uuid4().hex}: " + "the history is sent again every turn " * 12
+    assert len(engine.tokenizer.encode(history)) > 3 * block
+    async with client(base) as c:
+        async def cached(**extra) -> int:
+            reply = await c.completions.create(model=tiny_model_dir.name, prompt=history, max_tokens=2,
+                                               **({"extra_body": extra} if extra else {}))
+            return reply.usage.prompt_tokens_details.cached_tokens
+        first, again = await cached(), await cached()
+        other_tenant, same_tenant_twice = await cached(cache_salt="tenant-b"), await cached(cache_salt="tenant-b")
+    assert first == 0
+    assert again > 0 and again % block == 0 and again >= 3 * block
+    assert other_tenant == 0                                            # a salt never matches unsalted blocks
+    assert same_tenant_twice == again                                   # but matches its own
+    await wait_until_idle(base)
