@@ -1,10 +1,12 @@
-"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul.
+"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul, linear.
 
-Each function has a plain-torch reference (`<name>_ref`, used on CPU) beside
-its Triton version (`<name>_triton`, used on CUDA tensors). The environment
-variable PDSERVE_KERNELS=torch|triton forces one path (triton on CPU needs
-TRITON_INTERPRET=1). Without Triton installed the reference is used, with a warning
-from `check_backend` at start-up for CUDA devices; PDSERVE_KERNELS=triton is then an error.
+Each function has a plain-torch reference (`<name>_ref`) beside its Triton version (`<name>_triton`,
+used on CUDA tensors) and, for CPU tensors, a native C++ version (`<name>_native`, kernels/csrc,
+built at first use: kernels/native.py). CPU tensors use the native kernels where they built and
+the references otherwise. The environment variable PDSERVE_KERNELS=torch|triton forces one path
+(torch: the references everywhere; triton on CPU needs TRITON_INTERPRET=1). Without Triton
+installed CUDA tensors use the references, with a warning from `check_backend` at start-up for
+CUDA devices; PDSERVE_KERNELS=triton is then an error.
 """
 from __future__ import annotations
 
@@ -13,18 +15,29 @@ import os
 import threading
 
 import torch
+import torch.nn.functional as F
 
+from kernels._native import enabled as native_enabled
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.native_decode_attention import decode_attention_native
+from kernels.native_decode_attention import supports as native_attention_supports
+from kernels.native_linear import linear_native, prefer_native
+from kernels.native_linear import supports as native_linear_supports
+from kernels.native_rms_norm import rms_norm_native
+from kernels.native_rotary_store import rotary_store_native
+from kernels.native_silu_and_mul import silu_and_mul_native
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "use_triton", "check_backend", "KernelBackendError"]
+           "rotary_store_kv", "linear", "use_triton", "use_native", "check_backend", "KernelBackendError"]
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 _INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
@@ -43,6 +56,13 @@ def use_triton(x: torch.Tensor) -> bool:
     return mode == "triton" or x.is_cuda
 
 
+def use_native(x: torch.Tensor) -> bool:
+    """True when the native C++ path serves tensors like x (CPU, float32/bfloat16, built, switched on,
+    PDSERVE_KERNELS unset)."""
+    return (x.is_cpu and x.dtype in NATIVE_DTYPES and not os.environ.get("PDSERVE_KERNELS")
+            and native_enabled())
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slots [T]; slot -1 skips."""
@@ -57,6 +77,8 @@ def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_t
     """Attention of one query token per sequence, q [S, Hq, D], over its paged context; returns [S, Hq, D].
 
     context_lens [S] counts the current token, whose K/V must already be stored."""
+    if use_native(q) and native_attention_supports(q, kv_pool):
+        return decode_attention_native(q, kv_pool, layer, block_tables, context_lens, scale)
     if not use_triton(q):
         return decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
     with _INTERPRETER_LOCK:
@@ -69,6 +91,9 @@ def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seq
 
     Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last positions of its
     context_lens[b] tokens (all K/V already stored)."""
+    if use_native(q) and native_attention_supports(q, kv_pool):  # one-token rows: the native decode kernel
+        return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale,
+                                     decode_rows=decode_attention_native)
     if not use_triton(q):
         return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
     with _INTERPRETER_LOCK:
@@ -77,6 +102,8 @@ def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seq
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """norm(x) * weight for x [T, H]; with residual returns (norm(x + residual) * weight, x + residual)."""
+    if use_native(x):
+        return rms_norm_native(x, weight, eps, residual)
     if not use_triton(x):
         return rms_norm_ref(x, weight, eps, residual)
     with _INTERPRETER_LOCK:
@@ -94,7 +121,27 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
+    if use_native(x):
+        return silu_and_mul_native(x)
     if not use_triton(x):
         return silu_and_mul_ref(x)
     with _INTERPRETER_LOCK:
         return silu_and_mul_triton(x)
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rotary() then store_kv() of the rotated k and v; returns the rotated q (one fused pass on CPU)."""
+    if use_native(q):
+        return rotary_store_native(q, k, v, positions, cos_sin, kv_pool, layer, slot_mapping)
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kv(k, v, kv_pool, layer, slot_mapping)
+    return q
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T + bias [N]; the native kernel on CPU for batches it is faster at."""
+    if use_native(x) and native_linear_supports(x, weight, bias) and prefer_native(x, weight):
+        return linear_native(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -21,7 +21,7 @@ from kernels.kv_layout import KVLayout
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                          block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                          block_tables: torch.Tensor, scale: float, decode_rows=decode_attention_ref) -> torch.Tensor:
     # q: [T, Hq, D]; cu_seqlens_q: [S+1]; context_lens: [S]; block_tables: [S, max_blocks]
     # NOTE: sequences of one shape run as one batched call; one-token rows (decode rows of a mixed
     # colocated step) all go through the decode path together, whatever their context.
@@ -36,8 +36,7 @@ def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         rows = torch.cat([torch.arange(bounds[s], bounds[s] + q_len) for s in seqs]).to(q.device)
         index = torch.tensor(seqs, device=q.device)
         if q_len == 1:
-            out[rows] = decode_attention_ref(q[rows], kv_pool, layer, block_tables[index], context_lens[index],
-                                             scale)
+            out[rows] = decode_rows(q[rows], kv_pool, layer, block_tables[index], context_lens[index], scale)
         else:
             qs = q[rows].view(len(seqs), q_len, *q.shape[1:])
             out[rows] = _same_shape_prefill(qs, kv_pool, layer, block_tables[index], context_len,

@@ -38,8 +38,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = kernels.rotary(q, k, batch.positions, cos_sin)
-        kernels.store_kv(k, v, kv_pool, self.layer_index, batch.slot_mapping)
+        q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index, batch.slot_mapping)
         if batch.is_decode:
             o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
                                          batch.context_lens, self.scale)
@@ -99,5 +98,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()  # logits: [S, V] fp32
+            return kernels.linear(hidden, self.embed_tokens.weight).float()  # logits: [S, V] fp32
         return self.lm_head(hidden).float()

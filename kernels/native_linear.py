@@ -1,0 +1,89 @@
+"""y = x @ weight^T (+ bias) for a few rows of x (decode steps), in C++: kernels/csrc/linear.cpp.
+
+Each thread streams its own contiguous share of the weight rows once, against every row of x; at
+batch 1 that is a GEMV at the memory-bandwidth limit. The reference is F.linear (BLAS).
+
+Which of the two is faster depends on the CPU, the dtype and the number of rows (oneDNN's bf16
+GEMM on an AVX512-BF16 or AMX CPU wins from a few rows on; on AVX2 its bf16 path is slow
+throughout), so `prefer_native` measures both once per (dtype, weight shape, power-of-two row
+bucket, threads), on the thread that runs them, and remembers the winner. Rows above
+MAX_NATIVE_ROWS always go to BLAS: the tiles here are built for decode batches, not prefill.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels._native import INT, INT64, POINTER, SUFFIXES, bind
+
+logger = logging.getLogger(__name__)
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+MAX_NATIVE_ROWS = 64
+TIMED_CALLS = 3
+
+_winners: dict[tuple, bool] = {}
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _kernel(dtype: torch.dtype):
+    return bind(f"pd_linear_{SUFFIXES[str(dtype)]}",
+                        POINTER, INT64, POINTER, POINTER, POINTER, INT64, INT64, INT64, INT64, INT)
+
+
+def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N], in x's dtype, accumulated in float32."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    assert weight.shape == (out_features, in_features) and weight.is_contiguous()
+    assert x.dtype == weight.dtype and x.dtype in NATIVE_DTYPES and x.stride(1) == 1
+    assert bias is None or (bias.shape == (out_features,) and bias.dtype == x.dtype and bias.is_contiguous())
+    assert x.device.type == weight.device.type == "cpu"
+    out = torch.empty((rows, out_features), dtype=x.dtype)
+    _kernel(x.dtype)(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     out.data_ptr(), out_features, rows, out_features, in_features, torch.get_num_threads())
+    return out
+
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True when linear_native takes these tensors as they are."""
+    return (x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+
+
+def prefer_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_native beats F.linear for x's row bucket and weight's shape (measured once)."""
+    rows = x.shape[0]
+    if rows > MAX_NATIVE_ROWS or rows == 0:
+        return False
+    key = (x.dtype, *weight.shape, 1 << (rows - 1).bit_length(), torch.get_num_threads())
+    winner = _winners.get(key)
+    if winner is None:
+        winner = _winners[key] = _measure(x, weight, key)
+    return winner
+
+
+def _measure(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> bool:
+    native = _best_seconds(lambda: linear_native(x, weight))
+    blas = _best_seconds(lambda: F.linear(x, weight))
+    logger.debug("linear %s: native %.0f us, BLAS %.0f us", key, native * 1e6, blas * 1e6)
+    return native <= blas
+
+
+def _best_seconds(fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(TIMED_CALLS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
