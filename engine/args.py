@@ -62,6 +62,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step while the previous one runs, so host work overlaps "
                         "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
+    g.add_argument("--cpu-kernels", choices=("native", "torch"), default="native",
+                   help="CPU tensors: native C++ kernels built at start-up (default; falls back to torch "
+                        "where no compiler) or the plain-torch references")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -76,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
-        quantization=args.quantization,
+        quantization=args.quantization, cpu_kernels=args.cpu_kernels,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -20,6 +20,7 @@ from engine.core.block_manager import blocks_for
 from engine.model.quant import gguf_source, quantize_model
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
+from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from engine.worker.device import with_index
 from engine.worker.model_runner import ModelRunner, load_model
@@ -119,6 +120,8 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
         kernels.check_backend(device)
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
+    if "cpu" in (plan.prefill_device.type, plan.decode_device.type):
+        prepare_cpu_kernels(config.cpu_kernels)
     step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                       max_seqs=2 * sched.max_num_seqs)
     sizer = PoolSizer(cache, sched, model_config, plan.dtype, plan.max_model_len,
