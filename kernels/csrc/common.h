@@ -75,6 +75,22 @@ inline float hsum(vf v) {  // in registers: a stored zmm reloaded as halves woul
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+typedef float v8f __attribute__((vector_size(32)));
+
+// The sums of 8 vectors at once (a transposing add tree: 24 shuffles and adds instead of 8 hsums).
+inline v8f hsum8(const vf* v) {
+  vf u[4], w[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  vf x = __builtin_shufflevector(w[0], w[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(w[0], w[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(x, x, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(x, x, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;

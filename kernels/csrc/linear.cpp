@@ -51,8 +51,11 @@ static inline void linear_tile(const T* x, int64_t ldx, const T* w, int64_t K, c
     }
   }
   for (int r = 0; r < R; ++r) {
+    vf lanes[TILE_M] = {};
+    for (int i = 0; i < MT; ++i) lanes[i] = acc[r][i];
+    const v8f sums = hsum8(lanes);
     for (int i = 0; i < MT; ++i) {
-      float sum = hsum(acc[r][i]);
+      float sum = sums[i];
       for (int64_t tail = k; tail < K; ++tail) sum += to_float(w[r * K + tail]) * to_float(x[i * ldx + tail]);
       y[i * ldy + r] = from_float<T>(sum + (bias ? to_float(bias[r]) : 0.0f));
     }
