@@ -1,11 +1,16 @@
-"""Offline throughput: pdserve's engine against transformers' `generate` on the same checkpoint and prompts.
+"""Offline throughput: pdserve's engine against transformers' `generate` and llama.cpp on the same prompts.
 
     python -m bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
+    python -m bench.offline_throughput --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
+        --batches 1,8,32 --prefill-len 1024          # llama.cpp too when llama-server is on PATH
 
-Prefill tokens/s comes from a max_tokens=1 pass, decode tokens/s from the rest of a full pass.
-Each engine runs in its own fresh subprocess, one after the other in the same run (a CPU thread
-team one engine leaves behind slows the other: bench/RESULTS.md). Prints one summary line per
-engine and writes the full result as JSON.
+For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the rest; decode
+tokens/s is batch * (output_len - 1) over the difference, and a decode step's time follows. With
+--prefill-len, one prompt of that length is prefilled alone (tokens/s). Each engine runs in its own
+fresh subprocess, one after the other in the same run (a CPU thread team one engine leaves behind
+slows the other: bench/RESULTS.md). The machine's memory bandwidth (bench.memory_bandwidth) is
+measured in the same run, and every decode figure is printed with the bandwidth it achieved: the
+weights plus the K/V read per step, over the step time. Writes the full result as JSON.
 """
 from __future__ import annotations
 
@@ -15,17 +20,18 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from pathlib import Path
 
 import orjson
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
+from bench import memory_bandwidth
+from bench.llama_cpp import find_llama_server
+from engine.config import ModelConfig
 from engine.topology import resolve_model_dir
 
 RESULT_PREFIX = "offline-throughput-result: "
+ENGINES = ("pdserve", "transformers", "llama.cpp")
 
 
 def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -33,111 +39,188 @@ def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(3, vocab, (num, length), generator=generator).tolist()
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
-def bench_pdserve(args, prompts) -> dict:
-    overlap = {"on": True, "off": False, "auto": None}[args.async_scheduling]
-    config = EngineConfig(model=args.model, dtype=args.dtype, mode=args.mode, async_scheduling=overlap,
+def measure(generate, args, prompts: list[list[int]], long_prompt: list[int] | None) -> dict:
+    """Figures of one engine; generate(prompts, max_tokens) runs a greedy pass that ignores EOS."""
+    generate(prompts[:2], 4)                                                       # warm-up
+    by_batch = {}
+    for batch in args.batches:
+        prefill_s = best_seconds(lambda: generate(prompts[:batch], 1), args.repeats)
+        total_s = best_seconds(lambda: generate(prompts[:batch], args.output_len), args.repeats)
+        decode_s = max(total_s - prefill_s, 1e-9)
+        by_batch[batch] = {"prefill_tok_s": batch * args.input_len / prefill_s,
+                           "decode_tok_s": batch * (args.output_len - 1) / decode_s,
+                           "step_ms": decode_s / (args.output_len - 1) * 1e3, "prefill_s": prefill_s,
+                           "total_s": total_s}
+    result = {"batches": by_batch}
+    if long_prompt is not None:
+        generate([long_prompt], 1)
+        seconds = best_seconds(lambda: generate([long_prompt], 1), args.repeats)
+        result["long_prefill_tok_s"] = len(long_prompt) / seconds
+    return result
+
+
+def bench_pdserve(args, prompts, long_prompt) -> dict:
+    from dataclasses import replace
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm import LLM
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, mode=args.mode, cpu_kernels=args.cpu_kernels,
+                          async_scheduling={"on": True, "off": False, "auto": None}[args.async_scheduling],
                           cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.num_prompts, 1),
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
                                                     max_prefill_tokens=args.max_prefill_tokens))
     llm = LLM(config=config)
-    greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    decode_actor = llm.engine.actors[-1]
     try:
-        llm.generate(prompts[:2], replace(greedy, max_tokens=4))                    # warm-up
-        prefill_s = timed(lambda: llm.generate(prompts, replace(greedy, max_tokens=1)))
-        decode_actor = llm.engine.actors[-1]
-        step_before, forward_before = decode_actor.step_seconds, decode_actor.runner.forward_seconds
-        steps_before = decode_actor.steps
-        total_s = timed(lambda: llm.generate(prompts, greedy))
-        step_s = decode_actor.step_seconds - step_before
-        forward_s = decode_actor.runner.forward_seconds - forward_before
-        steps = decode_actor.steps - steps_before
+        result = measure(lambda p, n: llm.generate(p, replace(greedy, max_tokens=n)), args, prompts, long_prompt)
     finally:
         llm.close()
-    n, inp, out = len(prompts), args.input_len, args.output_len
-    return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.plan.dtype),
-            "prefill_tok_s": n * inp / prefill_s, "decode_tok_s": n * (out - 1) / max(total_s - prefill_s, 1e-9),
-            "total_s": total_s, "prefill_s": prefill_s, "decode_steps": steps,
-            "step_ms": total_s / max(steps, 1) * 1e3,                      # wall time per step
-            "host_ms": step_s / max(steps, 1) * 1e3,                       # schedule + launch + record
-            "device_ms": forward_s / max(steps, 1) * 1e3}                  # forward + sampling
+    return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.plan.dtype), **result,
+            **_step_split(decode_actor)}
 
 
-def bench_transformers(args, prompts) -> dict:
+def _step_split(actor) -> dict:
+    """The decode actor's mean step over the whole run: host (schedule + launch + record) and device
+    (forward + sampling) milliseconds."""
+    steps = max(actor.steps, 1)
+    return {"host_ms": actor.step_seconds / steps * 1e3, "device_ms": actor.runner.forward_seconds / steps * 1e3}
+
+
+def bench_transformers(args, prompts, long_prompt) -> dict:
     import transformers
 
     dtype = getattr(torch, args.dtype or "bfloat16")
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=dtype).eval()
-    ids = torch.tensor(prompts)
 
-    def generate(new_tokens):
+    def generate(batch, new_tokens):
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0)
+            model.generate(torch.tensor(batch), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
 
-    generate(4)
-    prefill_s = timed(lambda: generate(1))
-    total_s = timed(lambda: generate(args.output_len))
-    n, inp, out = len(prompts), args.input_len, args.output_len
-    return {"engine": "transformers-generate", "dtype": str(dtype), "prefill_tok_s": n * inp / prefill_s,
-            "decode_tok_s": n * (out - 1) / max(total_s - prefill_s, 1e-9), "total_s": total_s,
-            "prefill_s": prefill_s}
+    return {"engine": "transformers-generate", "dtype": str(dtype), **measure(generate, args, prompts, long_prompt)}
+
+
+def bench_llama_cpp(args, prompts, long_prompt) -> dict:
+    from bench.llama_cpp import llama_server, timed_completions
+
+    context = max(args.batches) * (args.input_len + args.output_len) + (args.prefill_len or 0) + 64
+    with llama_server(args.llama_server, Path(args.llama_gguf), args.threads, context,
+                      max(args.batches), args.llama_kv_type) as url:
+        result = measure(lambda p, n: timed_completions(url, p, n), args, prompts, long_prompt)
+    return {"engine": "llama.cpp-server", "dtype": f"gguf weights, kv {args.llama_kv_type}", **result}
+
+
+def parameter_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                total += torch.Size(f.get_slice(name).get_shape()).numel()
+    return total
+
+
+def bytes_per_step(args, config: ModelConfig, batch: int) -> float:
+    """Weights plus the K/V a decode step of `batch` reads, at the mean context of the pass."""
+    element = 2 if args.dtype in (None, "bfloat16", "float16") else 4
+    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+    mean_context = args.input_len + args.output_len / 2
+    return parameter_count(resolve_model_dir(args.model)) * element + batch * mean_context * kv_per_token
+
+
+def report(args, results: list[dict], bandwidth: dict) -> None:
+    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    ceiling = bandwidth["read_gb_s"]
+    print(f"memory bandwidth ({bandwidth['threads']} threads): read {ceiling:.1f} GB/s, "
+          f"copy {bandwidth['copy_gb_s']:.1f} GB/s, triad {bandwidth['triad_gb_s']:.1f} GB/s")
+    for r in results:
+        for batch, b in r["batches"].items():
+            achieved = bytes_per_step(args, config, int(batch)) / (b["step_ms"] / 1e3) / 1e9
+            print(f"{r['engine']:<24} {r['dtype']:<22} batch {int(batch):>3}: prefill {b['prefill_tok_s']:8.1f} tok/s  "
+                  f"decode {b['decode_tok_s']:8.1f} tok/s  step {b['step_ms']:7.1f} ms  "
+                  f"{achieved:5.1f} GB/s of {ceiling:.1f}")
+        if "long_prefill_tok_s" in r:
+            print(f"{r['engine']:<24} {r['dtype']:<22} one {args.prefill_len}-token prompt: "
+                  f"prefill {r['long_prefill_tok_s']:8.1f} tok/s")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="demo:base")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--mode", default=None, choices=("disaggregated", "colocated"))
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--mode", default=None, choices=("adaptive", "disaggregated", "colocated"))
+    p.add_argument("--cpu-kernels", default="native", choices=("native", "torch"))
+    p.add_argument("--num-prompts", type=int, default=32, help="the batch size when --batches is not given")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=None, help="also prefill one prompt of this many tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--repeats", type=int, default=1, help="passes per figure; the best is kept")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's -t")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-scheduling", choices=("on", "off", "auto"), default="auto",
                    help="schedule each step while the previous one runs (auto: the engine's default)")
     p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (default: on PATH)")
+    p.add_argument("--llama-gguf", default=None, help="GGUF of the same weights for llama.cpp")
+    p.add_argument("--llama-kv-type", default="f32", help="llama.cpp's -ctk/-ctv (f32 matches pdserve float32)")
     p.add_argument("--result-json", default=None)
-    p.add_argument("--engine", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
+    p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.num_prompts]
     if args.engine:
         return _run_one(args)
-    engines = ["pdserve"] + (["transformers"] if args.compare_transformers else [])
+    args.llama_server = find_llama_server(args.llama_server) if args.llama_gguf else None
+    engines = (["pdserve"] + (["transformers"] if args.compare_transformers else [])
+               + (["llama.cpp"] if args.llama_server else []))
     results = [_in_subprocess(args, engine) for engine in engines]
-    for r in results:
-        steps = (f"   step {r['step_ms']:.2f} ms (host {r['host_ms']:.2f}, device {r['device_ms']:.2f})"
-                 if "step_ms" in r else "")
-        print(f"{r['engine']:<28} {r['dtype']:<15} prefill {r['prefill_tok_s']:9.1f} tok/s   "
-              f"decode {r['decode_tok_s']:8.1f} tok/s" + steps)
-    if len(results) == 2:
-        print(f"decode speed-up over transformers: {results[0]['decode_tok_s'] / results[1]['decode_tok_s']:.2f}x")
-    record = {"args": vars(args), "machine": {"cpu": platform.processor() or platform.machine(),
-                                              "cores": len(os.sched_getaffinity(0)),
-                                              "torch": torch.__version__}, "results": results}
+    bandwidth = memory_bandwidth.measure(args.threads)
+    report(args, results, bandwidth)
+    record = {"args": vars(args), "machine": _machine(), "memory_bandwidth": bandwidth, "results": results}
     if args.result_json:
         with open(args.result_json, "wb") as f:
-            f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2))
+            f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return 0
+
+
+def _machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": model or platform.machine(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _run_one(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
-    prompts = seeded_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    result = bench_pdserve(args, prompts) if args.engine == "pdserve" else bench_transformers(args, prompts)
-    print(RESULT_PREFIX + orjson.dumps(result).decode())
+    prompts = seeded_prompts(max(args.batches), args.input_len, vocab, args.seed)
+    long_prompt = seeded_prompts(1, args.prefill_len, vocab, args.seed + 1)[0] if args.prefill_len else None
+    bench = {"pdserve": bench_pdserve, "transformers": bench_transformers, "llama.cpp": bench_llama_cpp}[args.engine]
+    print(RESULT_PREFIX + orjson.dumps(bench(args, prompts, long_prompt), option=orjson.OPT_NON_STR_KEYS).decode())
     return 0
 
 
 def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
+    skip = ("result_json", "compare_transformers", "engine", "batches")
     child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-             if value is not None and name not in ("result_json", "compare_transformers", "engine")]
+             if value is not None and name not in skip]
+    child.append("--batches=" + ",".join(map(str, args.batches)))
     out = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *child, f"--engine={engine}"],
                          check=True, capture_output=True, text=True).stdout
     line = next(line for line in out.splitlines() if line.startswith(RESULT_PREFIX))
