@@ -28,6 +28,11 @@ def _kernel(dtype: torch.dtype):
     return bind(f"pd_rotary_store_{SUFFIXES[str(dtype)]}", *[POINTER] * 9, INT)
 
 
+def _int32(index: torch.Tensor) -> torch.Tensor:
+    # NOTE: the runner's step inputs are int32 already; other callers may pass int64
+    return index.to(torch.int32).contiguous()
+
+
 def rotary_store_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_sin: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                         slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -40,8 +45,8 @@ def rotary_store_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     assert q.dtype == k.dtype == v.dtype == kv_pool.dtype and q.dtype in NATIVE_DTYPES
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and kv_pool.is_contiguous() and 0 <= layer < num_layers
     assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == head_dim and cos_sin.stride(1) == 1
-    assert positions.dtype == slot_mapping.dtype == torch.int64 and positions.shape == slot_mapping.shape == (tokens,)
-    assert positions.is_contiguous() and slot_mapping.is_contiguous()
+    assert positions.shape == slot_mapping.shape == (tokens,)
+    positions, slot_mapping = _int32(positions), _int32(slot_mapping)
     assert q.is_cpu and kv_pool.is_cpu and positions.is_cpu and slot_mapping.is_cpu and cos_sin.is_cpu
     out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype)
     block, layer_stride, kv, slot, head = kv_pool.stride()[:5]

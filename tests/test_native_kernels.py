@@ -112,8 +112,9 @@ def test_silu_and_mul_matches_reference(dtype, threads):
     assert rel_err(silu_and_mul_native(x), silu_and_mul_ref(x)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))   # the runner's inputs are int32
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_store_matches_reference(dtype, threads):
+def test_rotary_store_matches_reference(dtype, index_dtype, threads):
     pool, _, _ = make_paged_batch([200], 16, 2, 64, dtype)
     pool_ref = pool.clone()
     gen = torch.Generator().manual_seed(5)
@@ -122,6 +123,7 @@ def test_rotary_store_matches_reference(dtype, threads):
     positions = torch.randint(0, 500, (70,), generator=gen)
     slots = torch.randperm(pool.shape[0] * 16, generator=gen)[:70]
     slots[::7] = -1                                # padding rows: no store
+    positions, slots = positions.to(index_dtype), slots.to(index_dtype)
     cos_sin = torch.cat([torch.rand(512, 32, generator=gen), torch.rand(512, 32, generator=gen)], dim=-1)
     out = rotary_store_native(q, k, v, positions, cos_sin, pool, LAYER, slots)
     expected = rotary_store_ref(q, k, v, positions, cos_sin, pool_ref, LAYER, slots)

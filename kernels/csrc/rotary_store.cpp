@@ -22,15 +22,16 @@ static inline void rotate(const T* x, const float* cos, const float* sin, int64_
 }
 
 template <typename T>
-static void rotary_token(const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin,
-                         T* layer_pool, const int64_t* slots, T* q_out, const RotaryShape& sh, int64_t t) {
+static void rotary_token(const T* q, const T* k, const T* v, const int32_t* positions, const float* cos_sin,
+                         T* layer_pool, const int32_t* slots, T* q_out, const RotaryShape& sh, int64_t t) {
   const int64_t half = sh.head_dim / 2;
-  const float* cos = cos_sin + positions[t] * sh.cos_sin_stride;
+  const float* cos = cos_sin + int64_t(positions[t]) * sh.cos_sin_stride;
   for (int64_t h = 0; h < sh.q_heads; ++h)
     rotate(q + t * sh.q_token_stride + h * sh.q_head_stride, cos, cos + half, half,
            q_out + (t * sh.q_heads + h) * sh.head_dim);
-  if (slots[t] < 0) return;
-  T* slot = layer_pool + slots[t] / sh.block_size * sh.pool_block_stride + slots[t] % sh.block_size * sh.pool_slot_stride;
+  const int64_t at = slots[t];
+  if (at < 0) return;
+  T* slot = layer_pool + at / sh.block_size * sh.pool_block_stride + at % sh.block_size * sh.pool_slot_stride;
   for (int64_t h = 0; h < sh.kv_heads; ++h) {
     T* key = slot + h * sh.pool_head_stride;
     rotate(k + t * sh.k_token_stride + h * sh.k_head_stride, cos, cos + half, half, key);
@@ -41,8 +42,8 @@ static void rotary_token(const T* q, const T* k, const T* v, const int64_t* posi
 }  // namespace pd
 
 #define PD_ROTARY_STORE(SUFFIX, T)                                                                        \
-  extern "C" void pd_rotary_store_##SUFFIX(const T* q, const T* k, const T* v, const int64_t* positions,   \
-                                           const float* cos_sin, T* layer_pool, const int64_t* slots,     \
+  extern "C" void pd_rotary_store_##SUFFIX(const T* q, const T* k, const T* v, const int32_t* positions,   \
+                                           const float* cos_sin, T* layer_pool, const int32_t* slots,     \
                                            T* q_out, const int64_t* shape, int threads) {                 \
     pd::RotaryShape sh;                                                                                   \
     std::memcpy(&sh, shape, sizeof sh);                                                                   \
