@@ -5,6 +5,7 @@ import argparse
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.model.quant import SCHEMES
+from engine.worker.cpu_kernels import CPU_KERNELS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -62,9 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step while the previous one runs, so host work overlaps "
                         "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
-    g.add_argument("--cpu-kernels", choices=("native", "torch"), default="native",
-                   help="CPU tensors: native C++ kernels built at start-up (default; falls back to torch "
-                        "where no compiler) or the plain-torch references")
+    g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                   help="CPU tensors: native C++ kernels built at start-up (falls back to torch where they "
+                        "cannot build) or the plain-torch references; default auto: native where a start-up "
+                        "probe finds them no slower")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -33,7 +33,7 @@ class EngineConfig:
     cuda_graph: bool = True
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
     quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
-    cpu_kernels: str = "native"       # native | torch: the C++ CPU kernels or the plain-torch references
+    cpu_kernels: str = "auto"         # auto | native | torch (engine.worker.cpu_kernels)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -2,7 +2,7 @@
 
 Each function has a plain-torch reference (`<name>_ref`) beside its Triton version (`<name>_triton`,
 used on CUDA tensors) and, for CPU tensors, a native C++ version (`<name>_native`, kernels/csrc,
-built at first use: kernels/native.py). CPU tensors use the native kernels where they built and
+built at first use by kernels/native.py). CPU tensors use the native kernels where they built and
 the references otherwise. The environment variable PDSERVE_KERNELS=torch|triton forces one path
 (torch: the references everywhere; triton on CPU needs TRITON_INTERPRET=1). Without Triton
 installed CUDA tensors use the references, with a warning from `check_backend` at start-up for
@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels._native import enabled as native_enabled
+from kernels.native import cpu_kernels_enabled
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
@@ -60,7 +60,7 @@ def use_native(x: torch.Tensor) -> bool:
     """True when the native C++ path serves tensors like x (CPU, float32/bfloat16, built, switched on,
     PDSERVE_KERNELS unset)."""
     return (x.is_cpu and x.dtype in NATIVE_DTYPES and not os.environ.get("PDSERVE_KERNELS")
-            and native_enabled())
+            and cpu_kernels_enabled())
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,

@@ -1,10 +1,16 @@
-"""Build a C kernel once for the running CPU and load it with ctypes.
+"""The one build path of the native CPU kernels: C / C++ sources compiled for the running CPU, loaded with ctypes.
 
-The shared library is compiled with the system C compiler (`$CC`, default `cc`) for this CPU
-(`-march=native`, OpenMP when the compiler has it) into `$PDSERVE_CACHE/kernels`, keyed by the
-source, the compiler and the CPU's flags, written under a temporary name and renamed, so a second
-start loads it at once and a machine with other instructions builds its own. Without a working
-compiler the loader returns None (logged once) and callers keep their torch path.
+`load_native(name, sources)` compiles the sources into one shared library with the system compiler
+(C++: `$CXX`, else g++ or c++; C: `$CC`, else cc) for this CPU (`-O3 -march=native`, OpenMP when the
+compiler has it) into `$PDSERVE_CACHE/kernels/<name>-<key>.so`, keyed by the sources and the headers
+beside them, the compiler and its flags and the CPU's flags; written under a temporary name and
+renamed, so a second start loads it at once and a machine with other instructions builds its own.
+Without a working compiler, or when the build fails, it returns None after one log line and callers
+keep their torch path. OpenMP is the runtime torch loaded (same soname), so its threads are torch's.
+
+Two libraries are built this way: `quant_linear.c` (kernels/quant_linear.py) and the C++ sources in
+kernels/csrc (`cpu_kernels()`: attention, linear, RMSNorm, rotary + KV store, SiLU-and-mul), which
+serve CPU tensors unless `set_cpu_kernels(False)` (the engine's `--cpu-kernels torch`).
 """
 from __future__ import annotations
 
@@ -22,14 +28,102 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
-COMPILE_TIMEOUT_S = 120
+BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
+CXX_FLAGS = ("-std=c++17",)
+COMPILE_TIMEOUT_S = 300
+CPU_KERNEL_SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 _LOCK = threading.Lock()
+_cpu_state: dict[str, object] = {"enabled": True}
 
 
 def cache_dir() -> Path:
     # NOTE: engine.model.cache.cache_root's rule; kernels/ sits below engine/ and cannot import it
     return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve") / "kernels"
+
+
+def load_native(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:
+    """The library `name` compiled from `sources` (built on first use); None where it cannot be built."""
+    with _LOCK:
+        return _load(name, tuple(sources), _compiler(sources), str(cache_dir()))
+
+
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The C++ kernels of kernels/csrc, built or loaded once per process; None where they cannot build."""
+    if "library" not in _cpu_state:
+        _cpu_state["library"] = load_native("cpu_kernels", CPU_KERNEL_SOURCES)
+    return _cpu_state["library"]  # type: ignore[return-value]
+
+
+def set_cpu_kernels(enabled: bool) -> None:
+    """Serve CPU tensors with the C++ kernels (True, the default) or the torch references (False)."""
+    _cpu_state["enabled"] = enabled
+
+
+def cpu_kernels_enabled() -> bool:
+    """True when the C++ kernels are switched on and built (PDSERVE_KERNELS: kernels.use_native)."""
+    return bool(_cpu_state["enabled"]) and cpu_kernels() is not None
+
+
+def _compiler(sources: tuple[Path, ...]) -> str:
+    if any(path.suffix == ".cpp" for path in sources):
+        return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
+    return os.environ.get("CC", "cc")
+
+
+@functools.cache
+def _load(name: str, sources: tuple[Path, ...], compiler: str, cache: str) -> ctypes.CDLL | None:
+    version = compiler_version(compiler) if shutil.which(compiler) else ""
+    if not version:
+        logger.warning("native kernels %s: no working compiler (%s); using the torch path", name, compiler)
+        return None
+    target = Path(cache) / f"{name}-{_build_key(sources, compiler, version)}.so"
+    if not target.is_file():
+        error = _compile(sources, compiler, target)
+        if error:
+            logger.warning("native kernels %s: build failed (%s); using the torch path", name, error)
+            return None
+        logger.info("native kernels %s built for this CPU: %s", name, target)
+    return ctypes.CDLL(str(target))
+
+
+def _build_key(sources: tuple[Path, ...], compiler: str, version: str) -> str:
+    digest = hashlib.sha256()
+    headers = {h for path in sources for h in path.parent.glob("*.h")}
+    for path in sorted({*sources, *headers}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update("\0".join((compiler, version, *BASE_FLAGS, *CXX_FLAGS, cpu_flags())).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(sources: tuple[Path, ...], compiler: str, target: Path) -> str:
+    """Compile into `target` (atomically), with OpenMP where the compiler has it; '' or the error."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    language = CXX_FLAGS if any(path.suffix == ".cpp" for path in sources) else ()
+    error = ""
+    for openmp in (("-fopenmp",), ()):
+        fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+        os.close(fd)
+        command = [compiler, *BASE_FLAGS, *language, *openmp, *map(str, sources), "-o", scratch]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            result, error = None, f"{compiler}: {exc}"
+        if result is not None and result.returncode == 0:
+            os.replace(scratch, target)
+            _remove_stale(target)
+            return ""
+        os.unlink(scratch)
+        if result is not None:
+            error = f"{compiler} exited {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}"
+    return error
+
+
+def _remove_stale(target: Path) -> None:
+    """Other builds of the same library (older sources, another compiler); a process that mapped one keeps it."""
+    name = target.name.rsplit("-", 1)[0]
+    for stale in target.parent.glob(f"{name}-*.so"):
+        if stale != target and stale.name.rsplit("-", 1)[0] == name:
+            stale.unlink(missing_ok=True)
 
 
 def cpu_flags() -> str:
@@ -49,43 +143,16 @@ def compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
 
 
-def load_native(source: Path) -> ctypes.CDLL | None:
-    """The compiled library of `source` (built on first use); None where it cannot be built."""
-    with _LOCK:
-        return _load(source, os.environ.get("CC", "cc"), str(cache_dir()))
+POINTER, INT64, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SUFFIXES = {"torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
-@functools.cache
-def _load(source: Path, compiler: str, cache: str) -> ctypes.CDLL | None:
-    version = compiler_version(compiler) if shutil.which(compiler) else ""
-    if not version:
-        logger.warning("native kernel %s: no working C compiler (%s); using the torch path", source.name, compiler)
-        return None
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, version.encode(), cpu_flags().encode()])).hexdigest()[:16]
-    target = Path(cache) / f"{source.stem}-{key}.so"
-    if not target.is_file() and not _compile(source, compiler, target):
-        return None
-    return ctypes.CDLL(str(target))
+def bind(name: str, *argtypes) -> ctypes._CFuncPtr:
+    """The C++ kernels' function `name`, declared with `argtypes` (returns void); cpu_kernels() must exist."""
+    function = getattr(cpu_kernels(), name)
+    function.argtypes, function.restype = argtypes, None
+    return function
 
 
-def _compile(source: Path, compiler: str, target: Path) -> bool:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = ""
-    for extra in (("-fopenmp",), ()):                  # NOTE: OpenMP where the compiler has it
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-        os.close(fd)
-        command = [compiler, *BASE_FLAGS, *extra, str(source), "-o", tmp]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
-                                    check=False)
-        except subprocess.TimeoutExpired:
-            result = None
-        if result is not None and result.returncode == 0:
-            os.replace(tmp, target)
-            logger.info("native kernel %s built for this CPU: %s", source.name, target)
-            return True
-        os.unlink(tmp)
-        errors = result.stderr.strip().splitlines()[-1:] if result is not None else ["timed out"]
-    logger.warning("native kernel %s: build failed (%s); using the torch path", source.name, " ".join(errors))
-    return False
+def int64_array(*values: int) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)

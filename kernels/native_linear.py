@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 
-from kernels._native import INT, INT64, POINTER, SUFFIXES, bind
+from kernels.native import INT, INT64, POINTER, SUFFIXES, bind
+from kernels.timing import best_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """True when linear_native takes these tensors as they are."""
     return (x.dim() == 2 and x.stride(1) == 1 and x.dtype == weight.dtype and weight.is_contiguous()
@@ -73,17 +72,7 @@ def prefer_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _measure(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> bool:
-    native = _best_seconds(lambda: linear_native(x, weight))
-    blas = _best_seconds(lambda: F.linear(x, weight))
+    native = best_seconds(lambda: linear_native(x, weight), TIMED_CALLS + 1)
+    blas = best_seconds(lambda: F.linear(x, weight), TIMED_CALLS + 1)
     logger.debug("linear %s: native %.0f us, BLAS %.0f us", key, native * 1e6, blas * 1e6)
     return native <= blas
-
-
-def _best_seconds(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(TIMED_CALLS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

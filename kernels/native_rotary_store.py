@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from kernels._native import INT, POINTER, SUFFIXES, bind, int64_array
+from kernels.native import INT, POINTER, SUFFIXES, bind, int64_array
 from kernels.rotary import rotary_ref
 from kernels.store_kv import store_kv_ref
 

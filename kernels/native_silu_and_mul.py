@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from kernels._native import INT, INT64, POINTER, SUFFIXES, bind
+from kernels.native import INT, INT64, POINTER, SUFFIXES, bind
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

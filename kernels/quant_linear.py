@@ -68,7 +68,7 @@ def quant_linear_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @functools.cache
 def _native_fn():
-    library = load_native(SOURCE)
+    library = load_native("quant_linear", (SOURCE,))
     if library is None:
         return None
     fn = library.quant_linear

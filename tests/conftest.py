@@ -12,6 +12,16 @@ if not torch.cuda.is_available():                 # NOTE: before anything import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def native_cpu_kernels_on() -> Iterator[None]:
+    """An engine a test starts may switch the native CPU kernels off for the process (--cpu-kernels
+    torch, or auto's probe); the next test starts with them on again."""
+    from kernels import native
+
+    yield
+    native.set_cpu_kernels(True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny demo checkpoint, generated once per session under a pytest temp folder.

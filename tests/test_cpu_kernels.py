@@ -1,7 +1,8 @@
-"""--cpu-kernels, the native build's cache, and its fallbacks (no compiler, a failing build)."""
+"""--cpu-kernels (auto, native, torch), the native build's cache, and its fallbacks (no compiler, a failing build)."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 
 import pytest
@@ -11,51 +12,60 @@ import kernels
 from engine.args import add_engine_args, engine_config_from_args
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.worker.cpu_kernels import prepare_cpu_kernels
-from kernels import _native
+from engine.model.config import ModelConfig
+from engine.worker import cpu_kernels
+from engine.worker.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
+from engine.worker.defaults import ProbeResult
+from kernels import native
 from kernels.rms_norm import rms_norm_ref
 from tests.models import demo_checkpoint, engine_config
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
+needs_native = pytest.mark.skipif(native.cpu_kernels() is None, reason="no C++ compiler")
 
 
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
     """The native state as a new process sees it, with an empty cache; restored afterwards."""
-    _native.library()                             # NOTE: so that monkeypatch restores the real one
-    monkeypatch.delitem(_native._state, "library")
-    monkeypatch.setitem(_native._state, "enabled", True)
+    native.cpu_kernels()                          # NOTE: so that monkeypatch restores the real one
+    monkeypatch.delitem(native._cpu_state, "library")
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
     return tmp_path
 
 
 def test_without_a_compiler_the_references_serve(fresh_native, monkeypatch, caplog):
-    monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="kernels._native"):
-        assert not prepare_cpu_kernels("native")
+    monkeypatch.setenv("CXX", str(fresh_native / "no-such-c++"))
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert prepare_cpu_kernels("native").value == "torch"
     assert [r.message for r in caplog.records] == [
-        "native CPU kernels unavailable (no C++ compiler found); using the torch references"]
+        f"native kernels cpu_kernels: no working compiler ({fresh_native / 'no-such-c++'}); using the torch path"]
     x, weight = torch.randn(3, 16), torch.rand(16)
     assert not kernels.use_native(x)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
 
 
 def test_a_failing_build_falls_back(fresh_native, monkeypatch, caplog):
-    monkeypatch.setenv("CXX", "false")            # a "compiler" that exits 1
-    with caplog.at_level(logging.WARNING, logger="kernels._native"):
-        assert _native.library() is None
-    assert len(caplog.records) == 1 and "false exited 1" in caplog.records[0].message
-    assert not list(fresh_native.glob("native/*.so"))
+    compiler = fresh_native / "broken-c++"       # answers --version, fails every compile
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo broken 1.0 && exit 0\necho "no such luck" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.cpu_kernels() is None
+    assert len(caplog.records) == 1
+    assert caplog.records[0].message.endswith("exited 1: no such luck); using the torch path")
+    assert not list(fresh_native.glob("kernels/*.so*"))
 
 
-def test_the_build_is_cached(fresh_native, monkeypatch):
-    if _native.library() is None:
-        pytest.skip("no C++ compiler")
-    builds = list(fresh_native.glob("native/pdkernels-*.so"))
-    assert len(builds) == 1
-    monkeypatch.delitem(_native._state, "library")
+@needs_native
+def test_one_build_path_for_both_libraries_cached(fresh_native, monkeypatch):
+    from kernels.quant_linear import SOURCE
+
+    assert native.cpu_kernels() is not None and native.load_native("quant_linear", (SOURCE,)) is not None
+    names = sorted(p.name.rsplit("-", 1)[0] for p in (fresh_native / "kernels").iterdir())
+    assert names == ["cpu_kernels", "quant_linear"]
+    monkeypatch.delitem(native._cpu_state, "library")
+    native._load.cache_clear()
     real_run = subprocess.run
 
     def no_compile(command, **kwargs):
@@ -63,16 +73,17 @@ def test_the_build_is_cached(fresh_native, monkeypatch):
             pytest.fail(f"compiled again: {command}")
         return real_run(command, **kwargs)
 
-    monkeypatch.setattr(_native.subprocess, "run", no_compile)
-    assert _native.library() is not None             # loaded from the cache, no compiler run
+    monkeypatch.setattr(native.subprocess, "run", no_compile)
+    assert native.cpu_kernels() is not None             # loaded from the cache, no compiler run
+    assert native.load_native("quant_linear", (SOURCE,)) is not None
 
 
-def test_cpu_kernels_option(monkeypatch):
+def test_cpu_kernels_option():
     import argparse
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).cpu_kernels == "native"
+    assert engine_config_from_args(parser.parse_args([])).cpu_kernels == "auto"
     assert engine_config_from_args(parser.parse_args(["--cpu-kernels", "torch"])).cpu_kernels == "torch"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cpu-kernels", "fast"])
@@ -80,8 +91,34 @@ def test_cpu_kernels_option(monkeypatch):
         prepare_cpu_kernels("fast")
 
 
-def generate(monkeypatch, cpu_kernels: str, mode: str):
-    monkeypatch.setitem(_native._state, "enabled", True)     # NOTE: restored after the test
+def demo_config() -> ModelConfig:
+    return ModelConfig.from_dir(demo_checkpoint())
+
+
+@needs_native
+@pytest.mark.parametrize("native_s, expected", [(1.0, "native"), (3.0, "torch")])
+def test_auto_takes_what_the_probe_finds_faster(monkeypatch, native_s, expected):
+    monkeypatch.setattr(cpu_kernels, "probe_layer_ops",
+                        lambda *a: ProbeResult.of({"native": native_s, "torch": 2.0}))
+    decision = prepare_cpu_kernels("auto", demo_config(), torch.float32, 2)
+    assert decision.value == expected and "auto:" in decision.reason
+    assert kernels.use_native(torch.randn(2, 4)) == (expected == "native")
+
+
+@needs_native
+def test_the_probe_times_both_paths_on_the_models_shapes():
+    result = probe_layer_ops(demo_config(), torch.float32, threads=min(2, os.cpu_count() or 1))
+    assert [name for name, _ in result.seconds] == ["native", "torch"]
+    assert all(0 < seconds < float("inf") for _, seconds in result.seconds)
+
+
+def test_torch_is_taken_without_building(monkeypatch):
+    monkeypatch.setattr(native, "cpu_kernels", lambda: pytest.fail("built for --cpu-kernels torch"))
+    assert prepare_cpu_kernels("torch", demo_config()).value == "torch"
+    assert not kernels.use_native(torch.randn(2, 4))
+
+
+def generate(cpu_kernels: str, mode: str):
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 130)]
     llm = LLM(config=engine_config(demo_checkpoint(), cpu_kernels=cpu_kernels, mode=mode, max_prefill_tokens=64))
     try:
@@ -90,14 +127,17 @@ def generate(monkeypatch, cpu_kernels: str, mode: str):
         llm.close()
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@needs_native
+@pytest.mark.parametrize("mode", ["adaptive", "colocated", "disaggregated"])
 def test_native_and_torch_kernels_generate_the_same_tokens(monkeypatch, mode):
-    if _native.library() is None:
-        pytest.skip("no C++ compiler")
-    native = generate(monkeypatch, "native", mode)
+    calls = []
+    real = kernels.decode_attention_native
+    monkeypatch.setattr(kernels, "decode_attention_native", lambda *a: calls.append(1) or real(*a))
+    ours = generate("native", mode)
+    assert calls, "the native attention never ran"
     monkeypatch.setattr(kernels, "decode_attention_native", lambda *a: pytest.fail("native with --cpu-kernels torch"))
-    reference = generate(monkeypatch, "torch", mode)
-    for ours, theirs in zip(native, reference):
-        assert ours.token_ids == theirs.token_ids
-        torch.testing.assert_close(torch.tensor([lp.logprob for lp in ours.logprobs]),
-                                   torch.tensor([lp.logprob for lp in theirs.logprobs]), atol=1e-4, rtol=0)
+    reference = generate("torch", mode)
+    for a, b in zip(ours, reference):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import _native
+from kernels import native
 from kernels.activation import silu_and_mul_ref
 from kernels.decode_attention import decode_attention_ref
 from kernels.native_decode_attention import decode_attention_native
@@ -24,7 +24,7 @@ from tests.conftest_kernels import (
     rel_err,
 )
 
-pytestmark = pytest.mark.skipif(_native.library() is None, reason="no C++ compiler: the native kernels cannot build")
+pytestmark = pytest.mark.skipif(native.cpu_kernels() is None, reason="no C++ compiler: the native kernels cannot build")
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2}

@@ -115,7 +115,7 @@ def test_loader_without_compiler_returns_none(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     from kernels.quant_linear import SOURCE
 
-    assert native.load_native(SOURCE) is None
+    assert native.load_native("quant_linear", (SOURCE,)) is None
 
 
 @needs_native
@@ -123,6 +123,6 @@ def test_loader_builds_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     from kernels.quant_linear import SOURCE
 
-    assert native.load_native(SOURCE) is not None
+    assert native.load_native("quant_linear", (SOURCE,)) is not None
     built = list((tmp_path / "kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"

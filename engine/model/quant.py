@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from engine.model.gguf import SOURCE_FILE
 from engine.model.gguf_block_cache import cached_gguf_projections
@@ -53,7 +54,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight, self.bias)
+            return kernels.linear(x, self.weight, self.bias)
         y = quant_linear_native(x.contiguous(), self.packed)
         return y if self.bias is None else y.add_(self.bias)
 

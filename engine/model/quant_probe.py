@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+import kernels
 from kernels.quant_linear import KernelWeight, quant_linear_native
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -31,7 +31,8 @@ class ProbeResult:
 
 def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threads: int,
                     batch_sizes: tuple[int, ...] = BATCH_SIZES) -> ProbeResult:
-    """Time F.linear over `dense` (weights [N, K] in the serving dtype) against the kernel over
+    """Time the dense linear the model would run otherwise (kernels.linear: the native GEMV or BLAS,
+    whichever wins there) over `dense` (weights [N, K] in the serving dtype) against the kernel over
     `packed` (the same weights quantized), with `threads` threads, at each batch size in turn."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -39,7 +40,7 @@ def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threa
         timings, max_rows = [], 0
         for rows in batch_sizes:
             x = torch.randn(rows, dense[0].shape[1], dtype=dense[0].dtype)
-            dense_s, quant_s = _best_passes(lambda x=x: [F.linear(x, w) for w in dense],
+            dense_s, quant_s = _best_passes(lambda x=x: [kernels.linear(x, w) for w in dense],
                                             lambda x=x: [quant_linear_native(x, w, threads) for w in packed])
             timings.append((rows, dense_s, quant_s))
             if quant_s > WIN_MARGIN * dense_s:

@@ -1,33 +1,111 @@
-"""Start-up of the native CPU kernels (kernels/csrc, built by kernels/_native.py).
+"""`--cpu-kernels` at start-up: the C++ CPU kernels (kernels/csrc, built by kernels/native.py) or the
+plain-torch references, decided before the engine reports ready.
 
-`--cpu-kernels native` (the default) builds them before the engine reports ready, or loads the
-build cached under $PDSERVE_CACHE/native/; `--cpu-kernels torch` serves CPU tensors with the
-plain-torch references. A failed build logs one line and falls back to the references.
+`native` builds them (or loads the build cached under $PDSERVE_CACHE/kernels/); `torch` keeps the
+references; `auto` (the default) builds them and keeps them where a start-up probe, on this CPU with
+the model's shapes and the serving thread count, finds one decode layer's element-wise and attention
+work (RMSNorm + residual, rotary + KV store, paged attention, SiLU-and-mul) no slower than the
+references'. Linears are chosen per shape and batch by kernels/native_linear.py's own measurement
+either way. A failed build logs one line (kernels/native.py) and the references serve.
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from kernels import _native
+import torch
+
+from engine.model.config import ModelConfig
+from engine.worker.defaults import Choice, ProbeResult, probe
+from kernels import native
+from kernels.activation import silu_and_mul_ref
+from kernels.decode_attention import decode_attention_ref
+from kernels.native_decode_attention import decode_attention_native
+from kernels.native_decode_attention import supports as attention_supports
+from kernels.native_rms_norm import rms_norm_native
+from kernels.native_rotary_store import rotary_store_native, rotary_store_ref
+from kernels.native_silu_and_mul import silu_and_mul_native
+from kernels.rms_norm import rms_norm_ref
 
 logger = logging.getLogger(__name__)
 
-CPU_KERNELS = ("native", "torch")
+CPU_KERNELS = ("auto", "native", "torch")
+PROBE_SEQS, PROBE_CONTEXT, PROBE_BLOCK = 8, 512, 16    # a decode step of 8 sequences, 512 tokens each
+PROBE_BUDGET_S = 0.05
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def prepare_cpu_kernels(choice: str) -> bool:
-    """Apply --cpu-kernels for this process; True when the native kernels serve CPU tensors.
+def prepare_cpu_kernels(choice: str, model: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+                        threads: int = 1) -> Choice:
+    """Apply --cpu-kernels for this process; returns (and logs) what serves CPU tensors and why.
 
     Raises ValueError for an unknown choice."""
     if choice not in CPU_KERNELS:
         raise ValueError(f"--cpu-kernels must be one of {', '.join(CPU_KERNELS)}, got {choice!r}")
-    _native.set_enabled(choice == "native")
+    decision = _decide(choice, model, dtype, threads)
+    native.set_cpu_kernels(decision.value == "native")
+    logger.info("%s", decision)
+    return decision
+
+
+def _decide(choice: str, model: ModelConfig | None, dtype: torch.dtype, threads: int) -> Choice:
     if choice == "torch":
-        logger.info("CPU kernels: the torch references (--cpu-kernels torch)")
-        return False
+        return Choice("cpu-kernels", "torch", "asked for (--cpu-kernels torch)")
     started = time.perf_counter()
-    if _native.library() is None:
-        return False                              # NOTE: _native logged why
-    logger.info("CPU kernels: native (ready in %.1f s)", time.perf_counter() - started)
-    return True
+    if native.cpu_kernels() is None:
+        return Choice("cpu-kernels", "torch", "the native kernels could not be built (see above)")
+    built = f"built or loaded in {time.perf_counter() - started:.1f} s"
+    if choice == "native" or model is None:
+        return Choice("cpu-kernels", "native", f"{built}, asked for (--cpu-kernels native)")
+    if dtype not in NATIVE_DTYPES:
+        return Choice("cpu-kernels", "torch", f"auto: no native kernels for {dtype}")
+    result = probe_layer_ops(model, dtype, threads)
+    speedup = result.speedup("native", over="torch")
+    value = "native" if speedup >= 1.0 else "torch"
+    return Choice("cpu-kernels", value, f"auto: {built}; a decode layer's attention and element-wise ops "
+                                        f"{_ratio(speedup)} than torch's with {threads} threads")
+
+
+def _ratio(speedup: float) -> str:
+    return f"{speedup:.2f}x faster" if speedup >= 1.0 else f"{1 / speedup:.2f}x slower"
+
+
+def probe_layer_ops(model: ModelConfig, dtype: torch.dtype, threads: int) -> ProbeResult:
+    """Best time of one decode layer's non-linear ops, native against the references, on random data."""
+    inputs = _probe_inputs(model, dtype)
+    if not attention_supports(inputs["q"], inputs["pool"]):
+        return ProbeResult.of({"native": float("inf"), "torch": 1.0})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return probe({"native": lambda: _layer_ops(inputs, native=True),
+                      "torch": lambda: _layer_ops(inputs, native=False)}, budget_s=PROBE_BUDGET_S)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _probe_inputs(model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    seqs, heads, kv_heads, dim = PROBE_SEQS, model.num_heads, model.num_kv_heads, model.head_dim
+    per_seq = PROBE_CONTEXT // PROBE_BLOCK
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)      # noqa: E731
+    return {"h": rand(seqs, model.hidden_size), "residual": rand(seqs, model.hidden_size),
+            "norm": rand(model.hidden_size), "gate_up": rand(seqs, 2 * model.intermediate_size),
+            "q": rand(seqs, heads, dim), "k": rand(seqs, kv_heads, dim), "v": rand(seqs, kv_heads, dim),
+            "pool": rand(seqs * per_seq, 1, 2, PROBE_BLOCK, kv_heads, dim),
+            "tables": torch.randperm(seqs * per_seq, generator=g).to(torch.int32).view(seqs, per_seq),
+            "lens": torch.full((seqs,), PROBE_CONTEXT, dtype=torch.int32),
+            "positions": torch.full((seqs,), PROBE_CONTEXT - 1, dtype=torch.int32),
+            "slots": torch.arange(seqs, dtype=torch.int32) * PROBE_CONTEXT + PROBE_CONTEXT - 1,
+            "cos_sin": torch.rand(PROBE_CONTEXT, dim, generator=g)}
+
+
+def _layer_ops(t: dict[str, torch.Tensor], native: bool) -> None:
+    norm, rotary_store, attention, silu = ((rms_norm_native, rotary_store_native, decode_attention_native,
+                                            silu_and_mul_native) if native else
+                                           (rms_norm_ref, rotary_store_ref, decode_attention_ref, silu_and_mul_ref))
+    norm(t["h"], t["norm"], 1e-5, t["residual"])
+    q = rotary_store(t["q"], t["k"], t["v"], t["positions"], t["cos_sin"], t["pool"], 0, t["slots"])
+    attention(q, t["pool"], 0, t["tables"], t["lens"], t["q"].shape[-1] ** -0.5)
+    norm(t["h"], t["norm"], 1e-5, t["residual"])
+    silu(t["gate_up"])
