@@ -11,13 +11,13 @@ the native decode kernel run once per query row (each row a sequence of its caus
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from kernels.decode_attention import decode_attention_ref
 from kernels.native_decode_attention import decode_attention_native
 from kernels.prefill_attention import prefill_attention_ref
+from kernels.timing import best_seconds
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -33,16 +33,6 @@ def paged(context_lens: list[int], dtype: torch.dtype):
         tables[seq, :count] = ids[used:used + count]
         used += count
     return pool, tables, torch.tensor(context_lens, dtype=torch.int32)
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def decode_rows(args, batch: int, context: int) -> str:

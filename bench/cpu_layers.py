@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from kernels.native_rms_norm import rms_norm_native
 from kernels.native_silu_and_mul import silu_and_mul_native
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_ref
+from kernels.timing import best_seconds
 
 
 def dense_layers(model, h, residual, positions, ops):
@@ -49,15 +49,6 @@ def dense_layers(model, h, residual, positions, ops):
 
 EAGER = (F.linear, rms_norm_ref, silu_and_mul_ref)
 NATIVE = (lambda x, w, b: linear_native(x, w), rms_norm_native, silu_and_mul_native)
-
-
-def best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main(argv=None) -> int:

@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
-import orjson
 import torch
 
+from bench.documents import write_json
+from kernels.timing import best_seconds
+
 ARRAY_BYTES = 256 << 20
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(threads: int | None = None, repeats: int = 5, array_bytes: int = ARRAY_BYTES) -> dict:
@@ -37,9 +28,9 @@ def measure(threads: int | None = None, repeats: int = 5, array_bytes: int = ARR
     try:
         n = array_bytes // 4
         a, b, c = (torch.rand(n) for _ in range(3))
-        copy = _best_seconds(lambda: a.copy_(b), repeats)
-        triad = _best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
-        read = _best_seconds(lambda: b.sum(), repeats)
+        copy = best_seconds(lambda: a.copy_(b), repeats)
+        triad = best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+        read = best_seconds(lambda: b.sum(), repeats)
     finally:
         torch.set_num_threads(previous)
     return {"threads": threads, "copy_gb_s": 2 * array_bytes / copy / 1e9,
@@ -56,8 +47,7 @@ def main(argv=None) -> int:
     print(f"memory bandwidth, {result['threads']} threads: copy {result['copy_gb_s']:.1f} GB/s, "
           f"triad {result['triad_gb_s']:.1f} GB/s, read {result['read_gb_s']:.1f} GB/s")
     if args.result_json:
-        with open(args.result_json, "wb") as f:
-            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        write_json(args.result_json, result)
     return 0
 
 

@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import torch
 
 from bench import memory_bandwidth
+from bench.documents import machine_description, write_json
 from bench.llama_cpp import find_llama_server
 from engine.config import ModelConfig
 from engine.topology import resolve_model_dir
+from kernels.timing import best_seconds
 
 RESULT_PREFIX = "offline-throughput-result: "
 ENGINES = ("pdserve", "transformers", "llama.cpp")
@@ -37,15 +37,6 @@ ENGINES = ("pdserve", "transformers", "llama.cpp")
 def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (num, length), generator=generator).tolist()
-
-
-def best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(generate, args, prompts: list[list[int]], long_prompt: list[int] | None) -> dict:
@@ -192,18 +183,10 @@ def main(argv=None) -> int:
     results = [_in_subprocess(args, engine) for engine in engines]
     bandwidth = memory_bandwidth.measure(args.threads)
     report(args, results, bandwidth)
-    record = {"args": vars(args), "machine": _machine(), "memory_bandwidth": bandwidth, "results": results}
+    record = {"args": vars(args), "machine": {"description": machine_description(), "capability": torch.backends.cpu.get_cpu_capability()}, "memory_bandwidth": bandwidth, "results": results}
     if args.result_json:
-        with open(args.result_json, "wb") as f:
-            f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        write_json(args.result_json, record)
     return 0
-
-
-def _machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": model or platform.machine(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _run_one(args: argparse.Namespace) -> int:
