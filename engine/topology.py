@@ -121,7 +121,8 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     graph_batch = sched.max_num_seqs if config.cuda_graph else 0
     if "cpu" in (plan.prefill_device.type, plan.decode_device.type):
-        prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype, max(len(plan.decode_cores), 1))
+        prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
+                            max(len({*plan.prefill_cores, *plan.decode_cores}), 1))
     step_sizes = dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                       max_seqs=2 * sched.max_num_seqs)
     sizer = PoolSizer(cache, sched, model_config, plan.dtype, plan.max_model_len,
