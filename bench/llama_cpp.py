@@ -12,6 +12,7 @@ import json
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -45,10 +46,11 @@ def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int
     command = [binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context),
                "-np", str(slots), "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--host", "127.0.0.1",
                "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")      # NOTE: a pipe nobody drains fills up and stalls the server
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, process)
+        _wait_ready(url, process, log)
         yield url
     finally:
         process.terminate()
@@ -57,13 +59,15 @@ def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        log.close()
 
 
-def _wait_ready(url: str, process: subprocess.Popen) -> None:
+def _wait_ready(url: str, process: subprocess.Popen, log) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited {process.returncode}: {process.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"llama-server exited {process.returncode}: {log.read()[-2000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as response:
                 if response.status == 200:

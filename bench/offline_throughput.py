@@ -15,6 +15,7 @@ weights plus the K/V read per step, over the step time. Writes the full result a
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -67,8 +68,10 @@ def bench_pdserve(args, prompts, long_prompt) -> dict:
     from engine.llm import LLM
 
     config = EngineConfig(model=args.model, dtype=args.dtype, mode=args.mode, cpu_kernels=args.cpu_kernels,
+                          quantization=args.quantization,
                           async_scheduling={"on": True, "off": False, "auto": None}[args.async_scheduling],
-                          cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+                          cache=CacheConfig(kv_cache_memory=args.kv_cache_memory,   # NOTE: llama.cpp: cache_prompt false
+                                            enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
                                                     max_prefill_tokens=args.max_prefill_tokens))
     llm = LLM(config=config)
@@ -124,12 +127,22 @@ def parameter_count(model_dir: Path) -> int:
     return total
 
 
+def weight_bytes(args, element: int) -> int:
+    """The weights a decode step streams: the GGUF file's tensors as stored when the run keeps its blocks
+    (--quantization gguf), else every parameter at `element` bytes."""
+    if args.quantization == "gguf" and Path(args.model).is_file():
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(args.model).tensors)
+    return parameter_count(resolve_model_dir(args.model)) * element
+
+
 def bytes_per_step(args, config: ModelConfig, batch: int) -> float:
     """Weights plus the K/V a decode step of `batch` reads, at the mean context of the pass."""
     element = 2 if args.dtype in (None, "bfloat16", "float16") else 4
     kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
     mean_context = args.input_len + args.output_len / 2
-    return parameter_count(resolve_model_dir(args.model)) * element + batch * mean_context * kv_per_token
+    return weight_bytes(args, element) + batch * mean_context * kv_per_token
 
 
 def report(args, results: list[dict], bandwidth: dict) -> None:
@@ -153,7 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="demo:base")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--mode", default=None, choices=("adaptive", "disaggregated", "colocated"))
-    p.add_argument("--cpu-kernels", default="native", choices=("native", "torch"))
+    p.add_argument("--cpu-kernels", default="auto", choices=("auto", "native", "torch"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "gguf", "auto"),
+                   help="pdserve's --quantization (gguf with --model FILE.gguf: the blocks llama.cpp reads too)")
     p.add_argument("--num-prompts", type=int, default=32, help="the batch size when --batches is not given")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32")
     p.add_argument("--input-len", type=int, default=128)
@@ -190,6 +205,7 @@ def main(argv=None) -> int:
 
 
 def _run_one(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")     # NOTE: to stderr, read by main
     torch.manual_seed(args.seed)
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
     prompts = seeded_prompts(max(args.batches), args.input_len, vocab, args.seed)
@@ -204,9 +220,11 @@ def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
     child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
              if value is not None and name not in skip]
     child.append("--batches=" + ",".join(map(str, args.batches)))
-    out = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *child, f"--engine={engine}"],
-                         check=True, capture_output=True, text=True).stdout
-    line = next(line for line in out.splitlines() if line.startswith(RESULT_PREFIX))
+    done = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *child, f"--engine={engine}"],
+                          check=True, capture_output=True, text=True)
+    for decision in (line for line in done.stderr.splitlines() if "cpu-kernels" in line or "quantization " in line):
+        print(decision, file=sys.stderr)                  # NOTE: what the engine chose at start-up
+    line = next(line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX))
     return orjson.loads(line[len(RESULT_PREFIX):])
 
 
