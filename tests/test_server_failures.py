@@ -3,6 +3,9 @@ server serves again (restart: /health 200) or /health and new requests get 503 a
 exits non-zero with the watchdog silent (exit), so systemd restarts it."""
 from __future__ import annotations
 
+import os
+import signal
+
 import aiohttp
 import openai
 import orjson
@@ -53,3 +56,28 @@ async def test_a_dead_engine_fails_the_stream_refuses_the_rest_and_exits_1(serve
     assert server.exit_code() == 1, server.log.read_text()
     log = server.log.read_text()
     assert "the engine is dead, exiting" in log
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found |= {int(c) for c in f.read().split()}
+    return found
+
+
+async def test_sigterm_with_worker_processes_exits_0_and_leaves_nothing_behind(server_process, tiny_model_dir):
+    shm_before = set(os.listdir("/dev/shm"))
+    server = server_process("--workers", "process", "--mode", "disaggregated")
+    await server.wait_for(b"READY=1")
+    workers = children(server.proc.pid)
+    assert len(workers) >= 2                            # the prefill and decode workers (and a resource tracker)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base + "/v1/completions",
+                                json={"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 4}) as reply:
+            assert reply.status == 200
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.exit_code() == 0, server.log.read_text()
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert set(os.listdir("/dev/shm")) <= shm_before
