@@ -44,6 +44,15 @@ async def fail_then_serve(engine: Engine, expected: list[int]):
     return results, after
 
 
+def assert_failed_then_served(engine: Engine, expected: list[int]) -> None:
+    """fail_then_serve: every doomed request errors, one restart, the same tokens after, no block held."""
+    results, (tokens, _) = asyncio.run(run_engine(engine, fail_then_serve(engine, expected)))
+    assert all(r is FinishReason.ERROR for _, r in results) and tokens == expected
+    assert engine.supervisor.restarts == 1
+    assert_pools_free(engine)
+    engine.close()
+
+
 def reference_tokens(mode: str) -> list[int]:
     engine = Engine(engine_config(demo_checkpoint(), mode=mode))
 
@@ -94,11 +103,7 @@ def test_a_bookkeeping_exception_on_the_loop_is_caught_the_same_way(mode, monkey
         return real_record(batch, outcome)
 
     actor.record = record                           # the failing actor is discarded; its fresh one is clean
-    results, (tokens, _) = asyncio.run(run_engine(engine, fail_then_serve(engine, expected)))
-    assert all(r is FinishReason.ERROR for _, r in results) and tokens == expected
-    assert engine.supervisor.restarts == 1
-    assert_pools_free(engine)
-    engine.close()
+    assert_failed_then_served(engine, expected)
 
 
 def test_exit_policy_marks_the_engine_dead_and_refuses_new_requests(monkeypatch):

@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.worker.process import ProcessCompute
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine, transformers_model  # noqa: F401
-from tests.test_supervisor import LONG, SHORT, build, fail_then_serve, until
+from tests.test_supervisor import LONG, SHORT, assert_failed_then_served, build, reference_tokens, until
 
 MODES = ("adaptive", "disaggregated", "colocated")
 GREEDY_PROMPTS = prompts([5, 90, 30, 200], seed=3)
@@ -92,19 +92,8 @@ def test_a_worker_killed_mid_step_errors_its_requests_and_is_spawned_again(mode,
 
 
 def test_a_raising_worker_step_restarts_and_serves_the_thread_workers_tokens(monkeypatch):
-    thread = Engine(engine_config(demo_checkpoint(), mode="disaggregated"))
-
-    async def one(engine):
-        return await collect(engine.submit(Request("after", prompts([10], seed=2)[0], SHORT)))
-
-    expected, _ = asyncio.run(run_engine(thread, one(thread)))
-    thread.close()
-    engine = build("disaggregated", monkeypatch, "prefill:raise@1", workers="process")
-    results, (tokens, _) = asyncio.run(run_engine(engine, fail_then_serve(engine, expected)))
-    assert all(r is FinishReason.ERROR for _, r in results) and tokens == expected
-    assert engine.supervisor.restarts == 1
-    assert_pools_free(engine)
-    engine.close()
+    expected = reference_tokens("disaggregated")                     # thread workers
+    assert_failed_then_served(build("disaggregated", monkeypatch, "prefill:raise@1", workers="process"), expected)
 
 
 def test_a_worker_stuck_past_the_step_timeout_is_killed_and_spawned_again(monkeypatch):
