@@ -34,5 +34,8 @@ class EngineConfig:
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
     quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
     seed: int = 0
+    workers: str = "thread"           # thread | process: where each actor's runner steps (engine.worker.compute)
+    on_worker_failure: str = "restart"  # restart | exit (engine.supervisor)
+    step_timeout: float = 120.0       # seconds one step may run before its actor counts as failed; 0: never
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -153,7 +153,8 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
     engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", **TINY_TARGET))
     prefill, decode = engine.actors
     starts, threads = [], []
-    real_execute, real_threads = prefill.execute, decode.step_threads
+    step_runner = prefill.unit.step_runner
+    real_execute, real_threads = step_runner.run, decode.step_threads
 
     def execute(work):
         starts.append(decode.steps)                    # decode steps completed when this prefill step began
@@ -163,7 +164,7 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
         threads.append((decode.steps, real_threads()))
         return threads[-1][1]
 
-    prefill.execute, decode.step_threads = execute, step_threads
+    step_runner.run, decode.step_threads = execute, step_threads
 
     async def scenario():
         streaming = engine.submit(Request("long-decode", prompts([8])[0],
