@@ -1,4 +1,4 @@
-"""`python -m bench.compare`: pdserve disaggregated vs colocated vs `transformers serve`.
+"""`python -m bench.compare`: pdserve adaptive vs disaggregated vs colocated vs `transformers serve`.
 
 Starts each server on a free local port with the same checkpoint, runs the same
 seeded workload against each in turn, stops it (SIGTERM, SIGKILL after a grace
@@ -22,9 +22,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import loadtest
-from bench.compare_report import evaluate_targets, render_section, replace_section
+from bench.compare_report import evaluate_targets, render_section, replace_section, roles_plot_path
 from bench.documents import arguments_dict, machine_description, write_json
 from bench.metrics import BenchResult, markdown_comparison
+from bench.server_metrics import PlacementSampler
 from bench.servers import (
     PREFIX_CACHING_AB,
     REPO,
@@ -63,26 +64,29 @@ def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Opt
         except RuntimeError as error:
             return ServerOutcome(spec, command, error=str(error))
         startup = time.monotonic() - started
-        result = asyncio.run(_benchmark(spec, base_url, model, args, options))
+        result, timeline = asyncio.run(_benchmark(spec, base_url, model, args, options))
     summary = loadtest.summarize_run(result, options)
     error = "" if summary["completed"] else f"no request succeeded: {summary['errors']}"
-    return ServerOutcome(spec, command, error, startup, summary, result.records)
+    return ServerOutcome(spec, command, error, startup, summary, result.records, tuple(timeline))
 
 
 async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse.Namespace,
-                     options: loadtest.Options) -> BenchResult:
+                     options: loadtest.Options) -> tuple[BenchResult, list[dict]]:
+    """The run's result and the server's placement timeline over it (`PlacementSampler`; [] without one)."""
     endpoint = EndpointConfig(base_url=base_url, model=model, endpoint=args.endpoint,
                               length_control=spec.length_control, temperature=args.temperature,
                               require_done=spec.require_done, request_timeout=args.request_timeout)
     endpoint = loadtest.workload_endpoint(endpoint, options.workload)
-    return await loadtest.run_workload(endpoint, options, progress=not args.disable_tqdm)
+    async with PlacementSampler(endpoint, args.role_interval) as sampler:
+        result = await loadtest.run_workload(endpoint, options, progress=not args.disable_tqdm)
+    return result, sampler.timeline(result.origin)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `python -m bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo 'base' model)")
     parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES)} (default: all "
-                                                         "three, none with --pdserve-variant or --prefix-caching-ab)")
+                                                         "four, none with --pdserve-variant or --prefix-caching-ab)")
     parser.add_argument("--pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="also run a pdserve server named NAME with these extra flags (repeatable), e.g. "
                              "--pdserve-variant big-blocks='--block-size 32'")
@@ -104,7 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         user_message_len=32)
     parser.add_argument("--result-json", default=None,
                         help="default: bench/results/compare.json, compare_SECTION.json for another --section")
-    parser.add_argument("--plot", default=None, help="default: as --result-json, .png")
+    parser.add_argument("--plot", default=None, help="default: as --result-json, .png; the pdserve servers' "
+                                                     "actor roles over time go beside it, as NAME_roles.png")
+    parser.add_argument("--role-interval", type=float, default=0.25,
+                        help="seconds between two reads of a server's /metrics for its role timeline")
     parser.add_argument("--log-dir", default=str(RESULTS_DIR / "logs"), help="one server log per server")
     parser.add_argument("--results-md", default=str(REPO / "bench" / "RESULTS.md"), help="'' to leave it alone")
     parser.add_argument("--section", default=None,
@@ -119,16 +126,22 @@ def _write_outputs(args: argparse.Namespace, options: loadtest.Options, model_di
     write_json(args.result_json, {
         "command": command, "date": date, "machine": machine_description(), "model": model_dir,
         "workload": asdict(options.workload), "traffic": asdict(options.traffic),
-        "targets": dict(evaluate_targets(outcomes)),
+        "targets": dict(evaluate_targets(outcomes, options)),
         "servers": [{"name": o.spec.name, "title": o.spec.title, "command": o.command, "ok": o.ok, "error": o.error,
-                     "startup_s": o.startup_s, "summary": o.summary, "requests": [r.to_json() for r in o.records]}
+                     "startup_s": o.startup_s, "summary": o.summary, "requests": [r.to_json() for r in o.records],
+                     "role_timeline": list(o.timeline)}
                     for o in outcomes],
     } | {"arguments": arguments_dict(args)})
     runs = [(o.spec.title, o.records) for o in outcomes if o.records]
+    timelines = [(o.spec.title, o.timeline, o.records) for o in outcomes if o.timeline]
     if runs:
         from bench.plot import plot_runs
 
         plot_runs(runs, args.plot)
+    if timelines:
+        from bench.plot import plot_roles
+
+        plot_roles(timelines, roles_plot_path(args.plot))
     if args.results_md:
         section = render_section(args, options, model_dir, outcomes, command, date)
         replace_section(Path(args.results_md), args.section, section)
@@ -217,7 +230,7 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
     _write_outputs(args, options, model_dir, outcomes, command)
     print(markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]))
     print(markdown_turns([(o.spec.title, o.summary) for o in outcomes]))
-    print("\n".join(f"{what}: {verdict}" for what, verdict in evaluate_targets(outcomes)))
+    print("\n".join(f"{what}: {verdict}" for what, verdict in evaluate_targets(outcomes, options)))
     print("\n".join(f"{o.spec.title} failed: {o.error}" for o in outcomes if not o.ok))
     return 0 if all(o.ok for o in outcomes) else 1
 

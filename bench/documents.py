@@ -60,8 +60,18 @@ def machine_description() -> str:
                  if line.startswith("model name")]
         cpu = names[0] if names else cpu
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {os.cpu_count()} cores ({usable} usable), {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {_version('torch')}, transformers {_version('transformers')}")
+    return (f"{cpu}, {os.cpu_count()} cores ({usable} usable), torch CPU capability {_cpu_capability()}, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+            f"torch {_version('torch')}, transformers {_version('transformers')}")
+
+
+def _cpu_capability() -> str:
+    """torch's name for the widest vector ISA it dispatches to here (AVX512, AVX2, ...)."""
+    try:
+        import torch
+    except ImportError:
+        return "unknown (no torch)"
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _version(package: str) -> str:

@@ -146,7 +146,8 @@ async def benchmark(
             records = await _collect(tasks, _bound(traffic, endpoint, origin))
             duration = time.perf_counter() - origin
         after = await scrape_prefix_cache(session, endpoint)
-    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after))
+    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after),
+                       origin)
 
 
 async def _send_all(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest],

@@ -70,12 +70,14 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class BenchResult:
-    """A run's records, its duration (s) and the server's prefix-cache counters over it
-    (bench.server_metrics.prefix_cache_delta; None when the server exports none)."""
+    """A run's records, its duration (s), the server's prefix-cache counters over it
+    (bench.server_metrics.prefix_cache_delta; None when the server exports none) and the
+    time.perf_counter() its records' send times count from."""
 
     records: tuple[RequestRecord, ...]
     duration: float
     prefix_cache: dict | None = None
+    origin: float = 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -131,7 +131,8 @@ async def benchmark_conversations(endpoint: EndpointConfig, spec: WorkloadSpec, 
             records = [record for result in await asyncio.gather(*tasks) for record in result]
             duration = time.perf_counter() - origin
         after = await scrape_prefix_cache(session, endpoint)
-    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after))
+    return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after),
+                       origin)
 
 
 def _sender(session: aiohttp.ClientSession, endpoint: EndpointConfig, origin: float) -> SendTurn:

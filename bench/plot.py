@@ -1,5 +1,5 @@
-"""Load-test plots: TTFT and ITL CDFs, and inter-token latency over time with
-long-prompt arrivals marked (matplotlib, Agg canvas; no display needed)."""
+"""Load-test plots: TTFT and ITL CDFs, inter-token latency over time with long-prompt
+arrivals marked, and pdserve's actor roles over time (matplotlib, Agg canvas; no display needed)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -77,5 +77,63 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str | P
         _strip(ax, label, records, color)
         strip_axes.append(ax)
     strip_axes[-1].set_xlabel("time since start (s)")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+ROLE_COLORS = {"decode": "tab:blue", "prefill": "tab:orange", "lent": "tab:green", "idle": "lightgray",
+               "colocated": "tab:purple"}
+
+
+def _role_bands(ax: Axes, timeline: Sequence[dict]) -> list[str]:
+    """One row of coloured spans per actor, a span per sample (to the next one); returns the actor names."""
+    actors = sorted({actor for sample in timeline for actor in sample["roles"]})
+    ends = [sample["t"] for sample in timeline[1:]] + [timeline[-1]["t"]]
+    for row, actor in enumerate(actors):
+        for sample, end in zip(timeline, ends):
+            role = sample["roles"].get(actor)
+            if role is not None and end > sample["t"]:
+                ax.broken_barh([(sample["t"], end - sample["t"])], (row - 0.4, 0.8),
+                               color=ROLE_COLORS.get(role, "tab:red"), linewidth=0)
+    ax.set_yticks(range(len(actors)), actors)
+    return actors
+
+
+def _role_counters(ax: Axes, timeline: Sequence[dict]) -> None:
+    times = [sample["t"] for sample in timeline]
+    series = {f"{name} prefills": [s["prefills"].get(name, 0.0) for s in timeline] for name in ("local", "remote")}
+    series["lent steps"] = [sum(s["lent_steps"].values()) for s in timeline]
+    for (label, values), color in zip(series.items(), ("black", "tab:red", "tab:green")):
+        if any(values):
+            ax.plot(times, [v - values[0] for v in values], label=label, color=color, linewidth=1.0)
+    ax.set_ylabel("count since start", fontsize=8)
+    if ax.has_data():
+        ax.legend(fontsize=7, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no placement counted (a fixed mode)", transform=ax.transAxes, ha="center", fontsize=8)
+
+
+def plot_roles(runs: Sequence[tuple[str, Sequence[dict], Sequence[RequestRecord]]], path: str | Path) -> None:
+    """For each (title, role timeline, records): each actor's role over time (coloured spans, long-prompt
+    arrivals dotted) above its placement counters; save a PNG. Raises ValueError when no run has a sample."""
+    runs = [run for run in runs if run[1]]
+    if not runs:
+        raise ValueError("no role timeline to plot")
+    fig = Figure(figsize=(12, 3.2 * len(runs)), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2 * len(runs), 1, height_ratios=[1.0, 1.2] * len(runs))
+    for index, (title, timeline, records) in enumerate(runs):
+        bands, counters = fig.add_subplot(grid[2 * index]), fig.add_subplot(grid[2 * index + 1])
+        _role_bands(bands, timeline)
+        _role_counters(counters, timeline)
+        for record in records:
+            if record.kind == "long":
+                bands.axvline(record.send_time, color="black", linewidth=0.8, alpha=0.6, linestyle=":")
+        roles = sorted({role for sample in timeline for role in sample["roles"].values()})
+        legend = ", ".join(f"{role} = {ROLE_COLORS.get(role, 'tab:red').removeprefix('tab:')}" for role in roles)
+        bands.set_title(f"{title}: actor roles over time ({legend}; dotted: long-prompt arrivals)", fontsize=9,
+                        loc="left")
+        counters.sharex(bands)
+        counters.set_xlabel("time since the measured run started (s; before 0: warm-up)")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.metrics import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
-SERVER_NAMES = ("pdserve-disaggregated", "pdserve-colocated", "transformers")
+SERVER_NAMES = ("pdserve-adaptive", "pdserve-disaggregated", "pdserve-colocated", "transformers")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
 
 
@@ -43,6 +43,7 @@ class ServerOutcome:
     startup_s: float = 0.0
     summary: dict | None = None
     records: tuple[RequestRecord, ...] = ()
+    timeline: tuple[dict, ...] = ()          # bench.server_metrics.PlacementSampler's samples
 
     @property
     def ok(self) -> bool:
@@ -172,15 +173,12 @@ def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
     devices = PDSERVE_DEVICES
     hf = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
           "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}"]
-    specs = {
-        "pdserve-disaggregated": ServerSpec("pdserve-disaggregated", "pdserve disaggregated",
-                                            (*pdserve, "--mode", "disaggregated", *devices, *pdserve_args)),
-        "pdserve-colocated": ServerSpec("pdserve-colocated", "pdserve colocated",
-                                        (*pdserve, "--mode", "colocated", *devices, *pdserve_args)),
-        "transformers": ServerSpec("transformers", "transformers serve", (*hf, *transformers_args),
-                                   length_control="generation-config", require_done=False, env=OFFLINE_ENV,
-                                   unavailable=transformers_unavailable() if "transformers" in names else ""),
-    }
+    specs = {f"pdserve-{mode}": ServerSpec(f"pdserve-{mode}", f"pdserve {mode}",
+                                           (*pdserve, "--mode", mode, *devices, *pdserve_args))
+             for mode in ("adaptive", "disaggregated", "colocated")}
+    specs["transformers"] = ServerSpec("transformers", "transformers serve", (*hf, *transformers_args),
+                                       length_control="generation-config", require_done=False, env=OFFLINE_ENV,
+                                       unavailable=transformers_unavailable() if "transformers" in names else "")
     return [specs[name] for name in names]
 
 

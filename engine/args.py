@@ -60,6 +60,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "the model came from a GGUF file and a start-up probe finds it faster")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
+    g.add_argument("--workers", choices=("thread", "process"), default="thread",
+                   help="where each actor's model runner steps: a thread of the server process (default), or "
+                        "its own spawned worker process (CPU; the decode pool in shared memory, written "
+                        "directly by the prefill worker)")
+    g.add_argument("--on-worker-failure", choices=("restart", "exit"), default="restart",
+                   help="when an actor fails or a step runs past --step-timeout, every unfinished request "
+                        "ends with an error, then: restart fresh actors (default; at most 3 times a minute), "
+                        "or exit: /health and new requests get 503 and the server exits non-zero")
+    g.add_argument("--step-timeout", type=float, default=120.0,
+                   help="seconds one step may run before its actor counts as failed (0: never)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step while the previous one runs, so host work overlaps "
                         "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
@@ -74,6 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _positive(args, "block_size", "max_num_seqs", "max_prefill_tokens", "max_queue")
     if args.block_size & (args.block_size - 1) or args.block_size < 8:
         raise ValueError("--block-size must be a power of two >= 8")
+    if args.step_timeout < 0:
+        raise ValueError("--step-timeout must be >= 0 (0 disables it)")
     if not 0.0 < args.kv_watermark <= 1.0:
         raise ValueError("--kv-watermark must be in (0, 1]")
     return EngineConfig(
@@ -81,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
-        quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization, cpu_kernels=args.cpu_kernels, workers=args.workers, on_worker_failure=args.on_worker_failure,
+        step_timeout=args.step_timeout,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -35,5 +35,8 @@ class EngineConfig:
     quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
     cpu_kernels: str = "auto"         # auto | native | torch (engine.worker.cpu_kernels)
     seed: int = 0
+    workers: str = "thread"           # thread | process: where each actor's runner steps (engine.worker.compute)
+    on_worker_failure: str = "restart"  # restart | exit (engine.supervisor)
+    step_timeout: float = 120.0       # seconds one step may run before its actor counts as failed; 0: never
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -22,10 +22,12 @@ from engine.core.messages import (
     TokenLogprob,
 )
 from engine.model.resolve import resolve_model
+from engine.process_units import load_process_units
+from engine.supervisor import Supervisor
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer
-from engine.topology import build_actors, make_plan
+from engine.topology import load_units, make_plan, wire_actors
 from engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class EngineOverloaded(RuntimeError):
 
 
 class EngineStopped(RuntimeError):
-    """The engine is shutting down or not started."""
+    """The engine is shutting down, restarting its actors after a failure, dead, or not started."""
 
 
 @dataclass(slots=True, eq=False)
@@ -96,9 +98,11 @@ class Engine:
         self.plan = make_plan(config, self.model_config)
         if "cpu" in (self.plan.prefill_device.type, self.plan.decode_device.type):
             keep_freed_memory_in_process()
-        self.actors: list[Actor] = on_single_threaded_loader(build_actors, config, self.model_config,
-                                                             self.plan, self.eos_token_ids, self._on_step)
-        pool_tokens = min(a.runner.num_blocks * a.runner.block_size for a in self.actors)
+        load = load_process_units if config.workers == "process" else load_units
+        self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
+        self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
+        self.actors: list[Actor] = self._wire()
+        pool_tokens = min(unit.num_blocks * unit.block_size for unit in self.units.all())
         self.max_model_len = min(self.plan.max_model_len, pool_tokens)
         self._streams: dict[str, _Stream] = {}
         self._running = False
@@ -112,14 +116,22 @@ class Engine:
         """The actor new requests go to: the decode actor places them in adaptive mode."""
         return self.actors[-1] if self.mode == "adaptive" else self.actors[0]
 
+    def _wire(self) -> list[Actor]:
+        actors = wire_actors(self.config, self.plan, self.units, self._on_step)
+        for actor in actors:
+            actor.on_failure = self.supervisor.actor_failed
+        return actors
+
     async def start(self) -> None:
         for actor in self.actors:
             actor.start()
+        self.supervisor.start()
         self._running = True
 
     async def stop(self) -> None:
         """Abort every unfinished request and stop the actors, holding no KV block (the model stays loaded)."""
         self._running = False
+        await self.supervisor.stop()
         for request_id in list(self._streams):
             self.abort(request_id)
         for actor in self.actors:
@@ -131,12 +143,49 @@ class Engine:
             actor.settle()
 
     def close(self) -> None:
-        for actor in self.actors:
-            actor.close()
+        self.units.close()
 
-    def healthy(self, stall_seconds: float = 300.0) -> bool:
-        """Running, and every actor alive and not stuck in one step for over `stall_seconds`."""
-        return self._running and all(actor.stepping(stall_seconds) for actor in self.actors)
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot serve any more (the supervisor gave up on it); None while it can."""
+        return self.supervisor.dead
+
+    async def wait_dead(self) -> str:
+        await self.supervisor.died.wait()
+        return self.supervisor.dead
+
+    def healthy(self, stall_seconds: float | None = None) -> bool:
+        """Running, and every actor alive and not stuck in one step for over `stall_seconds`
+        (default: --step-timeout, or never when that is 0)."""
+        stall = stall_seconds or self.supervisor.step_timeout or float("inf")
+        return (self._running and not self.supervisor.recovering and self.dead is None
+                and all(actor.stepping(stall) for actor in self.actors))
+
+    # failures (engine.supervisor decides when)
+    def fail_unfinished(self, error: str) -> None:
+        """End every unfinished request with an error event; nothing new is accepted until restarted."""
+        self._running = False
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, error))
+        if streams:
+            logger.error("%d unfinished requests ended with an error: %s", len(streams), error)
+
+    async def abandon_actors(self) -> None:
+        for actor in self.actors:
+            await actor.abandon()
+
+    def can_recover_stuck(self, actor_name: str) -> bool:
+        return all(unit.kind == "process" for unit in self.units.all())
+
+    async def restart_actors(self, recover_stuck: bool) -> None:
+        """Fresh actors over the same units (a worker process that died or hangs is spawned again)."""
+        for unit in self.units.all():
+            await unit.recover(force=recover_stuck)
+        self.actors = self._wire()
+        for actor in self.actors:
+            actor.start()
+        self._running = True
 
     def submit(self, request: Request) -> RequestStream:
         """Queue `request`; returns its event stream.
@@ -145,6 +194,10 @@ class Engine:
         the context window), EngineOverloaded when the queue is full, EngineStopped when not running.
         """
         if not self._running:
+            if self.dead is not None:
+                raise EngineStopped(f"the engine is dead: {self.dead}")
+            if self.supervisor.recovering:
+                raise EngineStopped("the engine is restarting its actors after a failure; retry shortly")
             raise EngineStopped("the engine is not running")
         self._validate(request)
         if len(self._streams) >= self.config.scheduler.max_queue:
@@ -259,7 +312,8 @@ class Engine:
             running, waiting = actors[1].running, actors[1].waiting + actors[0].waiting
         else:
             running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
-        return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams))
+        return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams),
+                           restarts=self.supervisor.restarts, dead=self.dead is not None)
 
     def take_kv_transfer_times(self) -> list[float]:
         """Durations (seconds) of KV copies finished since the last call."""

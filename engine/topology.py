@@ -1,4 +1,4 @@
-"""Turn an EngineConfig into loaded models, sized KV pools and wired actors."""
+"""Turn an EngineConfig into loaded models, sized KV pools, compute units, and actors wired over them."""
 from __future__ import annotations
 
 import logging
@@ -20,17 +20,20 @@ from engine.core.block_manager import blocks_for
 from engine.model.quant import gguf_source, quantize_model
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
+from engine.worker.compute import Compute, ThreadCompute
 from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from engine.worker.device import with_index
 from engine.worker.model_runner import ModelRunner, load_model
 from engine.worker.sizing import PoolSizer
+from engine.worker.step_runner import StepRunner
 from engine.worker.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
 PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
 MODES = ("adaptive", "disaggregated", "colocated")
+WORKERS = ("thread", "process")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,8 @@ def make_plan(config: EngineConfig, model_config: ModelConfig) -> Plan:
     mode = config.mode or _default_mode(prefill, decode)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if config.workers not in WORKERS:
+        raise ValueError(f"workers must be one of {', '.join(WORKERS)}, got {config.workers!r}")
     if config.dtype is not None and config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     dtype_name = config.dtype or _logged(choose_dtype([prefill, decode])).value
@@ -109,9 +114,26 @@ def _split_cores(mode: str, config: EngineConfig) -> tuple[tuple[int, ...], tupl
     return cores[:prefill_n], cores[prefill_n:prefill_n + decode_n]
 
 
-def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
-                 emit: Emit) -> list[Actor]:
-    """Load the model(s), size the pools, warm up and wire the actors for `plan.mode`.
+@dataclass(frozen=True, slots=True)
+class Units:
+    """The compute units of one engine: `decode` alone in colocated mode (it runs every step)."""
+
+    decode: Compute
+    prefill: Compute | None = None
+    shared: tuple = ()               # shared-memory pools the units step over (closed last)
+
+    def all(self) -> tuple[Compute, ...]:
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+    def close(self) -> None:
+        for unit in self.all():
+            unit.close()
+        for pool in self.shared:
+            pool.close()
+
+
+def load_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int]) -> Units:
+    """Load the model(s), size the pools, warm up, and give each runner its compute thread.
 
     Raises ValueError on a bad setting or when a device cannot hold the model and a minimum pool."""
     sched, cache = config.scheduler, config.cache
@@ -134,8 +156,7 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
         [blocks] = sizer.blocks(plan.prefill_device, [demand])
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
         warm_up_for_serving(runner, "colocated", sched, plan.max_model_len)
-        return [ColocatedActor(runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.prefill_cores,
-                               _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
+        return Units(ThreadCompute(StepRunner(runner), "colocated", plan.prefill_cores))
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
@@ -147,29 +168,46 @@ def build_actors(config: EngineConfig, model_config: ModelConfig, plan: Plan, eo
     warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len)
     warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
-    if adaptive:
-        return _adaptive_actors(config, plan, decode_runner, prefill_runner, transfer, emit)
-    decode = DecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, plan.decode_cores,
+    prefill_cores, decode_cores = lending_cores(plan) if adaptive else (plan.prefill_cores, plan.decode_cores)
+    return Units(ThreadCompute(StepRunner(decode_runner), "decode", decode_cores),
+                 ThreadCompute(StepRunner(prefill_runner, transfer, decode_runner.kv_pool), "prefill", prefill_cores))
+
+
+def lending_cores(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Adaptive mode on CPU: each unit may run on every core (how many threads is decided per step)."""
+    if plan.decode_device.type == plan.prefill_device.type == "cpu":
+        every = tuple(sorted({*plan.prefill_cores, *plan.decode_cores}))
+        return every, every
+    return plan.prefill_cores, plan.decode_cores
+
+
+def wire_actors(config: EngineConfig, plan: Plan, units: Units, emit: Emit) -> list[Actor]:
+    """Fresh actors (schedulers, block managers, no sequence) over loaded units, for `plan.mode`."""
+    sched, cache = config.scheduler, config.cache
+    if plan.mode == "colocated":
+        return [ColocatedActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
+                               _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
+    if plan.mode == "adaptive":
+        return _adaptive_actors(config, plan, units, emit)
+    decode = DecodeActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
                          _overlap(config, plan.decode_device), cache.enable_prefix_caching)
-    prefill = PrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, plan.prefill_cores,
+    prefill = PrefillActor(units.prefill, decode, sched, plan.max_model_len, emit,
                            _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
     return _wired(prefill, decode)
 
 
-def _adaptive_actors(config: EngineConfig, plan: Plan, decode_runner: ModelRunner, prefill_runner: ModelRunner,
-                     transfer, emit: Emit) -> list[Actor]:
+def _adaptive_actors(config: EngineConfig, plan: Plan, units: Units, emit: Emit) -> list[Actor]:
     """Adaptive mode: the decode actor places prompts and prefills some itself; on CPU cores are lent."""
     sched, cache = config.scheduler, config.cache
     on_cpu = plan.decode_device.type == "cpu" and plan.prefill_device.type == "cpu"
     share = CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if on_cpu else None
-    all_cores = tuple(sorted({*plan.prefill_cores, *plan.decode_cores})) if on_cpu else ()
     decode_cost, prefill_cost = StepCostModel(), StepCostModel()
     itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
     policy = PlacementPolicy(decode_cost, prefill_cost, sched.max_prefill_tokens, itl_target)
-    decode = AdaptiveDecodeActor(decode_runner, sched, cache.kv_watermark, plan.max_model_len, emit, all_cores,
+    decode = AdaptiveDecodeActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
                                  _overlap(config, plan.decode_device), cache.enable_prefix_caching,
                                  policy=policy, cost=decode_cost, share=share)
-    prefill = LendingPrefillActor(prefill_runner, decode, transfer, sched, plan.max_model_len, emit, all_cores,
+    prefill = LendingPrefillActor(units.prefill, decode, sched, plan.max_model_len, emit,
                                   _overlap(config, plan.prefill_device), cache.enable_prefix_caching,
                                   cost=prefill_cost, share=share)
     decode.prefill_actor = prefill

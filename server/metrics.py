@@ -31,6 +31,10 @@ class EngineCollector(Collector):
                                 value=stats.waiting)
         yield GaugeMetricFamily("pdserve_requests_unfinished", "Requests whose stream has not ended",
                                 value=stats.num_unfinished)
+        yield CounterMetricFamily("pdserve_engine_restarts", "Times the actors were rebuilt after a failure",
+                                  value=stats.restarts)
+        yield GaugeMetricFamily("pdserve_engine_dead", "1 once the engine has failed for good (the server exits)",
+                                value=float(stats.dead))
         yield from self._per_actor(stats)
 
     @staticmethod

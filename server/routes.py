@@ -102,10 +102,14 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    engine = state.engine
+    if engine is not None and engine.dead is not None:
+        raise APIError(503, f"the engine is dead: {engine.dead}")
     if state.draining:
         raise APIError(503, "the server is shutting down", retry_after=state.config.retry_after)
-    if state.engine is None or not state.engine.healthy():
-        raise APIError(503, "the engine is not running", retry_after=state.config.retry_after)
+    if engine is None or not engine.healthy():
+        reason = "restarting its actors after a failure" if engine and engine.supervisor.recovering else "not running"
+        raise APIError(503, f"the engine is {reason}", retry_after=state.config.retry_after)
     return _json({"status": "ok", "mode": state.engine.mode})
 
 

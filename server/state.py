@@ -44,6 +44,8 @@ class ServerState:
 
     def running_engine(self) -> Engine:
         """The engine, or APIError(503) while loading or draining."""
+        if self.engine is not None and self.engine.dead is not None:
+            raise APIError(503, f"the engine is dead and the server is exiting: {self.engine.dead}")
         if self.engine is None or self.draining:
             reason = "the server is shutting down" if self.draining else "the model is still loading"
             raise APIError(503, reason, retry_after=self.config.retry_after)

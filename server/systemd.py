@@ -54,10 +54,11 @@ def watchdog_interval(env: Mapping[str, str] = os.environ) -> float | None:
         return None
 
 
-async def watchdog(interval: float, env: Mapping[str, str] = os.environ) -> None:
-    """Ping the watchdog from the event loop forever: a blocked loop stops the pings."""
+async def watchdog(interval: float, env: Mapping[str, str] = os.environ, alive=lambda: True) -> None:
+    """Ping the watchdog from the event loop while `alive()`: a blocked loop or a dead engine stops the pings."""
     while True:
-        sd_notify("WATCHDOG=1", env)
+        if alive():
+            sd_notify("WATCHDOG=1", env)
         await asyncio.sleep(interval)
 
 

@@ -77,6 +77,22 @@ def test_the_step_budget_keeps_a_decode_step_within_the_itl_target():
 
 # --- engines ------------------------------------------------------------------------------------
 
+def test_the_prefill_backlog_counts_a_burst_still_in_its_mailbox():
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive"))
+    prefill, decode = engine.actors
+    requests = mixed_requests(seed=5)
+    expected = 0
+    for request in requests:                          # placed one after the other, before the loop runs
+        assert decode._load().remote_backlog_tokens == expected
+        decode.send_to_prefill(request)
+        expected += len(request.prompt_token_ids)
+    assert prefill.backlog_tokens() == expected
+    prefill.drain()                                   # now in its scheduler, and counted once
+    assert prefill.backlog_tokens() == expected and len(prefill.scheduler) == len(requests)
+    prefill.settle()
+    engine.close()
+
+
 def run(mode: str, requests, joining=staggered, **overrides):
     engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=64, **overrides))
     outputs = asyncio.run(run_engine(engine, joining(engine, requests)))
@@ -137,7 +153,8 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
     engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", **TINY_TARGET))
     prefill, decode = engine.actors
     starts, threads = [], []
-    real_execute, real_threads = prefill.execute, decode.step_threads
+    step_runner = prefill.unit.step_runner
+    real_execute, real_threads = step_runner.run, decode.step_threads
 
     def execute(work):
         starts.append(decode.steps)                    # decode steps completed when this prefill step began
@@ -147,7 +164,7 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
         threads.append((decode.steps, real_threads()))
         return threads[-1][1]
 
-    prefill.execute, decode.step_threads = execute, step_threads
+    step_runner.run, decode.step_threads = execute, step_threads
 
     async def scenario():
         streaming = engine.submit(Request("long-decode", prompts([8])[0],

@@ -11,7 +11,7 @@ from bench import compare, loadtest, servers
 from bench.compare_report import TARGETS
 from tests.test_bench_loadtest import _fake_spec
 
-AB_TARGET = TARGETS[-1][0]
+AB_TARGET = TARGETS[-1].what
 
 
 def _shown(spec: servers.ServerSpec) -> str:
@@ -25,7 +25,7 @@ def test_prefix_caching_ab_preset():
     common = "pdserve serve --model /m --port 9 --prefill-device cpu --decode-device cpu --mode colocated"
     assert _shown(on) == f"{common} --enable-prefix-caching" and on.title == "pdserve prefix-caching-on"
     assert _shown(off) == f"{common} --no-enable-prefix-caching" and off.name == "prefix-caching-off"
-    assert (TARGETS[-1][1], TARGETS[-1][2]) == (on.name, off.name)
+    assert (TARGETS[-1].server, TARGETS[-1].references) == (on.name, (off.name,))
     plain = compare.parse_args([])
     assert (plain.dataset_name, plain.section, plain.servers.split(",")) == ("mixed", "default",
                                                                               list(servers.SERVER_NAMES))

@@ -388,7 +388,8 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     for server in document["servers"]:
         assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
         assert server["summary"]["total_output_tokens"] == 24 and len(server["requests"]) == 6
-    assert set(document["targets"]) == {target[0] for target in compare_report.TARGETS[:4]}  # the three servers
+        assert server["role_timeline"] == []                                  # the fake has no /metrics
+    assert set(document["targets"]) == {t.what for t in compare_report.TARGETS[:4]}  # the three servers, no issue-13 load
     assert document["traffic"]["request_rate"] == "inf" and document["model"] == "MODEL"
     assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

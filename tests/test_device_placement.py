@@ -75,7 +75,7 @@ def test_the_check_catches_a_capture_without_its_own_stream(monkeypatch):
 
 
 def test_a_runner_steps_on_its_device_on_the_actor_thread_and_replays_there(monkeypatch):
-    from engine.actors.base import Actor
+    from engine.worker.compute import ThreadCompute
     from tests.test_cuda_graph import decode_step
 
     with fake_cuda(monkeypatch) as cuda:
@@ -85,7 +85,7 @@ def test_a_runner_steps_on_its_device_on_the_actor_thread_and_replays_there(monk
         result = []
 
         def actor_thread():
-            Actor._init_thread(actor)
+            ThreadCompute._init_thread(actor)
             result.append(runner.execute(decode_step(runner, [5, 40, 3])))
             result.append(runner.execute(decode_step(runner, list(range(1, 30, 3)))))   # eager: > 4 sequences
 

@@ -276,7 +276,8 @@ def test_copies_in_flight_delay_admission_and_aborts_during_them_free_both_pools
     reference.close()
 
     engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=32))
-    engine.actors[0].transfer = SlowTransfer(engine.actors[0].transfer, polls=3)
+    copier = engine.actors[0].unit.step_runner
+    copier.transfer = SlowTransfer(copier.transfer, polls=3)
     assert asyncio.run(run_engine(engine, staggered(engine, greedy))) == expected
     assert_pools_free(engine)
 

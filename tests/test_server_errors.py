@@ -180,15 +180,14 @@ async def test_unexpected_exception_is_500_and_the_server_survives(engines, serv
     assert ok.usage.completion_tokens >= 1
 
 
-async def test_engine_failure_after_streaming_began_is_an_error_event(engines, serve, tiny_model_dir, monkeypatch):
-    engine = engines("disaggregated")
+async def test_engine_failure_after_streaming_began_is_an_error_event(serve, tiny_model_dir, monkeypatch):
+    engine = Engine(engine_config(tiny_model_dir, "disaggregated"))     # its own: every decode step fails
     base = await serve(engine)
-    decode = engine.actors[-1]
 
-    def failing_step(batch):
+    def failing_step(work):
         raise RuntimeError("decode device lost")
 
-    monkeypatch.setattr(decode, "execute", failing_step)
+    monkeypatch.setattr(engine.units.decode.step_runner, "run", failing_step)
     body = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 8, "ignore_eos": True, "stream": True,
             "logprobs": 0}                                             # every token gets a chunk
     async with aiohttp.ClientSession() as session:
@@ -204,6 +203,7 @@ async def test_engine_failure_after_streaming_began_is_an_error_event(engines, s
     assert whole[0] == 500 and "decode device lost" in whole[1]["error"]["message"]
     samples = await wait_until_idle(base)
     assert finished(samples, "error") == 2
+    engine.close()
 
 
 async def test_drain_finishes_or_aborts_streams_and_refuses_new_requests(engines, serve, tiny_model_dir):

@@ -147,6 +147,29 @@ async def test_watchdog_pings_from_the_loop(notify_socket):
     assert pings == [b"WATCHDOG=1"] * 3
 
 
+async def test_the_watchdog_goes_silent_once_the_engine_is_dead(notify_socket):
+    sock, name = notify_socket
+    sock.setblocking(False)
+    env = {"NOTIFY_SOCKET": name}
+    alive = [True]
+    task = asyncio.get_running_loop().create_task(watchdog(0.01, env, alive=lambda: alive[0]))
+    try:
+        await asyncio.sleep(0.05)
+        alive[0] = False
+        await asyncio.sleep(0.02)                          # a ping already under way may still land
+        while True:
+            try:
+                sock.recv(64)
+            except BlockingIOError:
+                break
+        await asyncio.sleep(0.1)
+        with pytest.raises(BlockingIOError):
+            sock.recv(64)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def test_systemd_unit_command(capsys):
     assert cli.main(["systemd-unit", "--model", "/srv/models/my 100%", "--port", "9000", "--mode", "colocated",
                      "--shutdown-timeout", "12", "--unit-user", "llm"]) == 0

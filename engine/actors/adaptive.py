@@ -16,7 +16,7 @@ from engine.actors.decode import DecodeActor
 from engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
 from engine.actors.prefill import PrefillActor
 from engine.core.batch import Batch
-from engine.core.messages import Abort, Request, StepOutput
+from engine.core.messages import Abort, Preempted, Request, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
@@ -44,6 +44,19 @@ class LendingPrefillActor(PrefillActor):
         super().__init__(*args, **kwargs)
         self.cost, self.share = cost, share
         self.partner: DecodeActor = self.decode
+        self._inbound: dict[str, int] = {}      # prompts sent here and not yet handled: id -> tokens to compute
+
+    def send(self, message) -> None:
+        prompt = _prompt_of(message)
+        if prompt is not None:
+            self._inbound[prompt[0]] = prompt[1]
+        super().send(message)
+
+    def handle(self, message) -> None:
+        prompt = _prompt_of(message)
+        if prompt is not None:
+            self._inbound.pop(prompt[0], None)
+        super().handle(message)
 
     def step_threads(self) -> int | None:
         if self.share is None:
@@ -56,7 +69,10 @@ class LendingPrefillActor(PrefillActor):
         self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds)
 
     def backlog_tokens(self) -> int:
-        return sum(seq.num_tokens - seq.num_computed_tokens for seq in self.scheduler.sequences())
+        """Prompt tokens queued here, those still in the mailbox included (a burst is placed before this
+        actor's loop has handled any of it)."""
+        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.scheduler.sequences())
+        return queued + sum(self._inbound.values())
 
     def role(self) -> str:
         return "prefill" if self.busy else "lent" if self.partner.busy else "idle"
@@ -160,3 +176,12 @@ class AdaptiveDecodeActor(DecodeActor):
 
     def role(self) -> str:
         return "decode" if self.busy else "lent" if self.prefill_actor.busy else "idle"
+
+
+def _prompt_of(message) -> tuple[str, int] | None:
+    """(request id, tokens to compute) of a prompt sent to the prefill actor; None for any other message."""
+    if isinstance(message, Preempted):
+        return message.request.request_id, len(message.request.prompt_token_ids) + len(message.output_token_ids)
+    if isinstance(message, Request):
+        return message.request_id, len(message.prompt_token_ids)
+    return None

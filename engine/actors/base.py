@@ -1,24 +1,22 @@
-"""The actor skeleton: a mailbox, one compute thread, and a pipelined step loop on the event loop.
+"""The actor skeleton: a mailbox, one compute unit, and a pipelined step loop on the event loop.
 
-A step is scheduled and turned into a compact StepInput on the loop, runs on the compute thread,
-and is recorded back on the loop. With `overlap`, the next step is scheduled and launched while
-one runs (two in flight), so host work hides behind device work; either way a finished step's
-tokens are published (detokenized and streamed) only after the next step has been launched.
+A step is scheduled and turned into a compact StepInput on the loop, runs on the compute unit
+(`engine.worker.compute`: a thread, or a worker process), and is recorded back on the loop.
+With `overlap`, the next step is scheduled and launched while one runs (two in flight), so host
+work hides behind device work; either way a finished step's tokens are published (detokenized
+and streamed) only after the next step has been launched.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-
-import torch
 
 from engine.actors.planner import StepPlanner
 from engine.core.batch import Batch
@@ -26,13 +24,14 @@ from engine.core.block_manager import BlockManager
 from engine.core.messages import ActorStats, FinishReason, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
-from engine.worker.model_runner import ModelRunner
+from engine.worker.compute import Compute
 from engine.worker.step import StepWork
-from engine.worker.step_runner import StepOutcome, StepRunner
+from engine.worker.step_runner import StepOutcome
 
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[StepOutput], None]
+OnFailure = Callable[["Actor", str], None]
 Recorded = list[tuple[Sequence, FinishReason | None]]
 
 
@@ -47,21 +46,22 @@ class InFlight:
 class Actor(abc.ABC):
     """Subclasses implement `handle`, `schedule`, `record`, `drop`, `settle` and `queue_lengths`.
 
-    Scheduling and bookkeeping run on the event loop; only `execute` runs on the actor's own
-    thread, which is pinned to its device (or, on CPU, to its cores).
+    Scheduling and bookkeeping run on the event loop; only the step runs on the actor's compute
+    unit (a thread pinned to its device or cores, or a worker process). Any exception escaping the
+    loop (a step's or the bookkeeping's) ends the actor and is reported to `on_failure`.
     """
 
     name = "actor"
 
-    def __init__(self, runner: ModelRunner, max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (),
-                 overlap: bool = False, prefix_caching: bool = False) -> None:
-        self.runner = runner
-        self.step_runner = StepRunner(runner)
-        self.device = runner.device
+    def __init__(self, unit: Compute, max_model_len: int, emit: Emit, overlap: bool = False,
+                 prefix_caching: bool = False) -> None:
+        self.unit = unit
+        self.device = unit.device
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_caching=prefix_caching)
+        self.blocks = BlockManager(unit.num_blocks, unit.block_size, enable_caching=prefix_caching)
         self.emit = emit
-        self.cpu_cores = cpu_cores
+        self.on_failure: OnFailure = lambda actor, error: None
+        self.failure: str | None = None
         self.pipeline_depth = 2 if overlap else 1
         self.plan = StepPlanner()
         self.steps = 0
@@ -76,8 +76,11 @@ class Actor(abc.ABC):
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{self.name}",
-                                            initializer=self._init_thread)
+
+    @property
+    def runner(self):
+        """The ModelRunner of a thread unit (a worker process keeps its own out of reach)."""
+        return self.unit.runner
 
     # lifecycle
     def start(self) -> None:
@@ -94,15 +97,20 @@ class Actor(abc.ABC):
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
 
+    async def abandon(self) -> None:
+        """Stop now, dropping the steps in flight (after a failure: this actor is discarded)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._task = None
+
     def drain(self) -> bool:
         """Apply the messages left in the mailbox (a stopped actor); True if there were any."""
         had_mail = bool(self._mailbox)
         while self._mailbox:
             self.handle(self._mailbox.popleft())
         return had_mail
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
     @property
     def alive(self) -> bool:
@@ -127,22 +135,29 @@ class Actor(abc.ABC):
 
     # the step loop
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        try:
+            await self._step_loop()
+        except Exception as e:                    # NOTE: whatever the cause, the supervisor decides
+            self.failure = f"{type(e).__name__}: {e}"
+            logger.exception("%s actor failed", self.name)
+            self.on_failure(self, self.failure)
+
+    async def _step_loop(self) -> None:
         while not self._stopping:
             self.drain()
-            if self._launch(loop):
+            if self._launch():
                 continue
             if not self._in_flight:
-                await self.idle(loop)
+                await self.idle()
                 continue
             output = await self._complete_oldest()
             self.drain()
-            self._launch(loop)                 # NOTE: the next step runs while this one's tokens are published
+            self._launch()                     # NOTE: the next step runs while this one's tokens are published
             self._publish(output)
         while self._in_flight:
             self._publish(await self._complete_oldest())
 
-    def _launch(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def _launch(self) -> bool:
         if len(self._in_flight) >= self.pipeline_depth:
             return False
         started = time.perf_counter()
@@ -154,19 +169,14 @@ class Actor(abc.ABC):
         for seq in batch.sequences():
             seq.last_step = step_id
         work = self.prepare(batch)
-        future = loop.run_in_executor(self._executor, self.execute, replace(work, threads=self.step_threads()))
+        future = self.unit.submit(replace(work, threads=self.step_threads()))
         self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
         self.step_seconds += time.perf_counter() - started
         return True
 
     async def _complete_oldest(self) -> StepOutput | None:
         step = self._in_flight[0]
-        try:
-            outcome = await step.future
-        except Exception as e:                     # a failed step fails its sequences, not the actor
-            logger.exception("%s step failed", self.name)
-            self._step_done(step)
-            return self.fail(step.batch, f"{type(e).__name__}: {e}")
+        outcome = await step.future                # NOTE: a failed step fails the actor (its unit's state is unknown)
         self._step_done(step)
         started = time.perf_counter()
         self.observe_step(step.batch, outcome.seconds, outcome.threads)
@@ -190,11 +200,11 @@ class Actor(abc.ABC):
         if output is not None and len(output):
             self.emit(output)
 
-    async def idle(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def idle(self) -> None:
         """Nothing to schedule: wait for a copy this actor tracks to land, else for a message or a poke."""
         pending = self.pending_transfer()
         if pending is not None and not self._mailbox:
-            await loop.run_in_executor(self._executor, pending.wait)
+            await self.unit.wait(pending)
             return
         if not self._mailbox:
             self._wakeup.clear()
@@ -209,24 +219,12 @@ class Actor(abc.ABC):
         """What the compute unit runs for `batch`, built on the loop."""
         return StepWork(self.plan.step_input(batch))
 
-    def execute(self, work: StepWork) -> StepOutcome:
-        """Run one step on the device (compute thread)."""
-        return self.step_runner.run(work)
-
     def step_threads(self) -> int | None:
         """CPU threads for the next step (None: keep the compute thread's own); lending overrides it."""
         return None
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         """A finished step's compute time (the cost model of adaptive placement listens here)."""
-
-    def _init_thread(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))
-        elif self.cpu_cores:
-            os.sched_setaffinity(0, self.cpu_cores)
-            torch.set_num_threads(len(self.cpu_cores))
 
     # bookkeeping shared by the actors
     def cache_landed(self, batch: Batch) -> None:
@@ -244,7 +242,7 @@ class Actor(abc.ABC):
         """Append each live sequence's sampled token; the output to publish and who finished why."""
         ids, tokens, reasons, logprobs, cached, recorded = [], [], [], [], [], []
         result = outcome.result
-        eos, limit, all_logprobs = self.runner.eos_token_ids, self.max_model_len, result.logprobs
+        eos, limit, all_logprobs = self.unit.eos_token_ids, self.max_model_len, result.logprobs
         for i, seq in enumerate(seqs):
             if seq.done:                           # left while the step ran: its token is dropped
                 continue
@@ -270,13 +268,6 @@ class Actor(abc.ABC):
             self.blocks.free_after(seq.request_id, seq.last_step)
         else:
             self.blocks.free(seq.request_id)
-
-    def fail(self, batch: Batch, error: str) -> StepOutput:
-        failed = [seq for seq in batch.sequences() if not seq.done]
-        for seq in failed:
-            self.drop(seq)
-        return StepOutput(tuple(s.request_id for s in failed), (-1,) * len(failed),
-                          (FinishReason.ERROR,) * len(failed), error=error)
 
     def stats(self) -> ActorStats:
         running, waiting = self.queue_lengths()

@@ -7,17 +7,16 @@ from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request, StepOutput
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
-from engine.worker.model_runner import ModelRunner
+from engine.worker.compute import Compute
 from engine.worker.step_runner import StepOutcome
 
 
 class ColocatedActor(Actor):
     name = "colocated"
 
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (), overlap: bool = False,
-                 prefix_caching: bool = False) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
+    def __init__(self, unit: Compute, config: SchedulerConfig, kv_watermark: float,
+                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
+        super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.kv_watermark = kv_watermark

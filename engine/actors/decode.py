@@ -12,7 +12,7 @@ from engine.core.messages import Abort, KVHandoff, Preempted, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
-from engine.worker.model_runner import ModelRunner
+from engine.worker.compute import Compute
 from engine.worker.step_runner import StepOutcome
 
 
@@ -29,10 +29,9 @@ class DecodeActor(Actor):
 
     name = "decode"
 
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, cpu_cores: tuple[int, ...] = (), overlap: bool = False,
-                 prefix_caching: bool = False) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
+    def __init__(self, unit: Compute, config: SchedulerConfig, kv_watermark: float,
+                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
+        super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,

@@ -12,10 +12,9 @@ from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, KVHandoff, Preempted, Request, StepOutput
 from engine.core.scheduler import PrefillScheduler
 from engine.core.sequence import Sequence
-from engine.transfer.base import KVTransfer
-from engine.worker.model_runner import ModelRunner
+from engine.worker.compute import Compute
 from engine.worker.step import BlockCopy, StepWork
-from engine.worker.step_runner import StepOutcome, StepRunner
+from engine.worker.step_runner import StepOutcome
 
 
 @dataclass(slots=True, eq=False)
@@ -35,13 +34,11 @@ class Outgoing:
 class PrefillActor(Actor):
     name = "prefill"
 
-    def __init__(self, runner: ModelRunner, decode: DecodeActor, transfer: KVTransfer,
-                 config: SchedulerConfig, max_model_len: int, emit: Emit,
-                 cpu_cores: tuple[int, ...] = (), overlap: bool = False, prefix_caching: bool = False) -> None:
-        super().__init__(runner, max_model_len, emit, cpu_cores, overlap, prefix_caching)
+    def __init__(self, unit: Compute, decode: DecodeActor, config: SchedulerConfig, max_model_len: int,
+                 emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
+        """`unit` runs the steps and copies each chunk's finished blocks into `decode`'s pool."""
+        super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
         self.decode = decode
-        self.transfer = transfer
-        self.step_runner = StepRunner(runner, transfer, decode.runner.kv_pool)
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                           reserve=self._reserve_decode_blocks)
         self.outgoing: dict[str, Outgoing] = {}
@@ -83,7 +80,7 @@ class PrefillActor(Actor):
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
         """The blocks this chunk completes (the partial last one too, after the last chunk) that the
         decode pool does not hold yet; the first chunk also sends the prefix found in this pool's cache."""
-        size = self.runner.block_size
+        size = self.unit.block_size
         out = self.outgoing[chunk.seq.request_id]
         start = 0 if chunk.start == chunk.seq.num_cached_tokens else chunk.start   # the first chunk sends the hits too
         first = max(start // size, out.decode_cached)

@@ -131,3 +131,5 @@ class EngineStats:
     running: int               # sequences being decoded (or in colocated mode, prefilled or decoded)
     waiting: int               # requests not yet producing tokens: queued or being prefilled
     num_unfinished: int = 0    # every request whose stream has not ended
+    restarts: int = 0          # times the supervisor rebuilt the actors after a failure
+    dead: bool = False         # the supervisor gave up: the server is exiting

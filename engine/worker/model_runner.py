@@ -43,10 +43,11 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
                  graph_max_batch: int = 0, max_blocks_per_seq: int = 0, max_tokens: int = 256,
-                 max_seqs: int = 32) -> None:
+                 max_seqs: int = 32, kv_pool: torch.Tensor | None = None) -> None:
         """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only).
 
-        `max_tokens` and `max_seqs` size the step buffers (they grow if a step needs more)."""
+        `max_tokens` and `max_seqs` size the step buffers (they grow if a step needs more); `kv_pool`
+        is a pool allocated elsewhere (shared memory), else one is allocated here."""
         c = model.config
         self.model = model
         self.device = model.embed_tokens.weight.device
@@ -57,7 +58,7 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
         self.forward_seconds = 0.0       # device work of a step (forward, logits, sampling), summed
         self.kv_layout = kv_layout(c, block_size)
-        self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device)
+        self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device) if kv_pool is None else kv_pool
         self.rows = RowState(self.max_blocks_per_seq, self.device)
         self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)

@@ -1,0 +1,127 @@
+"""What happens when an actor fails, so that no request ever hangs.
+
+An exception escaping an actor (a step's or its bookkeeping's) or a step running past
+`--step-timeout` ends every unfinished request with an error event. Then, with
+`--on-worker-failure restart`, fresh actors (empty schedulers and block managers) are wired over
+the same compute units (a dead worker process is spawned again); with `exit`, or when the units
+cannot be recovered (a thread stuck in a step cannot be reclaimed) or after too many restarts in
+a short time, the engine is marked dead: /health and new requests get 503, the systemd watchdog
+stops being pinged and the server exits non-zero, so systemd restarts it (`Restart=on-failure`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.actors.base import Actor
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("restart", "exit")
+MAX_RESTARTS = 3                 # within RESTART_WINDOW_S; one more and the engine is dead
+RESTART_WINDOW_S = 60.0
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of the engine it watches."""
+
+    actors: Sequence[Actor]
+
+    def fail_unfinished(self, error: str) -> None: ...
+
+    async def abandon_actors(self) -> None: ...
+
+    async def restart_actors(self, recover_stuck: bool) -> None: ...
+
+    def can_recover_stuck(self, actor_name: str) -> bool: ...
+
+
+class Supervisor:
+    def __init__(self, engine: Supervised, policy: str, step_timeout: float) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"on_worker_failure must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if step_timeout < 0:
+            raise ValueError(f"step_timeout must be >= 0 (0 disables it), got {step_timeout}")
+        self.engine, self.policy, self.step_timeout = engine, policy, step_timeout
+        self.restarts = 0
+        self.dead: str | None = None          # why the engine is dead; None while it is not
+        self.recovering = False
+        self._restart_times: deque[float] = deque()
+        self._watch: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None
+        self.died = asyncio.Event()
+
+    def start(self) -> None:
+        self.died = asyncio.Event()
+        if self.step_timeout:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_steps(), name="pdserve-supervisor")
+
+    async def stop(self) -> None:
+        for task in (self._watch, self._recovery):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watch = self._recovery = None
+
+    def actor_failed(self, actor: Actor, error: str, stuck: bool = False) -> None:
+        """Called by a failing actor (on the loop); the first failure of a round is the one acted on."""
+        if self.recovering or self.dead is not None:
+            return
+        self.recovering = True
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(actor.name, error, stuck),
+                                                                name="pdserve-recovery")
+
+    async def _watch_steps(self) -> None:
+        period = min(1.0, self.step_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for actor in self.engine.actors:
+                started = actor.step_started_at
+                if started is not None and now - started > self.step_timeout:
+                    logger.error("%s actor: a step has run for %.1f s, past --step-timeout %g s",
+                                 actor.name, now - started, self.step_timeout)
+                    self.actor_failed(actor, f"a step ran past --step-timeout ({self.step_timeout:g} s)",
+                                      stuck=True)
+                    break
+
+    async def _recover(self, name: str, error: str, stuck: bool) -> None:
+        engine = self.engine
+        reason = f"the {name} actor failed: {error}"
+        engine.fail_unfinished(reason)
+        await engine.abandon_actors()
+        why_not = self._why_not_restart(name, stuck)
+        if why_not is None:
+            try:
+                await engine.restart_actors(recover_stuck=stuck)
+            except Exception as e:                # NOTE: a unit that cannot come back is as bad as a dead one
+                logger.exception("restarting the actors failed")
+                why_not = f"restarting failed: {type(e).__name__}: {e}"
+        if why_not is not None:
+            self.dead = f"{reason} ({why_not})"
+            logger.critical("engine dead: %s", self.dead)
+            self.died.set()
+        else:
+            self.restarts += 1
+            logger.warning("actors restarted after: %s (%d restarts in the last %g s)",
+                           reason, len(self._restart_times), RESTART_WINDOW_S)
+        self.recovering = False
+
+    def _why_not_restart(self, name: str, stuck: bool) -> str | None:
+        if self.policy == "exit":
+            return "--on-worker-failure exit"
+        if stuck and not self.engine.can_recover_stuck(name):
+            return "a thread stuck in a step cannot be reclaimed; use --workers process to restart it"
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= MAX_RESTARTS:
+            return f"{MAX_RESTARTS} restarts within {RESTART_WINDOW_S:g} s already"
+        self._restart_times.append(now)
+        return None

@@ -1,0 +1,89 @@
+"""Where an actor's steps run: `ThreadCompute` (a thread of this process) or a worker process
+(`engine.worker.process.ProcessCompute`). Both take a StepWork and give back a future StepOutcome,
+and describe the pool they step against, so actors do not know which one they have.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from engine.transfer.base import TransferHandle
+from engine.worker.faults import Fault
+from engine.worker.model_runner import ModelRunner
+from engine.worker.step import StepWork
+from engine.worker.step_runner import StepOutcome, StepRunner
+
+
+class Compute(Protocol):
+    kind: str                        # "thread" or "process"
+    device: torch.device
+    num_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+
+    def submit(self, work: StepWork) -> asyncio.Future:
+        """Start the step on the unit; the future's result is its StepOutcome (or the step's exception)."""
+
+    async def wait(self, handle: TransferHandle) -> None:
+        """Wait, off the loop, for a copy this unit started to land."""
+
+    async def recover(self, force: bool) -> None:
+        """Ready for fresh actors after a failure (`force`: even if the unit looks alive, e.g. stuck)."""
+
+    def close(self) -> None: ...
+
+
+class ThreadCompute:
+    """One compute thread pinned to the runner's device (or, on CPU, to `cpu_cores`)."""
+
+    kind = "thread"
+
+    def __init__(self, step_runner: StepRunner, name: str, cpu_cores: tuple[int, ...] = ()) -> None:
+        self.step_runner = step_runner
+        self.runner: ModelRunner = step_runner.runner
+        self.device, self.num_blocks = self.runner.device, self.runner.num_blocks
+        self.block_size, self.eos_token_ids = self.runner.block_size, self.runner.eos_token_ids
+        self.cpu_cores = cpu_cores
+        self.fault = Fault.from_env(name)
+        self._active = 0                 # steps running on the thread now (0 or 1)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}", initializer=self._init_thread)
+
+    def submit(self, work: StepWork) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._run, work)
+
+    def _run(self, work: StepWork) -> StepOutcome:
+        self._active += 1
+        try:
+            if self.fault is not None:
+                self.fault.on_step()
+            return self.step_runner.run(work)
+        finally:
+            self._active -= 1
+
+    async def wait(self, handle: TransferHandle) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, handle.wait)
+
+    async def recover(self, force: bool) -> None:
+        """Nothing to do: a step left running finishes before the next one starts (one thread, in order)."""
+        if force:
+            raise RuntimeError("a compute thread stuck in a step cannot be reclaimed")
+
+    def close(self) -> None:
+        """Stop the thread; one still inside a step (stuck) is left behind rather than waited for."""
+        self._executor.shutdown(wait=not self.stepping, cancel_futures=True)
+
+    @property
+    def stepping(self) -> bool:
+        return self._active > 0
+
+    def _init_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+        elif self.cpu_cores:
+            os.sched_setaffinity(0, self.cpu_cores)
+            torch.set_num_threads(len(self.cpu_cores))

@@ -1,0 +1,137 @@
+"""The messages between the coordinator and a worker process: one per step each way, versioned.
+
+A frame is a header (magic, version, kind, array count, JSON length), the lengths of its int32
+arrays, the arrays, and a small JSON document for what is not an integer array (sampling
+parameters of new rows, serialized by orjson from the dataclass, copy keys, logprobs, timings). Token ids, positions, block tables and
+block ids travel as arrays; no object graph is pickled.
+"""
+from __future__ import annotations
+
+import struct
+import numpy as np
+import orjson
+
+from engine.core.messages import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.transfer.base import TransferHandle
+from engine.worker.step import BlockAppend, BlockCopy, ChunkInput, NewRow, StepInput, StepResult, StepWork
+from engine.worker.step_runner import StepOutcome
+
+VERSION = 1
+MAGIC = b"PDSV"
+HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
+WORK, OUTCOME, ERROR, READY, STOP = range(5)
+KIND_NAMES = ("work", "outcome", "error", "ready", "stop")
+
+
+class WireError(ValueError):
+    """A frame this version cannot read (another version, another kind, or damaged)."""
+
+
+def _frame(kind: int, arrays: list, doc: object) -> bytes:
+    arrays = [np.asarray(a, dtype=np.int32) for a in arrays]
+    body = orjson.dumps(doc)
+    lengths = np.array([a.size for a in arrays], dtype=np.uint32)
+    return b"".join([HEADER.pack(MAGIC, VERSION, kind, len(arrays), len(body)), lengths.tobytes(),
+                     *(a.tobytes() for a in arrays), body])
+
+
+def _unframe(data: bytes, expected: int | None = None) -> tuple[int, list[np.ndarray], object]:
+    if len(data) < HEADER.size:
+        raise WireError(f"a frame of {len(data)} bytes is shorter than its header")
+    magic, version, kind, count, body_len = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise WireError(f"frame {magic!r} version {version}; this side speaks {MAGIC!r} version {VERSION}")
+    if expected is not None and kind != expected:
+        raise WireError(f"expected a {KIND_NAMES[expected]} frame, got kind {kind}")
+    offset = HEADER.size
+    lengths = np.frombuffer(data, dtype=np.uint32, count=count, offset=offset)
+    offset += 4 * count
+    arrays = []
+    for n in lengths.tolist():
+        arrays.append(np.frombuffer(data, dtype=np.int32, count=n, offset=offset))
+        offset += 4 * n
+    if offset + body_len != len(data):
+        raise WireError(f"frame length {len(data)} does not match its header")
+    return kind, arrays, orjson.loads(data[offset:])
+
+
+# coordinator -> worker
+def encode_work(work: StepWork) -> bytes:
+    s = work.step
+    new, ap, ch, cp = s.new_rows, s.appends, s.chunks, work.copies
+    arrays = [
+        s.freed_rows,
+        [x for r in new for x in (r.row, r.num_prompt_tokens, len(r.token_ids), len(r.block_ids))],
+        [t for r in new for t in r.token_ids],
+        [b for r in new for b in r.block_ids],
+        [x for a in ap for x in (a.row, a.first, len(a.block_ids))],
+        [b for a in ap for b in a.block_ids],
+        s.decode_rows,
+        s.decode_positions,
+        [x for c in ch for x in (c.row, c.start, c.num_tokens, int(c.sample))],
+        [len(c.src_blocks) for c in cp],
+        [b for c in cp for b in c.src_blocks],
+        [b for c in cp for b in c.dst_blocks],
+    ]
+    doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp]}
+    return _frame(WORK, arrays, doc)
+
+
+def decode_work(data: bytes) -> StepWork:
+    _, a, doc = _unframe(data, WORK)
+    freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst = a
+    new_rows, t, b = [], 0, 0
+    for (row, prompt, n_tokens, n_blocks), params in zip(new_meta.reshape(-1, 4).tolist(), doc["params"]):
+        new_rows.append(NewRow(row, tuple(new_tokens[t:t + n_tokens].tolist()), prompt,
+                               tuple(new_blocks[b:b + n_blocks].tolist()), _params(params)))
+        t, b = t + n_tokens, b + n_blocks
+    appends, b = [], 0
+    for row, first, n in ap_meta.reshape(-1, 3).tolist():
+        appends.append(BlockAppend(row, first, tuple(ap_blocks[b:b + n].tolist())))
+        b += n
+    copies, b = [], 0
+    for key, n in zip(doc["keys"], cp_n.tolist()):
+        copies.append(BlockCopy(key, tuple(cp_src[b:b + n].tolist()), tuple(cp_dst[b:b + n].tolist())))
+        b += n
+    step = StepInput(tuple(freed.tolist()), tuple(new_rows), tuple(appends), tuple(rows.tolist()),
+                     tuple(positions.tolist()),
+                     tuple(ChunkInput(r, s, n, bool(x)) for r, s, n, x in chunks.reshape(-1, 4).tolist()))
+    return StepWork(step, tuple(copies), doc["threads"])
+
+
+def _params(fields: dict) -> SamplingParams:
+    fields["stop"], fields["stop_token_ids"] = tuple(fields["stop"]), tuple(fields["stop_token_ids"])
+    return SamplingParams(**fields)
+
+
+# worker -> coordinator
+def encode_outcome(outcome: StepOutcome) -> bytes:
+    """A step's outcome whose copies have all landed (the worker waited for them)."""
+    result = outcome.result
+    logprobs = None if result.logprobs is None else [
+        None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in result.logprobs]
+    copies = [[key, handle.nbytes, handle.seconds] for key, handle in outcome.copies]
+    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies}
+    return _frame(OUTCOME, [result.token_ids], doc)
+
+
+def decode_outcome(data: bytes) -> StepOutcome:
+    _, (tokens,), doc = _unframe(data, OUTCOME)
+    logprobs = None if doc["logprobs"] is None else tuple(
+        None if lp is None else TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in doc["logprobs"])
+    copies = tuple((key, TransferHandle.finished(nbytes, seconds)) for key, nbytes, seconds in doc["copies"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs), copies, doc["seconds"], doc["threads"])
+
+
+def encode_error(error: BaseException) -> bytes:
+    return _frame(ERROR, [], {"error": f"{type(error).__name__}: {error}"})
+
+
+def encode_message(kind: int, doc: object = None) -> bytes:
+    return _frame(kind, [], doc)
+
+
+def decode_message(data: bytes) -> tuple[int, object]:
+    kind, _, doc = _unframe(data)
+    return kind, doc

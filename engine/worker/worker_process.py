@@ -1,0 +1,121 @@
+"""The body of a worker process (`--workers process`): build one runner, then run steps as they come.
+
+Spawned (never forked: a fresh interpreter, no inherited threads or locks) by
+`engine.worker.process.ProcessCompute`, it dies with its parent, pins itself to
+its cores, loads the model, maps the shared pools, and answers each step message with one outcome
+(or error) message. A step's KV copies into the shared decode pool land before its outcome is sent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.config import SchedulerConfig
+from engine.model.config import ModelConfig
+from engine.model.quant import gguf_source, quantize_model
+from engine.transfer.select import select_transfer
+from engine.worker import wire
+from engine.worker.faults import Fault
+from engine.worker.model_runner import ModelRunner, load_model
+from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from engine.worker.step_runner import StepRunner
+from engine.worker.warmup import warm_up_for_serving
+
+PARENT_POLL_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs to build its runner; sent once, at spawn."""
+
+    name: str                        # prefill, decode or colocated (log lines, the fault hook)
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    pool: PoolSpec
+    eos_token_ids: frozenset[int]
+    step_sizes: dict
+    cores: tuple[int, ...]
+    quantization: str
+    warmup_role: str
+    scheduler: SchedulerConfig
+    peer_pool: PoolSpec | None = None   # the decode pool this worker copies finished blocks into
+    kv_transfer: str | None = None
+    log_level: int = logging.INFO
+
+
+def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fd) -> None:
+    """Entry point of the spawned process; `own_fd`/`peer_fd` are the shared pools' SharedFds (or None)."""
+    _die_with_parent(parent)
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s worker-{spec.name}: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # NOTE: the coordinator decides when a worker stops
+    try:
+        step_runner = _build(spec, own_fd, peer_fd)
+    except BaseException as e:                             # noqa: BLE001  (reported, then the process ends)
+        conn.send_bytes(wire.encode_error(e))
+        return
+    conn.send_bytes(wire.encode_message(wire.READY, {"pid": os.getpid()}))
+    _serve(conn, step_runner, Fault.from_env(spec.name))
+
+
+def _serve(conn, step_runner: StepRunner, fault: Fault | None) -> None:
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            if wire.decode_message(data)[0] == wire.STOP:
+                return
+            work = wire.decode_work(data)
+            if fault is not None:
+                fault.on_step()
+            outcome = step_runner.run(work)
+            for _, handle in outcome.copies:
+                handle.wait()
+            reply = wire.encode_outcome(outcome)
+        except Exception as e:
+            reply = wire.encode_error(e)
+        try:
+            conn.send_bytes(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _build(spec: WorkerSpec, own_fd, peer_fd) -> StepRunner:
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(len(spec.cores))
+    device = torch.device(spec.device)
+    model = load_model(spec.model_config, spec.dtype, device, spec.max_model_len)
+    if spec.quantization != "none":
+        quantize_model(model, spec.quantization, gguf_source(spec.model_config.model_dir), max(len(spec.cores), 1))
+    pool = None if own_fd is None else SharedPool(spec.pool, own_fd).tensor()
+    runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
+                         kv_pool=pool, **spec.step_sizes)
+    warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len)
+    if spec.peer_pool is None:
+        return StepRunner(runner)
+    check_pools_agree(spec.pool, spec.peer_pool)
+    peer = SharedPool(spec.peer_pool, peer_fd).tensor()
+    return StepRunner(runner, select_transfer(device, device, spec.kv_transfer), peer)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process within PARENT_POLL_S of the coordinator's death, however it dies (even mid-step).
+
+    NOTE: not PR_SET_PDEATHSIG: that fires when the *thread* that spawned us exits, and workers are
+    spawned from loader and recovery threads that end long before the coordinator does."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
