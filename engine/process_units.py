@@ -13,6 +13,7 @@ from dataclasses import replace
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
 from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, lending_cores
+from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.memory import kv_layout, num_kv_blocks
 from engine.worker.process import ProcessCompute
 from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
@@ -40,7 +41,9 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                       dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                            max_seqs=2 * sched.max_num_seqs),
                       plan.prefill_cores, config.quantization, "colocated", sched,
-                      log_level=logging.getLogger().getEffectiveLevel())
+                      log_level=logging.getLogger().getEffectiveLevel(),
+                      cpu_kernels=prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
+                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value)
     if plan.mode == "colocated":
         return _started(Units(ProcessCompute(base)))
     prefill_cores, decode_cores = lending_cores(plan) if plan.mode == "adaptive" else (plan.prefill_cores,

@@ -118,11 +118,10 @@ def test_torch_is_taken_without_building(monkeypatch):
     assert not kernels.use_native(torch.randn(2, 4))
 
 
-def generate(cpu_kernels: str, mode: str):
-    prompts = [list(range(3, 3 + n)) for n in (5, 40, 130)]
+def generate(cpu_kernels: str, mode: str, prompts=tuple(list(range(3, 3 + n)) for n in (5, 40, 130))):
     llm = LLM(config=engine_config(demo_checkpoint(), cpu_kernels=cpu_kernels, mode=mode, max_prefill_tokens=64))
     try:
-        return llm.generate(prompts, GREEDY)
+        return llm.generate(list(prompts), GREEDY)
     finally:
         llm.close()
 
@@ -141,3 +140,17 @@ def test_native_and_torch_kernels_generate_the_same_tokens(monkeypatch, mode):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
                                    torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
+
+
+def test_worker_processes_apply_the_coordinators_decision():
+    """A spawned worker starts with the module defaults: it must get --cpu-kernels' decision, not probe again."""
+    llm = LLM(config=engine_config(demo_checkpoint(), cpu_kernels="torch", mode="colocated", workers="process",
+                                   max_prefill_tokens=64))
+    try:
+        assert [unit.spec.cpu_kernels for unit in llm.engine.units.all()] == ["torch"]
+        ours = llm.generate([list(range(3, 40))], GREEDY)
+    finally:
+        llm.close()
+    [expected] = generate("native", "colocated", [list(range(3, 40))])
+    assert ours[0].token_ids == expected.token_ids
+

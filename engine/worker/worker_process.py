@@ -21,6 +21,7 @@ from engine.model.config import ModelConfig
 from engine.model.quant import gguf_source, quantize_model
 from engine.transfer.select import select_transfer
 from engine.worker import wire
+from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.faults import Fault
 from engine.worker.model_runner import ModelRunner, load_model
 from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
@@ -49,6 +50,7 @@ class WorkerSpec:
     peer_pool: PoolSpec | None = None   # the decode pool this worker copies finished blocks into
     kv_transfer: str | None = None
     log_level: int = logging.INFO
+    cpu_kernels: str = "auto"        # the coordinator's --cpu-kernels decision (native | torch), applied here
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fd) -> None:
@@ -94,6 +96,7 @@ def _build(spec: WorkerSpec, own_fd, peer_fd) -> StepRunner:
         os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(len(spec.cores))
     device = torch.device(spec.device)
+    prepare_cpu_kernels(spec.cpu_kernels)               # NOTE: a spawned process starts with the default
     model = load_model(spec.model_config, spec.dtype, device, spec.max_model_len)
     if spec.quantization != "none":
         quantize_model(model, spec.quantization, gguf_source(spec.model_config.model_dir), max(len(spec.cores), 1))
