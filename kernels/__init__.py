@@ -59,7 +59,7 @@ def use_triton(x: torch.Tensor) -> bool:
 def use_native(x: torch.Tensor) -> bool:
     """True when the native C++ path serves tensors like x (CPU, float32/bfloat16, built, switched on,
     PDSERVE_KERNELS unset)."""
-    return (x.is_cpu and x.dtype in NATIVE_DTYPES and not os.environ.get("PDSERVE_KERNELS")
+    return (x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and not os.environ.get("PDSERVE_KERNELS")
             and cpu_kernels_enabled())
 
 
