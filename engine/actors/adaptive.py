@@ -16,11 +16,10 @@ from engine.actors.decode import DecodeActor
 from engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
 from engine.actors.prefill import PrefillActor
 from engine.core.batch import Batch
-from engine.core.messages import Abort, Preempted, Request, StepOutput
+from engine.core.messages import Abort, Preempted, Request
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
-from engine.worker.step_runner import StepOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +147,6 @@ class AdaptiveDecodeActor(DecodeActor):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)
-
-    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
-        output, recorded = self.record_tokens(batch.sampled, outcome)
-        for seq, reason in recorded:
-            if reason is not None:
-                self.drop(seq)
-        return output
 
     def drop(self, seq: Sequence) -> None:
         self.local.remove(seq)

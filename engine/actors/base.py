@@ -297,9 +297,15 @@ class Actor(abc.ABC):
     def schedule(self) -> Batch | None:
         """The next step's batch, or None when there is nothing to run."""
 
-    @abc.abstractmethod
     def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput | None:
-        """Record a finished step's results on the loop; returns the tokens to publish."""
+        """Record a finished step's results on the loop; returns the tokens to publish.
+
+        By default every sampled sequence gets its token and one that finished leaves (`drop`)."""
+        output, recorded = self.record_tokens(batch.sampled, outcome)
+        for seq, reason in recorded:
+            if reason is not None:
+                self.drop(seq)
+        return output
 
     @abc.abstractmethod
     def drop(self, seq: Sequence) -> None:

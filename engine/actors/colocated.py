@@ -4,11 +4,10 @@ from __future__ import annotations
 from engine.actors.base import Actor, Emit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, Request, StepOutput
+from engine.core.messages import Abort, Request
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
 from engine.worker.compute import Compute
-from engine.worker.step_runner import StepOutcome
 
 
 class ColocatedActor(Actor):
@@ -35,13 +34,6 @@ class ColocatedActor(Actor):
 
     def schedule(self) -> Batch | None:
         return mixed_batch(self.decode, self.prefill, lambda decode_rows: self.max_prefill_tokens - decode_rows)
-
-    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
-        output, recorded = self.record_tokens(batch.sampled, outcome)
-        for seq, reason in recorded:
-            if reason is not None:
-                self.drop(seq)
-        return output
 
     def _requeue(self, seq: Sequence) -> None:
         """A preempted sequence: prefilled again later, its output so far kept."""

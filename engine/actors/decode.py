@@ -8,12 +8,11 @@ from engine.actors.base import Actor, Emit
 from engine.core.admission import can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted, StepOutput
+from engine.core.messages import Abort, KVHandoff, Preempted
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
 from engine.worker.compute import Compute
-from engine.worker.step_runner import StepOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +97,6 @@ class DecodeActor(Actor):
         full = seq.num_computed_tokens // size
         self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size))
         seq.num_registered_blocks = full
-
-    def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
-        output, recorded = self.record_tokens(batch.decode, outcome)
-        for seq, reason in recorded:
-            if reason is not None:
-                self.drop(seq)
-        return output
 
     def drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
