@@ -153,9 +153,8 @@ class ProcessCompute:
 
     async def recover(self, force: bool) -> None:
         """A worker that died, or (`force`) one stuck in a step, is killed and spawned again."""
-        if self.alive and not force:
-            self._pending.clear()                         # replies to abandoned steps are read and dropped
-            return
+        if self.alive and not force:                      # NOTE: replies to abandoned steps still arrive, in
+            return                                        # order, and resolve their own (cancelled) futures
         self.kill()
         self.spawn()
         await asyncio.to_thread(self.wait_ready)
@@ -168,7 +167,8 @@ class ProcessCompute:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
-        self._pending.clear()
+        while self._pending:
+            self._pending.popleft().cancel()
 
     def close(self) -> None:
         """Ask the worker to stop, then kill it if it has not within STOP_GRACE_S."""
