@@ -175,7 +175,8 @@ class Engine:
         for actor in self.actors:
             await actor.abandon()
 
-    def can_recover_stuck(self, actor_name: str) -> bool:
+    def can_recover_stuck(self) -> bool:
+        """A unit stuck in a step can be killed and spawned again only when it is a process."""
         return all(unit.kind == "process" for unit in self.units.all())
 
     async def restart_actors(self, recover_stuck: bool) -> None:

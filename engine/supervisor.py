@@ -38,7 +38,7 @@ class Supervised(Protocol):
 
     async def restart_actors(self, recover_stuck: bool) -> None: ...
 
-    def can_recover_stuck(self, actor_name: str) -> bool: ...
+    def can_recover_stuck(self) -> bool: ...
 
 
 class Supervisor:
@@ -96,7 +96,7 @@ class Supervisor:
         reason = f"the {name} actor failed: {error}"
         engine.fail_unfinished(reason)
         await engine.abandon_actors()
-        why_not = self._why_not_restart(name, stuck)
+        why_not = self._why_not_restart(stuck)
         if why_not is None:
             try:
                 await engine.restart_actors(recover_stuck=stuck)
@@ -113,10 +113,10 @@ class Supervisor:
                            reason, len(self._restart_times), RESTART_WINDOW_S)
         self.recovering = False
 
-    def _why_not_restart(self, name: str, stuck: bool) -> str | None:
+    def _why_not_restart(self, stuck: bool) -> str | None:
         if self.policy == "exit":
             return "--on-worker-failure exit"
-        if stuck and not self.engine.can_recover_stuck(name):
+        if stuck and not self.engine.can_recover_stuck():
             return "a thread stuck in a step cannot be reclaimed; use --workers process to restart it"
         now = time.monotonic()
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
