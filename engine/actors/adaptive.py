@@ -36,6 +36,17 @@ class CoreShare:
         return self.prefill_own + self.decode_own
 
 
+def borrowed_threads(actor: PrefillActor | DecodeActor, own: int | None,
+                     partner: PrefillActor | DecodeActor) -> int | None:
+    """Threads for `actor`'s next step: every core while `partner` has nothing to do (counted as a
+    lent step), else its own; None on GPUs (`own` None: nothing is lent by thread count)."""
+    if own is None:
+        return None
+    lent = not partner.busy
+    actor.lent_steps += lent
+    return actor.share.total if lent else own
+
+
 class LendingPrefillActor(PrefillActor):
     """The prefill actor of adaptive mode: borrows the decode actor's cores while that one is idle."""
 
@@ -58,11 +69,7 @@ class LendingPrefillActor(PrefillActor):
         super().handle(message)
 
     def step_threads(self) -> int | None:
-        if self.share is None:
-            return None
-        lent = not self.partner.busy
-        self.lent_steps += lent
-        return self.share.total if lent else self.share.prefill_own
+        return borrowed_threads(self, self.share and self.share.prefill_own, self.partner)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds)
@@ -137,13 +144,8 @@ class AdaptiveDecodeActor(DecodeActor):
         self._admit_landed()
         return mixed_batch(self.scheduler, self.local, lambda rows: self.policy.step_budget(self._load(rows)))
 
-
     def step_threads(self) -> int | None:
-        if self.share is None:
-            return None
-        lent = not self.prefill_actor.busy
-        self.lent_steps += lent
-        return self.share.total if lent else self.share.decode_own
+        return borrowed_threads(self, self.share and self.share.decode_own, self.prefill_actor)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)

@@ -2,19 +2,28 @@
 
 A frame is a header (magic, version, kind, array count, JSON length), the lengths of its int32
 arrays, the arrays, and a small JSON document for what is not an integer array (sampling
-parameters of new rows, serialized by orjson from the dataclass, copy keys, logprobs, timings). Token ids, positions, block tables and
-block ids travel as arrays; no object graph is pickled.
+parameters of new rows, serialized by orjson from the dataclass; copy keys, logprobs, timings).
+Token ids, positions, block tables and block ids travel as arrays; no object graph is pickled.
 """
 from __future__ import annotations
 
 import struct
+
 import numpy as np
 import orjson
 
 from engine.core.messages import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.transfer.base import TransferHandle
-from engine.worker.step import BlockAppend, BlockCopy, ChunkInput, NewRow, StepInput, StepResult, StepWork
+from engine.worker.step import (
+    BlockAppend,
+    BlockCopy,
+    ChunkInput,
+    NewRow,
+    StepInput,
+    StepResult,
+    StepWork,
+)
 from engine.worker.step_runner import StepOutcome
 
 VERSION = 1
