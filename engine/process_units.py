@@ -15,7 +15,7 @@ from engine.core.block_manager import blocks_for
 from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, lending_cores
 from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.memory import kv_layout, num_kv_blocks
-from engine.worker.process import ProcessCompute
+from engine.worker.process import ProcessCompute, SpawnTracker
 from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
 from engine.worker.worker_process import WorkerSpec
 
@@ -45,7 +45,7 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                       cpu_kernels=prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
                                                       max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value)
     if plan.mode == "colocated":
-        return _started(Units(ProcessCompute(base)))
+        return _started(Units(ProcessCompute(base), shared=(SpawnTracker(),)))
     prefill_cores, decode_cores = lending_cores(plan) if plan.mode == "adaptive" else (plan.prefill_cores,
                                                                                        plan.decode_cores)
     decode_pool = pool(1.0 - PREFILL_SHARE_OF_SHARED_DEVICE, per_seq * sched.max_num_seqs)
@@ -58,7 +58,7 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                       peer_pool=decode_pool, kv_transfer=config.kv_transfer)
     try:                               # NOTE: the segment stays open here, for workers spawned again later
         return _started(Units(ProcessCompute(decode, own_pool=shared.fd),
-                              ProcessCompute(prefill, peer_pool=shared.fd), shared=(shared,)))
+                              ProcessCompute(prefill, peer_pool=shared.fd), shared=(shared, SpawnTracker())))
     except BaseException:
         shared.close()
         raise

@@ -120,7 +120,7 @@ class Units:
 
     decode: Compute
     prefill: Compute | None = None
-    shared: tuple = ()               # shared-memory pools the units step over (closed last)
+    shared: tuple = ()               # what the units step over or were spawned with: closed last
 
     def all(self) -> tuple[Compute, ...]:
         return (self.decode,) if self.prefill is None else (self.prefill, self.decode)

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -34,6 +35,17 @@ class WorkerDied(RuntimeError):
 
 class WorkerStepError(RuntimeError):
     """A step raised inside the worker (the message names the original exception)."""
+
+
+class SpawnTracker:
+    """multiprocessing's resource tracker, which every spawn starts. It exits by itself only after
+    this process has (when its pipe closes), so it would briefly outlive a stopped server; closing
+    it last, after the workers, stops it and reaps it. The next spawn starts it again."""
+
+    def close(self) -> None:
+        stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 class ProcessCompute:
