@@ -24,6 +24,7 @@ from kernels.backend import KernelBackendError, check_backend, triton_unusable_r
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.native_decode_attention import decode_attention_native
 from kernels.native_decode_attention import supports as native_attention_supports
+from kernels.native_decode_layers import DecodeLayers, decode_layers_native
 from kernels.native_linear import linear_native, prefer_native
 from kernels.native_linear import supports as native_linear_supports
 from kernels.native_rms_norm import rms_norm_native
@@ -35,7 +36,7 @@ from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "use_triton", "use_native", "check_backend", "KernelBackendError"]
+           "rotary_store_kv", "linear", "decode_layers", "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -145,3 +146,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if use_native(x) and native_linear_supports(x, weight, bias) and prefer_native(x, weight):
         return linear_native(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def decode_layers(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, cos_sin: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer of a decode step over h [S, hidden] in one native call (CPU; the caller
+    checks `use_native` and `layers.serves`); returns (last layer's output, residual sum)."""
+    return decode_layers_native(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens)

@@ -9,6 +9,7 @@ from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers import Embedding, Linear, RMSNorm
 from engine.model.rope import cos_sin_table
+from kernels.native_decode_layers import DecodeLayers, LayerTensors
 
 
 class Attention(nn.Module):
@@ -88,15 +89,57 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("cos_sin", cos_sin_table(config.head_dim, max_positions, config.rope),
                              persistent=False)
+        self._decode_layers: DecodeLayers | None = None
+        self._decode_layers_for: int | None = None     # the first qkv weight's address when built
 
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, batch, kv_pool, self.cos_sin)
+        native = self.native_decode_layers(h) if batch.is_decode else None
+        if native is not None:
+            h, residual = kernels.decode_layers(native, h, kv_pool, batch.positions, batch.slot_mapping,
+                                                self.cos_sin, batch.block_tables, batch.context_lens)
+        else:
+            for layer in self.layers:
+                h, residual = layer(h, residual, batch, kv_pool, self.cos_sin)
         h, _ = self.norm(h, residual)
         return h
+
+    def native_decode_layers(self, h: torch.Tensor) -> DecodeLayers | None:
+        """Every layer in one native call for this decode step, when the native kernels serve it."""
+        if not kernels.use_native(h):
+            return None
+        built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
+        if self._decode_layers_for != built_for:
+            self._decode_layers, self._decode_layers_for = self._build_decode_layers(), built_for
+        layers = self._decode_layers
+        return layers if layers is not None and layers.dtype == h.dtype and layers.serves(h.shape[0]) else None
+
+    def forget_native_decode_layers(self) -> None:
+        """Called when a projection module is replaced (quantization): the next step rebuilds the table."""
+        self._decode_layers_for = None
+
+    def _build_decode_layers(self) -> DecodeLayers | None:
+        config = self.config
+        if config.qk_norm or not all(type(m) is Linear for layer in self.layers
+                                     for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            return None
+        return DecodeLayers.build([_layer_tensors(layer) for layer in self.layers], config.num_heads,
+                                  config.num_kv_heads, config.head_dim, config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return kernels.linear(hidden, self.embed_tokens.weight).float()  # logits: [S, V] fp32
         return self.lm_head(hidden).float()
+
+
+def _layer_tensors(layer: DecoderLayer) -> LayerTensors:
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerTensors(layer.input_layernorm.weight.data, attn.qkv_proj.weight.data, _data(attn.qkv_proj.bias),
+                        attn.o_proj.weight.data, _data(attn.o_proj.bias), layer.post_attention_layernorm.weight.data,
+                        mlp.gate_up_proj.weight.data, _data(mlp.gate_up_proj.bias), mlp.down_proj.weight.data,
+                        _data(mlp.down_proj.bias))
+
+
+def _data(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.data

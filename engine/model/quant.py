@@ -198,6 +198,7 @@ def _probe_names(names: list[str], dense: dict[str, Linear]) -> list[str]:
 
 
 def _swap(model: CausalLM, name: str, module: QuantizedLinear) -> None:
+    model.forget_native_decode_layers()
     if name == "lm_head":
         model.lm_head = module
     else:

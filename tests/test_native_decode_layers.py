@@ -1,0 +1,109 @@
+"""Every decoder layer of a decode step in one native call: the same numbers as the per-op path.
+
+The per-op path is the one the parity tests hold against transformers; the one-call step runs the
+same native kernels in the same order, so greedy tokens and every logprob must be identical (the
+linears are pinned to the native kernel on both sides, as they are whenever the step goes native).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import kernels
+from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.model.config import ModelConfig
+from engine.model import quant
+from engine.worker.model_runner import load_model
+from kernels import native
+from kernels.native_decode_layers import DecodeLayers
+from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+
+pytestmark = pytest.mark.skipif(native.cpu_kernels() is None, reason="no C++ compiler")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+PROMPT_LENGTHS = (3, 16, 17, 40)              # one under a block, a full block, one over, ragged
+
+
+def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "colocated"):
+    monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: one_call)
+    calls = []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    config = replace(engine_config(model, mode=mode, max_prefill_tokens=24, block_size=16), dtype=dtype)
+    llm = LLM(config=config)
+    try:
+        outputs = llm.generate(prompts, GREEDY)
+    finally:
+        llm.close()
+    assert bool(calls) == one_call
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "demo-llama"])
+def test_one_call_step_equals_the_per_op_path(name, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)
+    model = demo_checkpoint() if name == "demo-llama" else hf_checkpoint(name)
+    assert generate(model, dtype, True, monkeypatch) == generate(model, dtype, False, monkeypatch)
+
+
+def test_disaggregated_decode_takes_the_one_call_step(monkeypatch):
+    monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)
+    ours = generate(hf_checkpoint("llama3"), "float32", True, monkeypatch, mode="disaggregated")
+    reference = generate(hf_checkpoint("llama3"), "float32", False, monkeypatch, mode="disaggregated")
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(ours, reference):
+        assert tokens == expected_tokens          # NOTE: hand-off timing varies the batches, so the rounding
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=0)
+
+
+def cpu_model(name: str):
+    return load_model(ModelConfig.from_dir(hf_checkpoint(name)), torch.float32, torch.device("cpu"), 256)
+
+
+def test_models_it_cannot_serve_keep_the_per_op_path(monkeypatch):
+    monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: True)
+    h = torch.randn(2, cpu_model("llama3").config.hidden_size)
+    assert cpu_model("qwen3").native_decode_layers(h) is None          # q/k norms
+    model = cpu_model("llama3")
+    assert model.native_decode_layers(h) is not None
+    assert model.native_decode_layers(h.bfloat16()) is None           # another dtype than the weights'
+    monkeypatch.setattr(kernels, "use_native", lambda x: False)
+    assert model.native_decode_layers(h) is None                       # --cpu-kernels torch
+
+
+def test_replaced_weights_rebuild_the_table(monkeypatch):
+    monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: True)
+    model = cpu_model("llama3")
+    h = torch.randn(1, model.config.hidden_size)
+    first = model.native_decode_layers(h)
+    assert model.native_decode_layers(h) is first
+    qkv = model.layers[0].self_attn.qkv_proj
+    qkv.weight.data = qkv.weight.data.clone()                         # moved: the old address is stale
+    assert model.native_decode_layers(h) is not first
+    assert model.native_decode_layers(h).layers[0].qkv.data_ptr() == qkv.weight.data_ptr()
+    quant._swap(model, "layers.1.mlp.down_proj", torch.nn.Identity())  # as quantization swaps one in
+    assert model.native_decode_layers(h) is None                       # not a dense Linear: per-op path
+
+
+def test_the_step_goes_native_where_every_projection_prefers_the_native_linear(monkeypatch):
+    model = cpu_model("llama3")
+    layers = model._build_decode_layers()
+    gate_up_rows = 2 * model.config.intermediate_size
+    asked = []
+
+    def prefer(x, weight):
+        asked.append(x.shape[0])
+        return weight.shape[0] != gate_up_rows
+
+    monkeypatch.setattr("kernels.native_decode_layers.prefer_native", prefer)
+    assert not layers.serves(0) and not layers.serves(65)              # above the native linear's rows
+    assert not layers.serves(3)                                        # gate-up prefers BLAS at 4 rows
+    assert set(asked) == {4}
+    before = len(asked)
+    assert not layers.serves(4) and len(asked) == before               # remembered per row bucket
+    monkeypatch.setattr("kernels.native_decode_layers.prefer_native", lambda x, weight: True)
+    assert layers.serves(5)                                            # bucket 8: asked afresh
