@@ -27,9 +27,11 @@ from bench.documents import arguments_dict, machine_description, write_json
 from bench.metrics import BenchResult, markdown_comparison
 from bench.server_metrics import PlacementSampler
 from bench.servers import (
+    OPTIONAL_SERVERS,
     PREFIX_CACHING_AB,
     REPO,
     SERVER_NAMES,
+    LlamaCppSetup,
     ManagedServer,
     ServerOutcome,
     ServerSpec,
@@ -85,8 +87,14 @@ async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `python -m bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo 'base' model)")
-    parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES)} (default: all "
-                                                         "four, none with --pdserve-variant or --prefix-caching-ab)")
+    parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES + OPTIONAL_SERVERS)} "
+                                                         "(default: the first four, none with --pdserve-variant or "
+                                                         "--prefix-caching-ab)")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server for --servers llama.cpp "
+                                                              "(default: on PATH)")
+    parser.add_argument("--llama-gguf", default=None, help="GGUF of the same weights, for --servers llama.cpp")
+    parser.add_argument("--llama-kv-type", default="f32", help="llama.cpp's -ctk/-ctv (f32 matches pdserve float32)")
+    parser.add_argument("--llama-slots", type=int, default=16, help="llama.cpp's -np (parallel sequences)")
     parser.add_argument("--pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="also run a pdserve server named NAME with these extra flags (repeatable), e.g. "
                              "--pdserve-variant big-blocks='--block-size 32'")
@@ -207,14 +215,15 @@ def selected_specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]
     """The servers --servers and --pdserve-variant name, in that order; ValueError on bad names or none."""
     names = [name.strip() for name in args.servers.split(",") if name.strip()]
     variants = [parse_variant(text) for text in args.pdserve_variant]
-    if set(names) - set(SERVER_NAMES):
-        raise ValueError(f"--servers must name some of {', '.join(SERVER_NAMES)}")
+    if set(names) - set(SERVER_NAMES + OPTIONAL_SERVERS):
+        raise ValueError(f"--servers must name some of {', '.join(SERVER_NAMES + OPTIONAL_SERVERS)}")
     if not names and not variants:
         raise ValueError("no server to run: give --servers, --pdserve-variant or --prefix-caching-ab")
     if len({name for name, _ in variants}) < len(variants):
         raise ValueError("two --pdserve-variant servers have the same name")
     pdserve_args = shlex.split(args.pdserve_args)
-    return (server_specs(model_dir, names, pdserve_args, shlex.split(args.transformers_args))
+    llama = LlamaCppSetup(args.llama_server, args.llama_gguf, kv_type=args.llama_kv_type, slots=args.llama_slots)
+    return (server_specs(model_dir, names, pdserve_args, shlex.split(args.transformers_args), llama)
             + variant_specs(model_dir, variants, pdserve_args))
 
 

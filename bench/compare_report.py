@@ -10,7 +10,7 @@ from bench import loadtest
 from bench.documents import machine_description
 from bench.metrics import markdown_comparison
 from bench.server_metrics import timeline_summary
-from bench.servers import PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
+from bench.servers import OPTIONAL_SERVERS, PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
 from bench.turn_metrics import markdown_turns
 
 
@@ -21,6 +21,7 @@ def section_markers(name: str) -> tuple[str, str]:
 
 
 ADAPTIVE, DISAGG, COLOC, HF = SERVER_NAMES
+(LLAMA_CPP,) = OPTIONAL_SERVERS
 AB_ON, AB_OFF = (name for name, _ in PREFIX_CACHING_AB)
 
 
@@ -56,6 +57,9 @@ TARGETS = (
     *(Target(f"adaptive {label} <= 1.1 x the better fixed mode", ADAPTIVE, FIXED, key, 1.1, "le", "10% long, 2 req/s")
       for label, key in (("median TTFT", "median_ttft_ms"), ("p99 TTFT", "p99_ttft_ms"),
                          ("median ITL", "median_itl_ms"), ("p99 ITL", "p99_itl_ms"))),
+    *(Target(f"pdserve {mode} {label} <= llama.cpp's", server, (LLAMA_CPP,), key, 1.0, "le")
+      for mode, server in (("adaptive", ADAPTIVE), ("colocated", COLOC))
+      for label, key in (("median ITL", "median_itl_ms"), ("p99 ITL", "p99_itl_ms"))),
     Target("turn >= 2 median TTFT with prefix caching <= 0.3 x without", AB_ON, (AB_OFF,),
            "median_ttft_later_turns_ms", 0.3, "le"),
 )

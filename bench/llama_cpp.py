@@ -38,14 +38,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def llama_server_argv(binary: str, gguf: Path | str, threads: int, context: int, slots: int, kv_type: str,
+                      port: str) -> list[str]:
+    """llama-server on 127.0.0.1:port: `threads` for prompts and generation, `slots` parallel sequences
+    sharing one `context`-token KV cache (-kvu), K and V stored as `kv_type`."""
+    return [binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context),
+            "-np", str(slots), "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--host", "127.0.0.1", "--port", port]
+
+
 @contextlib.contextmanager
 def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int,
                  kv_type: str = "f32") -> Iterator[str]:
     """A running llama-server on 127.0.0.1; yields its base URL; stops it on exit."""
     port = _free_port()
-    command = [binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context),
-               "-np", str(slots), "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--host", "127.0.0.1",
-               "--port", str(port)]
+    command = llama_server_argv(binary, gguf, threads, context, slots, kv_type, str(port))
     log = tempfile.TemporaryFile("w+")      # NOTE: a pipe nobody drains fills up and stalls the server
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -15,10 +15,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.llama_cpp import find_llama_server, llama_server_argv
 from bench.metrics import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_NAMES = ("pdserve-adaptive", "pdserve-disaggregated", "pdserve-colocated", "transformers")
+OPTIONAL_SERVERS = ("llama.cpp",)   # run only when named in --servers
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
 
 
@@ -166,8 +168,40 @@ def variant_specs(model_dir: str, variants: list[tuple[str, str]], pdserve_args:
             for name, flags in variants]
 
 
+@dataclass(frozen=True, slots=True)
+class LlamaCppSetup:
+    """llama.cpp's server for --servers llama.cpp: its binary (None: look on PATH), the GGUF of the same
+    weights, its threads, its parallel slots and the type of its K/V cache."""
+
+    binary: str | None = None
+    gguf: str | None = None
+    threads: int = len(os.sched_getaffinity(0))
+    slots: int = 16
+    context: int = 32768
+    kv_type: str = "f32"
+
+    def spec(self) -> ServerSpec:
+        binary = self._binary()
+        argv = llama_server_argv(binary or "llama-server", self.gguf or "MODEL.gguf", self.threads, self.context,
+                                 self.slots, self.kv_type, "{port}")
+        return ServerSpec("llama.cpp", "llama.cpp llama-server", tuple(argv), unavailable=self._unavailable(binary))
+
+    def _binary(self) -> str | None:
+        try:
+            return find_llama_server(self.binary)
+        except FileNotFoundError:
+            return None
+
+    def _unavailable(self, binary: str | None) -> str:
+        if binary is None:
+            return f"llama.cpp: no llama-server binary ({self.binary or 'none on PATH'}; give --llama-server)"
+        if not self.gguf or not Path(self.gguf).is_file():
+            return f"llama.cpp needs --llama-gguf, a GGUF of the same weights (got {self.gguf!r})"
+        return ""
+
+
 def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
-                 transformers_args: list[str]) -> list[ServerSpec]:
+                 transformers_args: list[str], llama: LlamaCppSetup | None = None) -> list[ServerSpec]:
     """The servers to compare, in `names` order."""
     pdserve = pdserve_argv(model_dir)
     devices = PDSERVE_DEVICES
@@ -179,6 +213,8 @@ def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
     specs["transformers"] = ServerSpec("transformers", "transformers serve", (*hf, *transformers_args),
                                        length_control="generation-config", require_done=False, env=OFFLINE_ENV,
                                        unavailable=transformers_unavailable() if "transformers" in names else "")
+    if "llama.cpp" in names:
+        specs["llama.cpp"] = (llama or LlamaCppSetup()).spec()
     return [specs[name] for name in names]
 
 

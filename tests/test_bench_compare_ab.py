@@ -47,6 +47,24 @@ def test_variants_join_the_named_servers():
             compare.selected_specs(compare.parse_args(bad), "/m")
 
 
+def test_llama_cpp_is_run_only_when_named_and_says_what_it_lacks(tmp_path):
+    assert "llama.cpp" not in compare.parse_args([]).servers.split(",")
+    binary, gguf = tmp_path / "llama-server", tmp_path / "model-f32.gguf"
+    binary.write_text("#!/bin/sh\n")
+    gguf.write_bytes(b"GGUF")
+    [ready] = compare.selected_specs(compare.parse_args(
+        ["--servers", "llama.cpp", "--llama-server", str(binary), "--llama-gguf", str(gguf), "--llama-slots", "4"]), "/m")
+    assert not ready.unavailable
+    assert _shown(ready).startswith(f"{binary} -m {gguf} -t ") and "-np 4 -kvu -ctk f32 -ctv f32" in _shown(ready)
+    assert _shown(ready).endswith("--host 127.0.0.1 --port 9")
+    [no_gguf] = compare.selected_specs(compare.parse_args(["--servers", "llama.cpp", "--llama-server", str(binary)]),
+                                       "/m")
+    assert "needs --llama-gguf" in no_gguf.unavailable
+    [no_binary] = compare.selected_specs(compare.parse_args(
+        ["--servers", "llama.cpp", "--llama-server", str(tmp_path / "none"), "--llama-gguf", str(gguf)]), "/m")
+    assert "no llama-server binary" in no_binary.unavailable
+
+
 FAILS_FAST = ("import sys; print('pdserve serve: error: unrecognized arguments: --no-enable-prefix-caching'); "
               "sys.exit(2)")
 
