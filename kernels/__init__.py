@@ -36,7 +36,8 @@ from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "decode_layers", "use_triton", "use_native", "check_backend", "KernelBackendError"]
+           "rotary_store_kv", "linear", "decode_layers",
+           "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -3,9 +3,11 @@
 The per-op path calls ten kernels a layer from Python (RMSNorm, QKV, rotary + KV store, attention,
 O, RMSNorm, gate-up, SiLU-and-mul, down), and at one row each call's Python (checks, allocation,
 ctypes) costs about what its kernel does. This runs the same kernels in the same order from C++:
-the same numbers, one call a step. It serves Llama-style layers with dense float32/bfloat16
-weights, without q/k norms, at decode batches where the native linear beats BLAS for every
-projection (`kernels.native_linear.prefer_native`); everything else keeps the per-op path.
+the same numbers, one call a step. It serves Llama-style layers without q/k norms, float32 or
+bfloat16, whose projections are dense or quantized (quant_linear.c's blocks), at decode batches
+where the per-op path would run a native kernel for every projection (the native linear where it
+beats BLAS: `kernels.native_linear.prefer_native`; the quantized kernel up to its `max_rows`);
+everything else keeps the per-op path.
 """
 from __future__ import annotations
 
@@ -17,34 +19,57 @@ import torch
 from kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind
 from kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
 from kernels.native_linear import MAX_NATIVE_ROWS, prefer_native
+from kernels.quant_formats import FORMATS
+from kernels.quant_linear import KernelWeight, quant_linear_address
+from kernels.quant_linear import native_available as quant_available
+from kernels.quant_linear import supports as quant_supports
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 WEIGHTS_PER_LAYER = 10   # input norm, qkv (+ bias), o (+ bias), post norm, gate-up (+ bias), down (+ bias)
 
 
 @dataclass(frozen=True, slots=True)
+class Projection:
+    """One linear of a layer: its dense weight and bias, and, when quantized, its kernel blocks, which
+    serve batches up to `max_rows` (the per-op QuantizedLinear's rule)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    packed: KernelWeight | None = None
+    max_rows: int = 0
+
+    def words(self) -> list[int]:
+        """format (0 dense, else quant_linear's + 1), weight or blocks, bias, block scales, mins, channel scales."""
+        bias = _address(self.bias)
+        p = self.packed
+        if p is None:
+            return [0, self.weight.data_ptr(), bias, 0, 0, 0]
+        block_scales, channel_scales = (0, p.scales.data_ptr()) if p.format == "int8" else (p.scales.data_ptr(), 0)
+        return [FORMATS.index(p.format) + 1, p.qs.data_ptr(), bias, block_scales, _address(p.mins), channel_scales]
+
+
+@dataclass(frozen=True, slots=True)
 class LayerTensors:
-    """One decoder layer's parameters; a bias may be None."""
+    """One decoder layer's parameters."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
 
-    def pointers(self) -> list[int]:
-        return [0 if t is None else t.data_ptr() for t in (
-            self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm,
-            self.gate_up, self.gate_up_bias, self.down, self.down_bias)]
+    @property
+    def projections(self) -> tuple[Projection, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm,
-                                 self.gate_up, self.gate_up_bias, self.down, self.down_bias) if t is not None)
+    def words(self) -> list[int]:
+        return [self.input_norm.data_ptr(), self.post_norm.data_ptr(),
+                *(word for p in self.projections for word in p.words())]
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -58,7 +83,7 @@ class DecodeLayers:
     head_dim: int
     eps: float
     scale: float
-    _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (row bucket, threads) ->
+    _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (rows, threads) ->
 
     @classmethod
     def build(cls, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -66,45 +91,58 @@ class DecodeLayers:
         """None when the native step cannot serve these layers (dtype, layout, head shape)."""
         if not layers or not _supported(layers, num_heads, num_kv_heads, head_dim):
             return None
-        table = torch.tensor([p for layer in layers for p in layer.pointers()], dtype=torch.int64)
+        table = torch.tensor([w for layer in layers for w in layer.words()], dtype=torch.int64)
         return cls(tuple(layers), table, num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].qkv.dtype
+        return self.layers[0].input_norm.dtype
 
     @property
     def hidden(self) -> int:
-        return self.layers[0].qkv.shape[1]
+        return self.layers[0].input_norm.shape[0]
 
     @property
     def inner(self) -> int:
-        return self.layers[0].down.shape[1]
+        return self.layers[0].down.weight.shape[1]
 
     def serves(self, rows: int) -> bool:
-        """Whether this step size goes native: every projection prefers the native linear at `rows`."""
+        """Whether a decode step of `rows` sequences goes native: the per-op path would run a native
+        kernel for every projection (decided once per row count and thread count)."""
         if not 0 < rows <= MAX_NATIVE_ROWS:
             return False
-        key = (1 << (rows - 1).bit_length(), torch.get_num_threads())
+        key = (rows, torch.get_num_threads())
         wins = self._native_wins.get(key)
         if wins is None:
-            first = self.layers[0]
-            wins = self._native_wins[key] = all(prefer_native(torch.zeros(key[0], w.shape[1], dtype=w.dtype), w)
-                                                for w in (first.qkv, first.o, first.gate_up, first.down))
+            wins = self._native_wins[key] = all(_takes(p, rows) for layer in self.layers for p in layer.projections)
         return wins
 
 
+def _takes(projection: Projection, rows: int) -> bool:
+    if projection.packed is not None:
+        return rows <= projection.max_rows
+    w = projection.weight
+    return prefer_native(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
+
+
 def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    dtype = layers[0].qkv.dtype
-    tensors = [t for layer in layers for t in layer.tensors()]
-    return (dtype in NATIVE_DTYPES and all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in tensors)
+    dtype = layers[0].input_norm.dtype
+    dense = [t for layer in layers for t in (layer.input_norm, layer.post_norm,
+                                             *(x for p in layer.projections for x in (p.weight, p.bias)))
+             if t is not None]
+    packed = [p.packed for layer in layers for p in layer.projections if p.packed is not None]
+    return (dtype in NATIVE_DTYPES and all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense)
+            and all(quant_supports(p.format, p.shape[1], dtype) for p in packed)
+            and (not packed or quant_available())
             and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP)
 
 
 @functools.cache
 def _kernel(dtype: torch.dtype):
-    return bind(f"pd_decode_layers_{SUFFIXES[str(dtype)]}", *[POINTER] * 12, FLOAT, FLOAT, INT)
+    function = bind(f"pd_decode_layers_{SUFFIXES[str(dtype)]}", *[POINTER] * 12, FLOAT, FLOAT, POINTER, INT)
+    function.restype = INT
+    return function
 
 
 def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,
@@ -126,10 +164,13 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     shape = torch.tensor([seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers,
                           splits, block_size, block, layer, kv, slot, head, block_tables.stride(0),
                           cos_sin.stride(0), 0], dtype=torch.int64)
-    _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table.data_ptr(), shape.data_ptr(),
-                     kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
-                     block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
-                     None if partials is None else partials.data_ptr(), layers.eps, layers.scale, threads)
+    status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table.data_ptr(), shape.data_ptr(),
+                              kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
+                              block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
+                              None if partials is None else partials.data_ptr(), layers.eps, layers.scale,
+                              quant_linear_address(), threads)
+    if status != 0:
+        raise RuntimeError("decode_layers: quant_linear refused a projection it was checked for")
     return out, residual
 
 

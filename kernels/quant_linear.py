@@ -78,6 +78,12 @@ def _native_fn():
     return fn
 
 
+def quant_linear_address() -> int | None:
+    """The C entry point's address, for native code that calls it directly (None where it cannot build)."""
+    fn = _native_fn()
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def native_available() -> bool:
     """True when the C kernel is built (or builds now) for this CPU."""
     return _native_fn() is not None

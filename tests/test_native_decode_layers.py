@@ -15,26 +15,28 @@ import kernels
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.config import ModelConfig
+from engine.model.quant_probe import ProbeResult
 from engine.model import quant
 from engine.worker.model_runner import load_model
 from kernels import native
 from kernels.native_decode_layers import DecodeLayers
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+from tests.test_quant_model import write_gguf_model
 
 pytestmark = pytest.mark.skipif(native.cpu_kernels() is None, reason="no C++ compiler")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 PROMPT_LENGTHS = (3, 16, 17, 40)              # one under a block, a full block, one over, ragged
 
 
-def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "colocated"):
+def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "colocated", **config):
     monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: one_call)
     calls = []
     real = kernels.decode_layers
     monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-    config = replace(engine_config(model, mode=mode, max_prefill_tokens=24, block_size=16), dtype=dtype)
-    llm = LLM(config=config)
+    llm = LLM(config=replace(engine_config(model, mode=mode, max_prefill_tokens=24, block_size=16, **config),
+                             dtype=dtype))
     try:
         outputs = llm.generate(prompts, GREEDY)
     finally:
@@ -49,6 +51,20 @@ def test_one_call_step_equals_the_per_op_path(name, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)
     model = demo_checkpoint() if name == "demo-llama" else hf_checkpoint(name)
     assert generate(model, dtype, True, monkeypatch) == generate(model, dtype, False, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["gguf", "int8"])
+def test_quantized_projections_in_the_one_call_step(scheme, dtype, tmp_path, monkeypatch):
+    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(64, ()))
+    monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)    # the layers the GGUF keeps dense
+    model = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf") if scheme == "gguf" else hf_checkpoint("llama3")
+    blocks = []
+    real = quant.quant_linear_native
+    monkeypatch.setattr(quant, "quant_linear_native", lambda *a: blocks.append(a[0].shape[0]) or real(*a))
+    ours = generate(model, dtype, True, monkeypatch, quantization=scheme)
+    assert blocks and max(blocks) > 1                        # prefill chunks still run the per-op blocks
+    assert ours == generate(model, dtype, False, monkeypatch, quantization=scheme)
 
 
 def test_disaggregated_decode_takes_the_one_call_step(monkeypatch):
@@ -84,7 +100,7 @@ def test_replaced_weights_rebuild_the_table(monkeypatch):
     qkv = model.layers[0].self_attn.qkv_proj
     qkv.weight.data = qkv.weight.data.clone()                         # moved: the old address is stale
     assert model.native_decode_layers(h) is not first
-    assert model.native_decode_layers(h).layers[0].qkv.data_ptr() == qkv.weight.data_ptr()
+    assert model.native_decode_layers(h).layers[0].qkv.weight.data_ptr() == qkv.weight.data_ptr()
     quant._swap(model, "layers.1.mlp.down_proj", torch.nn.Identity())  # as quantization swaps one in
     assert model.native_decode_layers(h) is None                       # not a dense Linear: per-op path
 
@@ -101,9 +117,9 @@ def test_the_step_goes_native_where_every_projection_prefers_the_native_linear(m
 
     monkeypatch.setattr("kernels.native_decode_layers.prefer_native", prefer)
     assert not layers.serves(0) and not layers.serves(65)              # above the native linear's rows
-    assert not layers.serves(3)                                        # gate-up prefers BLAS at 4 rows
-    assert set(asked) == {4}
+    assert not layers.serves(3)                                        # gate-up prefers BLAS at 3 rows
+    assert set(asked) == {3}
     before = len(asked)
-    assert not layers.serves(4) and len(asked) == before               # remembered per row bucket
+    assert not layers.serves(3) and len(asked) == before               # remembered per row count
     monkeypatch.setattr("kernels.native_decode_layers.prefer_native", lambda x, weight: True)
-    assert layers.serves(5)                                            # bucket 8: asked afresh
+    assert layers.serves(5)                                            # another row count: asked afresh

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.native_decode_layers import Projection
 
 
 def empty_parameter(*shape: int) -> nn.Parameter:
@@ -20,6 +21,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
+
+    def native_projection(self) -> Projection:
+        """This linear as the one-call decode step runs it."""
+        return Projection(self.weight.data, None if self.bias is None else self.bias.data)
 
 
 class RMSNorm(nn.Module):

@@ -120,12 +120,11 @@ class CausalLM(nn.Module):
 
     def _build_decode_layers(self) -> DecodeLayers | None:
         config = self.config
-        if config.qk_norm or not all(type(m) is Linear for layer in self.layers
-                                     for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+        layers = [_layer_tensors(layer) for layer in self.layers]
+        if config.qk_norm or None in layers:
             return None
-        return DecodeLayers.build([_layer_tensors(layer) for layer in self.layers], config.num_heads,
-                                  config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        return DecodeLayers.build(layers, config.num_heads, config.num_kv_heads, config.head_dim,
+                                  config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -133,13 +132,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def _layer_tensors(layer: DecoderLayer) -> LayerTensors:
-    attn, mlp = layer.self_attn, layer.mlp
-    return LayerTensors(layer.input_layernorm.weight.data, attn.qkv_proj.weight.data, _data(attn.qkv_proj.bias),
-                        attn.o_proj.weight.data, _data(attn.o_proj.bias), layer.post_attention_layernorm.weight.data,
-                        mlp.gate_up_proj.weight.data, _data(mlp.gate_up_proj.bias), mlp.down_proj.weight.data,
-                        _data(mlp.down_proj.bias))
-
-
-def _data(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.data
+def _layer_tensors(layer: DecoderLayer) -> LayerTensors | None:
+    """None when a projection is neither a Linear nor a QuantizedLinear (nothing native can run it)."""
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    projections = [m.native_projection() if hasattr(m, "native_projection") else None for m in modules]
+    if None in projections:
+        return None
+    return LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data, *projections)

@@ -25,6 +25,7 @@ from engine.model.gguf_blocks import GGUFBlockError
 from engine.model.layers import Linear
 from engine.model.llama import CausalLM
 from engine.model.quant_probe import probe_quantized
+from kernels.native_decode_layers import Projection
 from kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
 from kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
 
@@ -51,6 +52,10 @@ class QuantizedLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.packed = packed
         self.max_rows = max_rows
+
+    def native_projection(self) -> Projection:
+        """This linear as the one-call decode step runs it: the blocks up to max_rows, like forward."""
+        return Projection(self.weight.data, None if self.bias is None else self.bias.data, self.packed, self.max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:

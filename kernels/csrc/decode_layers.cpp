@@ -1,6 +1,7 @@
 // Every decoder layer of a decode step (one new token per sequence) in one call: the same kernels
 // the per-op path calls, in the same order on the same buffers, so the numbers are identical; what
 // goes is the Python between them (~10 kernel calls a layer, each with its checks and allocations).
+// A projection is dense (the native linear) or quantized (quant_linear.c, called by address).
 #include "common.h"
 
 extern "C" {
@@ -41,9 +42,23 @@ template <> struct Ops<bf16> {
   static constexpr auto silu_and_mul = pd_silu_and_mul_bf16;
 };
 
-// One layer's parameters, in the order of the pointer table the Python side builds (bias may be null).
+// quant_linear.c's entry point (another library; its address comes with the step).
+typedef int (*QuantLinear)(int fmt, int tile_rows, const uint8_t* q, const float* d, const float* m,
+                           const float* channel_scales, const void* x, int bf16, void* y, int M, int N, int K,
+                           int threads);
+constexpr int QUANT_TILE_ROWS = 4;
+
+// A projection: dense (format 0: weight and bias of T) or quantized (format f + 1 of quant_linear.c's
+// formats: its tiled blocks, block scales and mins, channel scales; bias of T). Null pointers: absent.
+struct Projection {
+  int64_t format;
+  const void *weight, *bias, *block_scales, *mins, *channel_scales;
+};
+
+// One layer's parameters, in the order of the table the Python side builds.
 template <typename T> struct LayerWeights {
-  const T *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+  const T *input_norm, *post_norm;
+  Projection qkv, o, gate_up, down;
 };
 
 struct StepShape {  // the int64 array the Python side passes, field for field
@@ -52,18 +67,36 @@ struct StepShape {  // the int64 array the Python side passes, field for field
   int64_t first_layer_has_residual;
 };
 
+// y[M, N] = x[M, K] @ W^T + bias, x and y contiguous. Returns quant_linear's status (0: done).
+template <typename T>
+static int project(const Projection& p, const T* x, T* y, int64_t M, int64_t N, int64_t K, QuantLinear quant,
+                   int threads) {
+  if (p.format == 0) {
+    Ops<T>::linear(x, K, static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), y, N, M, N, K, threads);
+    return 0;
+  }
+  const int status = quant(int(p.format - 1), QUANT_TILE_ROWS, static_cast<const uint8_t*>(p.weight),
+                           static_cast<const float*>(p.block_scales), static_cast<const float*>(p.mins),
+                           static_cast<const float*>(p.channel_scales), x, sizeof(T) == 2, y, int(M), int(N), int(K),
+                           threads);
+  if (p.bias)  // NOTE: as the per-op path's y.add_(bias): one rounding to T
+    for (int64_t i = 0; i < M * N; ++i)
+      y[i] = from_float<T>(to_float(y[i]) + to_float(static_cast<const T*>(p.bias)[i % N]));
+  return status;
+}
+
 template <typename T> struct Scratch {  // [seqs, width] each, laid out one after the other
   T *normed, *qkv, *q, *attention, *gate_up, *act;
   float *partials, *lses;
 };
 
 template <typename T>
-static void attention_block(const LayerWeights<T>& w, const StepShape& sh, T* h, const Scratch<T>& s,
-                            T* layer_pool, const int32_t* positions, const int32_t* slots, const float* cos_sin,
-                            const int32_t* tables, const int32_t* lens, float scale, int threads) {
+static int attention_block(const LayerWeights<T>& w, const StepShape& sh, T* h, const Scratch<T>& s,
+                           T* layer_pool, const int32_t* positions, const int32_t* slots, const float* cos_sin,
+                           const int32_t* tables, const int32_t* lens, float scale, QuantLinear quant, int threads) {
   const int64_t q_size = sh.q_heads * sh.head_dim, kv_size = sh.kv_heads * sh.head_dim;
   const int64_t qkv_width = q_size + 2 * kv_size;
-  Ops<T>::linear(s.normed, sh.hidden, w.qkv, w.qkv_bias, s.qkv, qkv_width, sh.seqs, qkv_width, sh.hidden, threads);
+  int status = project(w.qkv, s.normed, s.qkv, sh.seqs, qkv_width, sh.hidden, quant, threads);
   const int64_t rotary[16] = {sh.seqs, sh.q_heads, sh.kv_heads, sh.head_dim, qkv_width, sh.head_dim,
                               qkv_width, sh.head_dim, qkv_width, sh.head_dim, sh.cos_sin_stride, sh.block_size,
                               sh.pool_block, sh.pool_kv, sh.pool_slot, sh.pool_head};
@@ -74,24 +107,26 @@ static void attention_block(const LayerWeights<T>& w, const StepShape& sh, T* h,
                                  q_size, sh.head_dim, q_size, sh.head_dim, sh.table_stride};
   Ops<T>::attention(s.q, layer_pool, strides, sh.block_size, tables, lens, s.attention, s.partials, s.lses,
                     attention, scale, threads);
-  Ops<T>::linear(s.attention, q_size, w.o, w.o_bias, h, sh.hidden, sh.seqs, sh.hidden, q_size, threads);
+  return status | project(w.o, s.attention, h, sh.seqs, sh.hidden, q_size, quant, threads);
 }
 
 template <typename T>
-static void mlp_block(const LayerWeights<T>& w, const StepShape& sh, T* h, const Scratch<T>& s, int threads) {
+static int mlp_block(const LayerWeights<T>& w, const StepShape& sh, T* h, const Scratch<T>& s, QuantLinear quant,
+                     int threads) {
   const int64_t width = 2 * sh.inner;
-  Ops<T>::linear(s.normed, sh.hidden, w.gate_up, w.gate_up_bias, s.gate_up, width, sh.seqs, width, sh.hidden,
-                 threads);
+  int status = project(w.gate_up, s.normed, s.gate_up, sh.seqs, width, sh.hidden, quant, threads);
   Ops<T>::silu_and_mul(s.gate_up, width, s.act, sh.seqs, sh.inner, threads);
-  Ops<T>::linear(s.act, sh.inner, w.down, w.down_bias, h, sh.hidden, sh.seqs, sh.hidden, sh.inner, threads);
+  return status | project(w.down, s.act, h, sh.seqs, sh.hidden, sh.inner, quant, threads);
 }
 
 // h [S, hidden]: in, the embeddings (or the last layer's output); out, the last layer's output.
 // residual [S, hidden]: the running residual sum, in (when first_layer_has_residual) and out.
 template <typename T>
-static void decode_layers(T* h, T* residual, const int64_t* table, const StepShape& sh, T* pool,
-                          const int32_t* positions, const int32_t* slots, const float* cos_sin, const int32_t* tables,
-                          const int32_t* lens, const Scratch<T>& s, float eps, float scale, int threads) {
+static int decode_layers(T* h, T* residual, const int64_t* table, const StepShape& sh, T* pool,
+                         const int32_t* positions, const int32_t* slots, const float* cos_sin, const int32_t* tables,
+                         const int32_t* lens, const Scratch<T>& s, float eps, float scale, QuantLinear quant,
+                         int threads) {
+  static_assert(sizeof(LayerWeights<T>) % sizeof(int64_t) == 0, "the table holds int64 words");
   for (int64_t layer = 0; layer < sh.layers; ++layer) {
     LayerWeights<T> w;
     std::memcpy(&w, table + layer * (sizeof w / sizeof(int64_t)), sizeof w);
@@ -102,12 +137,14 @@ static void decode_layers(T* h, T* residual, const int64_t* table, const StepSha
       Ops<T>::rms_norm(h, sh.hidden, residual, sh.hidden, w.input_norm, eps, s.normed, residual, sh.seqs, sh.hidden,
                        threads);
     }
-    attention_block(w, sh, h, s, pool + layer * sh.pool_layer, positions, slots, cos_sin, tables, lens, scale,
-                    threads);
+    if (attention_block(w, sh, h, s, pool + layer * sh.pool_layer, positions, slots, cos_sin, tables, lens, scale,
+                        quant, threads))
+      return -1;
     Ops<T>::rms_norm(h, sh.hidden, residual, sh.hidden, w.post_norm, eps, s.normed, residual, sh.seqs, sh.hidden,
                      threads);
-    mlp_block(w, sh, h, s, threads);
+    if (mlp_block(w, sh, h, s, quant, threads)) return -1;
   }
+  return 0;
 }
 
 template <typename T>
@@ -127,15 +164,17 @@ static Scratch<T> carve(T* scratch, float* partials, const StepShape& sh) {
 
 }  // namespace pd
 
+// Returns 0, or -1 when quant_linear refused a projection (the Python side checked them: a bug).
 #define PD_DECODE_LAYERS(SUFFIX, T)                                                                             \
-  extern "C" void pd_decode_layers_##SUFFIX(T* h, T* residual, const int64_t* table, const int64_t* shape, T* pool, \
-                                            const int32_t* positions, const int32_t* slots, const float* cos_sin,  \
-                                            const int32_t* tables, const int32_t* lens, T* scratch,               \
-                                            float* partials, float eps, float scale, int threads) {               \
+  extern "C" int pd_decode_layers_##SUFFIX(T* h, T* residual, const int64_t* table, const int64_t* shape, T* pool, \
+                                           const int32_t* positions, const int32_t* slots, const float* cos_sin,   \
+                                           const int32_t* tables, const int32_t* lens, T* scratch,                \
+                                           float* partials, float eps, float scale, pd::QuantLinear quant,        \
+                                           int threads) {                                                         \
     pd::StepShape sh;                                                                                            \
     std::memcpy(&sh, shape, sizeof sh);                                                                          \
-    pd::decode_layers(h, residual, table, sh, pool, positions, slots, cos_sin, tables, lens,                     \
-                      pd::carve(scratch, partials, sh), eps, scale, threads);                                    \
+    return pd::decode_layers(h, residual, table, sh, pool, positions, slots, cos_sin, tables, lens,              \
+                             pd::carve(scratch, partials, sh), eps, scale, quant, threads);                      \
   }
 
 PD_DECODE_LAYERS(f32, float)
