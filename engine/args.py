@@ -27,6 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--itl-target-ms", type=float, default=None,
                    help="adaptive mode: keep a decode step carrying local prefill within this time "
                         "(default: twice the measured decode-only step)")
+    g.add_argument("--max-local-prefill-length", type=int, default=None,
+                   help="adaptive mode: while sequences decode, a prompt with more uncached tokens than this "
+                        "goes to the prefill actor unless its queue is already long, and no decode step "
+                        "carries more prefill tokens than this (default: 1000, NVIDIA Dynamo's; at most "
+                        "--max-prefill-tokens)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ... (default: cuda:0 when a GPU is visible, else cpu)")
     g.add_argument("--decode-device", default=None,
@@ -84,6 +89,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _positive(args, "block_size", "max_num_seqs", "max_prefill_tokens", "max_queue")
     if args.block_size & (args.block_size - 1) or args.block_size < 8:
         raise ValueError("--block-size must be a power of two >= 8")
+    if args.max_local_prefill_length is not None:
+        _positive(args, "max_local_prefill_length")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 disables it)")
     if not 0.0 < args.kv_watermark <= 1.0:
@@ -100,7 +107,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                  itl_target_ms=args.itl_target_ms),
+                                  itl_target_ms=args.itl_target_ms,
+                                  max_local_prefill_length=args.max_local_prefill_length),
     )
 
 

@@ -1,12 +1,14 @@
 """Adaptive mode: per-request placement, lent cores, and outputs identical to the fixed modes."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 
 import pytest
 
 from engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
+from engine.args import add_engine_args, engine_config_from_args
 from engine.core.messages import Request
 from engine.core.sampling_params import SamplingParams
 from engine.engine import Engine
@@ -73,6 +75,75 @@ def test_the_step_budget_keeps_a_decode_step_within_the_itl_target():
     budget = policy.step_budget(state(rows=10))
     assert decode.predict(2, 10, budget) == pytest.approx(0.05, rel=0.1)
     assert policy.step_budget(state(rows=0)) == 2048
+
+
+def slow_decode_costs() -> tuple[StepCostModel, StepCostModel]:
+    """Exact linear costs of a slow decode step (1.4 s at 8 rows), as measured with long contexts on
+    2 cores: twice that step would let ~7000 prefill tokens ride along."""
+    decode, prefill = StepCostModel(), StepCostModel()
+    for rows, tokens in [(1, 0), (8, 0), (16, 256), (4, 1024), (12, 64), (2, 2048)]:
+        decode.observe(2, rows, tokens, 1.0 + 0.05 * rows + 0.0002 * tokens)
+        prefill.observe(1, 0, tokens + 32, 0.01 + 0.0004 * (tokens + 32))
+    return decode, prefill
+
+
+def test_a_long_prompt_goes_remote_while_rows_decode_however_slow_the_decode_step():
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048)
+    assert policy.max_local == 1000                                  # Dynamo's default, under the step's
+    assert policy.step_budget(state()) == 1000                       # the ITL budget is capped: not 2048
+    placed = policy.place(2048, 2048, state())
+    assert not placed.local and "max local prefill length of 1000" in placed.reason
+    assert policy.place(1000, 1000, state()).local                   # at the limit: one local step
+    assert policy.place(2048, 2048, state(rows=0)).local             # nothing decodes: full budget here
+    assert policy.step_budget(state(rows=0)) == 2048
+
+
+def test_a_long_prompt_stays_local_only_when_the_prefill_actors_backlog_outlasts_it():
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048)
+    # here: 3 steps of 1.4 s decode + 1000 tokens (0.2 s) = 4.8 s; there: the backlog at 0.4 ms a token
+    # and 10 ms a 2048-token step
+    assert not policy.place(2048, 2048, state(backlog=11000)).local             # 4.46 s behind: still remote
+    behind = policy.place(2048, 2048, state(backlog=13000))                     # 5.27 s behind: here
+    assert behind.local and "5.27s behind" in behind.reason and "4.80s" in behind.reason
+    assert policy.step_budget(state(queued=2048)) == 1000                       # and chunked at the limit
+
+
+def test_piled_up_local_prompts_never_take_more_than_the_limit_in_a_step_while_rows_decode():
+    decode, prefill = seeded_costs(3)
+    policy = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05,
+                             max_local_prefill_length=600)
+    itl_budget = policy.step_budget(state(rows=10))
+    assert itl_budget < 600
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4)) == itl_budget      # not piled up yet
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4 + 1)) == 600         # throughput mode
+    assert policy.step_budget(state(rows=10, queued=50_000)) == 600
+    assert policy.step_budget(state(rows=0, queued=50_000)) == 2048                     # nothing decodes
+
+
+def test_before_any_step_is_measured_the_length_limit_alone_places():
+    policy = PlacementPolicy(StepCostModel(), StepCostModel(), max_prefill_tokens=2048)
+    assert policy.step_budget(state()) == 1000
+    assert not policy.place(1500, 1500, state()).local
+    assert policy.place(900, 900, state()).local
+    assert policy.place(1500, 1500, state(rows=0)).local
+
+
+def test_the_length_limit_counts_uncached_tokens_and_stays_within_a_prefill_step():
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=512, max_local_prefill_length=4000)
+    assert policy.max_local == 512 and policy.step_budget(state(queued=10_000)) == 512
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048)
+    assert policy.place(400, 2048, state()).local            # a 2048-token turn whose history is cached here
+    assert not policy.place(2048, 16, state()).local         # one whose history is on the prefill actor
+
+
+def test_max_local_prefill_length_is_an_engine_option():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).scheduler.max_local_prefill_length is None
+    config = engine_config_from_args(parser.parse_args(["--max-local-prefill-length", "512"]))
+    assert config.scheduler.max_local_prefill_length == 512
+    with pytest.raises(ValueError, match="--max-local-prefill-length must be positive"):
+        engine_config_from_args(parser.parse_args(["--max-local-prefill-length", "0"]))
 
 
 # --- engines ------------------------------------------------------------------------------------

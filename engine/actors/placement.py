@@ -1,16 +1,22 @@
 """Adaptive placement: where a prompt is prefilled, and how much prefill a decode step may carry.
 
-A measured cost model, not a constant, decides. Each compute unit's step time is fit online as
-`fixed + per_decode_row * D + per_prefill_token * P` (one fit per thread count); from it:
+A measured cost model decides, under one absolute limit. Each compute unit's step time is fit
+online as `fixed + per_decode_row * D + per_prefill_token * P` (one fit per thread count); from it:
 
 - the decode unit's prefill budget per step: the prefill tokens that keep a decode step within the
-  ITL target (`--itl-target-ms`; by default twice the decode-only step), or the full
-  `max_prefill_tokens` when nothing decodes or when the local queue would otherwise take more
-  than a few steps to drain (throughput first once requests pile up, as colocated serving does);
-- per request: prefilled locally when the decode unit is idle or the uncached prompt fits one
-  step's budget, else where its first token comes sooner (local chunks at that budget, or the
-  prefill actor's backlog plus the prompt at its measured rate). Prefix-cache hits on either pool
-  lower that side's cost: a conversation's next turn goes where its history is.
+  ITL target (`--itl-target-ms`; by default twice the decode-only step), or, when the local queue
+  would otherwise take more than a few steps to drain, as many as the limit allows (throughput
+  first once requests pile up, as colocated serving does). While rows decode the budget never
+  exceeds `--max-local-prefill-length`, however slow the decode step; when nothing decodes it is
+  the full `max_prefill_tokens`;
+- per request, while rows decode: a prompt whose uncached tokens exceed the max local prefill
+  length goes to the prefill actor (NVIDIA Dynamo's conditional disaggregation), unless that
+  actor is so far behind that it could not even start on the prompt before the decode unit had
+  its first token (Dynamo's max_prefill_queue_size, measured in seconds); a shorter prompt is
+  prefilled locally when it fits one step's budget, else where its first token comes sooner
+  (local chunks at that budget, or the prefill actor's backlog plus the prompt at its measured
+  rate). Prefix-cache hits on either pool lower that side's cost: a conversation's next turn goes
+  where its history is.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 BACKLOG_STEPS = 4            # a local queue that needs more steps than this at the ITL budget: throughput mode
+MAX_LOCAL_PREFILL_LENGTH = 1000   # NVIDIA Dynamo's default max_local_prefill_length (tokens)
 
 
 @dataclass(slots=True)
@@ -71,21 +78,26 @@ class Placement:
 
 class PlacementPolicy:
     def __init__(self, decode_cost: StepCostModel, prefill_cost: StepCostModel, max_prefill_tokens: int,
-                 itl_target: float | None = None, min_local_chunk: int = 32) -> None:
+                 itl_target: float | None = None, max_local_prefill_length: int | None = None,
+                 min_local_chunk: int = 32) -> None:
         self.decode_cost, self.prefill_cost = decode_cost, prefill_cost
         self.max_prefill_tokens = max_prefill_tokens
         self.itl_target = itl_target
-        self.min_local_chunk = min(min_local_chunk, max_prefill_tokens)
+        self.max_local = min(max_local_prefill_length or MAX_LOCAL_PREFILL_LENGTH, max_prefill_tokens)
+        self.min_local_chunk = min(min_local_chunk, self.max_local)
 
     def step_budget(self, state: LoadState) -> int:
         """Prefill tokens the decode unit's next step may carry."""
+        if state.decode_rows == 0:
+            return self.max_prefill_tokens
         itl_budget = self._itl_budget(state)
         if itl_budget is None or state.local_queued_tokens > itl_budget * BACKLOG_STEPS:
-            return self.max_prefill_tokens
+            return self.max_local
         return itl_budget
 
     def _itl_budget(self, state: LoadState) -> int | None:
-        """Prefill tokens that keep a decode step within the ITL target; None when nothing limits them."""
+        """Prefill tokens that keep a decode step within the ITL target (at most the max local prefill
+        length); None when nothing decodes or no step costs are measured yet."""
         if state.decode_rows == 0:
             return None
         decode_step = self.decode_cost.predict(state.decode_threads, state.decode_rows, 0)
@@ -94,12 +106,14 @@ class PlacementPolicy:
             return None
         target = self.itl_target if self.itl_target is not None else 2.0 * decode_step
         tokens = int((target - decode_step) / per_token)
-        return max(self.min_local_chunk, min(tokens, self.max_prefill_tokens))
+        return max(self.min_local_chunk, min(tokens, self.max_local))
 
     def place(self, local_tokens: int, remote_tokens: int, state: LoadState) -> Placement:
         """Where to prefill a prompt needing `local_tokens` here or `remote_tokens` on the prefill actor."""
         if state.decode_rows == 0:
             return Placement(True, "nothing decodes: the decode unit prefills at full budget")
+        if local_tokens > self.max_local:
+            return self._place_long(local_tokens, state)
         budget = self._itl_budget(state)
         if budget is None:
             return Placement(True, "no step costs measured yet")
@@ -109,6 +123,17 @@ class PlacementPolicy:
         if remote is None or local <= remote:
             return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
         return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
+
+    def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
+        """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
+        outlasts the whole local prefill at the ITL budget (its queue is long: Dynamo's
+        max_prefill_queue_size, in measured seconds instead of a count)."""
+        budget, wait = self._itl_budget(state), self._remote_ttft(0, state)
+        local = None if budget is None else self._local_ttft(local_tokens, budget, state)
+        if wait is not None and local is not None and wait > local:
+            return Placement(True, f"{local_tokens} tokens, but the prefill actor is {wait:.2f}s behind "
+                                   f"(first token here in {local:.2f}s)")
+        return Placement(False, f"{local_tokens} tokens exceed the max local prefill length of {self.max_local}")
 
     def _local_ttft(self, tokens: int, budget: int, state: LoadState) -> float:
         steps = math.ceil((state.local_queued_tokens + tokens) / budget)
