@@ -62,11 +62,14 @@ class Supervisor:
             self._watch = asyncio.get_running_loop().create_task(self._watch_steps(), name="pdserve-supervisor")
 
     async def stop(self) -> None:
-        for task in (self._watch, self._recovery):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        """Stop watching; a restart under way is finished first (cancelled half-way, it would leave
+        abandoned actors to the next start and `recovering` set for good)."""
+        if self._watch is not None and not self._watch.done():
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self._recovery is not None:
+            await asyncio.shield(self._recovery)
         self._watch = self._recovery = None
 
     def actor_failed(self, actor: Actor, error: str, stuck: bool = False) -> None:

@@ -163,3 +163,43 @@ def test_a_thread_stuck_past_the_step_timeout_errors_its_requests_and_the_engine
         engine.close()                                # does not wait for the stuck thread
     finally:
         faults.RELEASE.set()
+
+
+def test_stopping_while_actors_restart_finishes_the_restart_so_the_next_start_serves(monkeypatch):
+    """LLM.generate stops the engine as soon as its requests end, which a failure makes happen
+    while the supervisor is still restarting the actors: the restart must finish, not be cancelled
+    half-way (that left abandoned actors to the next start, whose requests then hung)."""
+    expected = reference_tokens("colocated")
+    engine = build("colocated", monkeypatch, "colocated:raise@3")
+    real_restart = engine.restart_actors
+    restarting = []
+
+    async def slow_restart(recover_stuck: bool) -> None:
+        restarting.append(1)
+        await asyncio.sleep(0.2)                      # as long as a real model's abandon + rewire can take
+        await real_restart(recover_stuck)
+
+    monkeypatch.setattr(engine, "restart_actors", slow_restart)
+
+    async def fail_and_stop():
+        await engine.start()
+        stream = engine.submit(Request("doomed", prompts([6], seed=1)[0], LONG))
+        _, reason = await asyncio.wait_for(collect(stream), 60)
+        await until(lambda: bool(restarting))
+        await engine.stop()                           # mid-restart, as LLM.generate does
+        return reason
+
+    assert asyncio.run(fail_and_stop()) is FinishReason.ERROR
+    assert not engine.supervisor.recovering and engine.supervisor.restarts == 1
+
+    async def serve_again():
+        await engine.start()
+        try:
+            return await asyncio.wait_for(collect(engine.submit(Request("after", prompts([10], seed=2)[0], SHORT))),
+                                          60)
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(serve_again()) == (expected, FinishReason.LENGTH)
+    assert_pools_free(engine)
+    engine.close()
