@@ -25,7 +25,8 @@ from kernels.quant_linear import native_available as quant_available
 from kernels.quant_linear import supports as quant_supports
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-WEIGHTS_PER_LAYER = 10   # input norm, qkv (+ bias), o (+ bias), post norm, gate-up (+ bias), down (+ bias)
+WORDS_PER_PROJECTION = 6   # Projection.words(); LayerWeights and Projection in decode_layers.cpp
+WORDS_PER_LAYER = 2 + 4 * WORDS_PER_PROJECTION   # two norms, then qkv, o, gate-up, down
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ class DecodeLayers:
     """A model's decoder layers as the native step takes them (a pointer table, built once)."""
 
     layers: tuple[LayerTensors, ...]
-    table: torch.Tensor          # int64 [layers * WEIGHTS_PER_LAYER]
+    table: torch.Tensor          # int64 [layers * WORDS_PER_LAYER]
     num_heads: int
     num_kv_heads: int
     head_dim: int

@@ -123,3 +123,17 @@ def test_the_step_goes_native_where_every_projection_prefers_the_native_linear(m
     assert not layers.serves(3) and len(asked) == before               # remembered per row count
     monkeypatch.setattr("kernels.native_decode_layers.prefer_native", lambda x, weight: True)
     assert layers.serves(5)                                            # another row count: asked afresh
+
+
+def test_the_pointer_table_has_the_layout_the_native_step_reads():
+    from kernels.native_decode_layers import WORDS_PER_LAYER
+
+    model = cpu_model("qwen2")                                            # q/k/v bias: non-null words
+    layers = model._build_decode_layers()
+    table = layers.table.view(len(model.layers), WORDS_PER_LAYER)
+    first = model.layers[0]
+    assert table[0, 0] == first.input_layernorm.weight.data_ptr()
+    assert table[0, 1] == first.post_attention_layernorm.weight.data_ptr()
+    assert table[0, 2:8].tolist() == [0, first.self_attn.qkv_proj.weight.data_ptr(),
+                                      first.self_attn.qkv_proj.bias.data_ptr(), 0, 0, 0]
+    assert table[-1, -6:].tolist() == [0, model.layers[-1].mlp.down_proj.weight.data_ptr(), 0, 0, 0, 0]

@@ -60,6 +60,8 @@ template <typename T> struct LayerWeights {
   const T *input_norm, *post_norm;
   Projection qkv, o, gate_up, down;
 };
+static_assert(sizeof(Projection) == 6 * sizeof(int64_t) && sizeof(LayerWeights<float>) == 26 * sizeof(int64_t),
+              "the table's layout: WORDS_PER_PROJECTION and WORDS_PER_LAYER in native_decode_layers.py");
 
 struct StepShape {  // the int64 array the Python side passes, field for field
   int64_t seqs, hidden, q_heads, kv_heads, head_dim, inner, layers, splits;
@@ -126,7 +128,6 @@ static int decode_layers(T* h, T* residual, const int64_t* table, const StepShap
                          const int32_t* positions, const int32_t* slots, const float* cos_sin, const int32_t* tables,
                          const int32_t* lens, const Scratch<T>& s, float eps, float scale, QuantLinear quant,
                          int threads) {
-  static_assert(sizeof(LayerWeights<T>) % sizeof(int64_t) == 0, "the table holds int64 words");
   for (int64_t layer = 0; layer < sh.layers; ++layer) {
     LayerWeights<T> w;
     std::memcpy(&w, table + layer * (sizeof w / sizeof(int64_t)), sizeof w);
