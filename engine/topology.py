@@ -204,7 +204,7 @@ def _adaptive_actors(config: EngineConfig, plan: Plan, units: Units, emit: Emit)
     decode_cost, prefill_cost = StepCostModel(), StepCostModel()
     itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
     policy = PlacementPolicy(decode_cost, prefill_cost, sched.max_prefill_tokens, itl_target,
-                             sched.max_local_prefill_length)
+                             sched.max_local_prefill_length, shared_cores=share is not None)
     decode = AdaptiveDecodeActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
                                  _overlap(config, plan.decode_device), cache.enable_prefix_caching,
                                  policy=policy, cost=decode_cost, share=share)

@@ -257,3 +257,26 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
     assert all(n == own for steps, n in threads if starts[0] < steps < starts[-1])   # given back during it
     assert_pools_free(engine)
     engine.close()
+
+
+def test_on_shared_cores_a_long_prompt_stays_local_while_stalls_are_too_rare_to_reach_the_p99():
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048, shared_cores=True)
+    step = policy.decode_cost.predict(2, 8, 0)                         # 1.4 s: the ITL target is 2.8 s
+    placed = policy.place(2048, 2048, state())
+    assert placed.local and "3 stalled steps stay within 1% of the last 500 (0 so far)" in placed.reason
+    for _ in range(3):
+        policy.record_decode_step(2, 8, 5.7)                           # past twice the target: stalls
+    policy.record_decode_step(2, 8, 5.5)                               # within it: not a stall
+    assert policy.stalls.stalls == 3
+    assert not policy.place(2048, 2048, state()).local                # 3 + 3 > 5: the tail would move
+    assert policy.place(1500, 1500, state()).local                    # 3 + 2 = 5: still room
+    for _ in range(500 - 4):
+        policy.record_decode_step(2, 8, step)
+    assert policy.stalls.stalls == 3
+    policy.record_decode_step(2, 8, step)                              # the first stall leaves the window
+    assert policy.stalls.stalls == 2 and policy.place(2048, 2048, state()).local
+
+
+def test_on_separate_devices_a_long_prompt_goes_remote_however_rare_the_stalls():
+    policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048)       # e.g. two GPUs
+    assert policy.stalls.stalls == 0 and not policy.place(2048, 2048, state()).local

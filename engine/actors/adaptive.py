@@ -149,6 +149,8 @@ class AdaptiveDecodeActor(DecodeActor):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)
+        if batch.decode:
+            self.policy.record_decode_step(threads, len(batch.decode), seconds)
 
     def drop(self, seq: Sequence) -> None:
         self.local.remove(seq)

@@ -21,12 +21,15 @@ online as `fixed + per_decode_row * D + per_prefill_token * P` (one fit per thre
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 BACKLOG_STEPS = 4            # a local queue that needs more steps than this at the ITL budget: throughput mode
 MAX_LOCAL_PREFILL_LENGTH = 1000   # NVIDIA Dynamo's default max_local_prefill_length (tokens)
+STALL_WINDOW = 500           # decode steps over which stalls are counted
+TAIL_FRACTION = 0.01         # stalls in at most this share of decode steps leave the p99 ITL alone
 
 
 @dataclass(slots=True)
@@ -76,11 +79,31 @@ class Placement:
     reason: str
 
 
+@dataclass(slots=True)
+class StallCounter:
+    """How many of the last STALL_WINDOW decode steps ran past their stall threshold."""
+
+    _stalled: deque[bool] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
+    stalls: int = 0
+
+    def record(self, stalled: bool) -> None:
+        if len(self._stalled) == STALL_WINDOW:
+            self.stalls -= self._stalled[0]
+        self._stalled.append(stalled)
+        self.stalls += stalled
+
+    def room_for(self, more: int) -> bool:
+        """Whether `more` stalls keep the window's share of stalls within TAIL_FRACTION."""
+        return self.stalls + more <= TAIL_FRACTION * STALL_WINDOW
+
+
 class PlacementPolicy:
     def __init__(self, decode_cost: StepCostModel, prefill_cost: StepCostModel, max_prefill_tokens: int,
                  itl_target: float | None = None, max_local_prefill_length: int | None = None,
-                 min_local_chunk: int = 32) -> None:
+                 min_local_chunk: int = 32, shared_cores: bool = False) -> None:
         self.decode_cost, self.prefill_cost = decode_cost, prefill_cost
+        self.shared_cores = shared_cores
+        self.stalls = StallCounter()
         self.max_prefill_tokens = max_prefill_tokens
         self.itl_target = itl_target
         self.max_local = min(max_local_prefill_length or MAX_LOCAL_PREFILL_LENGTH, max_prefill_tokens)
@@ -124,10 +147,25 @@ class PlacementPolicy:
             return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
         return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
 
+    def record_decode_step(self, threads: int, decode_rows: int, seconds: float) -> None:
+        """A step of the decode unit that decoded `decode_rows` rows: a stall when it ran past twice the
+        ITL target (the target, by default twice the predicted decode-only step, is what a step within
+        the ITL budget takes; a stall is a chunk beyond that budget)."""
+        decode_only = self.decode_cost.predict(threads, decode_rows, 0)
+        if decode_only is not None:
+            target = self.itl_target if self.itl_target is not None else 2.0 * decode_only
+            self.stalls.record(seconds > 2.0 * target)
+
     def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
         """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
         outlasts the whole local prefill at the ITL budget (its queue is long: Dynamo's
-        max_prefill_queue_size, in measured seconds instead of a count)."""
+        max_prefill_queue_size, in measured seconds instead of a count), or, where the two actors
+        share the CPU's cores, unless its chunks would stall so few decode steps that the tail ITL
+        does not move: a remote prefill there takes half the cores from every decode step meanwhile."""
+        chunks = math.ceil(local_tokens / self.max_local)
+        if self.shared_cores and self.stalls.room_for(chunks):
+            return Placement(True, f"{local_tokens} tokens, {chunks} stalled steps stay within "
+                                   f"{TAIL_FRACTION:.0%} of the last {STALL_WINDOW} ({self.stalls.stalls} so far)")
         budget, wait = self._itl_budget(state), self._remote_ttft(0, state)
         local = None if budget is None else self._local_ttft(local_tokens, budget, state)
         if wait is not None and local is not None and wait > local:
