@@ -280,3 +280,18 @@ def test_on_shared_cores_a_long_prompt_stays_local_while_stalls_are_too_rare_to_
 def test_on_separate_devices_a_long_prompt_goes_remote_however_rare_the_stalls():
     policy = PlacementPolicy(*slow_decode_costs(), max_prefill_tokens=2048)       # e.g. two GPUs
     assert policy.stalls.stalls == 0 and not policy.place(2048, 2048, state()).local
+
+
+def test_on_shared_cores_a_short_prompt_goes_in_one_step_when_that_step_stays_short_of_a_stall():
+    decode, prefill = seeded_costs(3)                    # decode ~30 ms at 10 rows, ~0.5 ms a prefill token
+    shared = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05, shared_cores=True)
+    separate = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05)
+    itl_budget = separate.step_budget(state(rows=10, queued=80))
+    assert itl_budget == shared.step_budget(state(rows=10, queued=itl_budget)) and 30 < itl_budget < 50
+    assert shared.step_budget(state(rows=10, queued=80)) == 80              # within 1.5 targets: whole
+    whole = shared._itl_budget(state(rows=10), 1.5)
+    assert decode.predict(2, 10, whole) == pytest.approx(0.075, rel=0.1)
+    assert shared.step_budget(state(rows=10, queued=whole + 1)) == itl_budget   # past it: chunked as before
+    placed = shared.place(80, 80, state(rows=10))
+    assert placed.local and f"budget of {whole}" in placed.reason
+    assert separate.place(80, 80, state(rows=10)).reason != placed.reason

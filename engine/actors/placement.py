@@ -30,6 +30,9 @@ BACKLOG_STEPS = 4            # a local queue that needs more steps than this at 
 MAX_LOCAL_PREFILL_LENGTH = 1000   # NVIDIA Dynamo's default max_local_prefill_length (tokens)
 STALL_WINDOW = 500           # decode steps over which stalls are counted
 TAIL_FRACTION = 0.01         # stalls in at most this share of decode steps leave the p99 ITL alone
+STALL_FACTOR = 2.0           # a decode step longer than this many ITL targets is a stall
+WHOLE_PROMPT_TARGETS = 1.5   # on shared cores a step may carry a whole short prompt up to this many targets,
+#                              clear of the stall line so that such steps never count as stalls
 
 
 @dataclass(slots=True)
@@ -116,11 +119,13 @@ class PlacementPolicy:
         itl_budget = self._itl_budget(state)
         if itl_budget is None or state.local_queued_tokens > itl_budget * BACKLOG_STEPS:
             return self.max_local
+        if self.shared_cores and state.local_queued_tokens <= self._one_step_budget(state):
+            return max(itl_budget, state.local_queued_tokens)     # the whole queue now, short of a stall
         return itl_budget
 
-    def _itl_budget(self, state: LoadState) -> int | None:
-        """Prefill tokens that keep a decode step within the ITL target (at most the max local prefill
-        length); None when nothing decodes or no step costs are measured yet."""
+    def _itl_budget(self, state: LoadState, targets: float = 1.0) -> int | None:
+        """Prefill tokens that keep a decode step within `targets` ITL targets (at most the max local
+        prefill length); None when nothing decodes or no step costs are measured yet."""
         if state.decode_rows == 0:
             return None
         decode_step = self.decode_cost.predict(state.decode_threads, state.decode_rows, 0)
@@ -128,8 +133,13 @@ class PlacementPolicy:
         if decode_step is None or per_token is None:
             return None
         target = self.itl_target if self.itl_target is not None else 2.0 * decode_step
-        tokens = int((target - decode_step) / per_token)
+        tokens = int((targets * target - decode_step) / per_token)
         return max(self.min_local_chunk, min(tokens, self.max_local))
+
+    def _one_step_budget(self, state: LoadState) -> int | None:
+        """The most prefill one step takes without a stall: on shared cores a short prompt goes in
+        whole, as colocated serving would put it in its next step (within the ITL target otherwise)."""
+        return self._itl_budget(state, WHOLE_PROMPT_TARGETS if self.shared_cores else 1.0)
 
     def place(self, local_tokens: int, remote_tokens: int, state: LoadState) -> Placement:
         """Where to prefill a prompt needing `local_tokens` here or `remote_tokens` on the prefill actor."""
@@ -140,8 +150,9 @@ class PlacementPolicy:
         budget = self._itl_budget(state)
         if budget is None:
             return Placement(True, "no step costs measured yet")
-        if local_tokens <= budget:
-            return Placement(True, f"{local_tokens} tokens fit one decode step's budget of {budget}")
+        one_step = self._one_step_budget(state)
+        if local_tokens <= one_step:
+            return Placement(True, f"{local_tokens} tokens fit one decode step's budget of {one_step}")
         local, remote = self._local_ttft(local_tokens, budget, state), self._remote_ttft(remote_tokens, state)
         if remote is None or local <= remote:
             return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
@@ -154,7 +165,7 @@ class PlacementPolicy:
         decode_only = self.decode_cost.predict(threads, decode_rows, 0)
         if decode_only is not None:
             target = self.itl_target if self.itl_target is not None else 2.0 * decode_only
-            self.stalls.record(seconds > 2.0 * target)
+            self.stalls.record(seconds > STALL_FACTOR * target)
 
     def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
         """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
