@@ -117,23 +117,25 @@ class PlacementPolicy:
         if state.decode_rows == 0:
             return self.max_prefill_tokens
         itl_budget = self._itl_budget(state)
-        if itl_budget is None or state.local_queued_tokens > itl_budget * BACKLOG_STEPS:
+        queued = state.local_queued_tokens
+        if itl_budget is None or queued > itl_budget * BACKLOG_STEPS:
             return self.max_local
-        if self.shared_cores and state.local_queued_tokens <= self._one_step_budget(state):
-            return max(itl_budget, state.local_queued_tokens)     # the whole queue now, short of a stall
+        if itl_budget < queued <= self._one_step_budget(state):
+            return queued                                          # the whole queue now, short of a stall
         return itl_budget
+
+    def _target(self, decode_step: float) -> float:
+        """The ITL target for a step whose decode-only part takes `decode_step` seconds."""
+        return self.itl_target if self.itl_target is not None else 2.0 * decode_step
 
     def _itl_budget(self, state: LoadState, targets: float = 1.0) -> int | None:
         """Prefill tokens that keep a decode step within `targets` ITL targets (at most the max local
         prefill length); None when nothing decodes or no step costs are measured yet."""
-        if state.decode_rows == 0:
+        c = self.decode_cost.coefficients(state.decode_threads) if state.decode_rows else None
+        if c is None or c[2] <= 0:
             return None
-        decode_step = self.decode_cost.predict(state.decode_threads, state.decode_rows, 0)
-        per_token = self.decode_cost.seconds_per_prefill_token(state.decode_threads)
-        if decode_step is None or per_token is None:
-            return None
-        target = self.itl_target if self.itl_target is not None else 2.0 * decode_step
-        tokens = int((targets * target - decode_step) / per_token)
+        decode_step = float(c[0] + c[1] * state.decode_rows)
+        tokens = int((targets * self._target(decode_step) - decode_step) / c[2])
         return max(self.min_local_chunk, min(tokens, self.max_local))
 
     def _one_step_budget(self, state: LoadState) -> int | None:
@@ -159,13 +161,11 @@ class PlacementPolicy:
         return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
 
     def record_decode_step(self, threads: int, decode_rows: int, seconds: float) -> None:
-        """A step of the decode unit that decoded `decode_rows` rows: a stall when it ran past twice the
-        ITL target (the target, by default twice the predicted decode-only step, is what a step within
-        the ITL budget takes; a stall is a chunk beyond that budget)."""
+        """A step of the decode unit that decoded `decode_rows` rows: a stall when it ran past STALL_FACTOR
+        ITL targets (the target is what a step within the ITL budget takes; a stall carried more)."""
         decode_only = self.decode_cost.predict(threads, decode_rows, 0)
         if decode_only is not None:
-            target = self.itl_target if self.itl_target is not None else 2.0 * decode_only
-            self.stalls.record(seconds > STALL_FACTOR * target)
+            self.stalls.record(seconds > STALL_FACTOR * self._target(decode_only))
 
     def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
         """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
