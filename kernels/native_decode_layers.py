@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind
+from kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
 from kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
 from kernels.native_linear import MAX_NATIVE_ROWS, prefer_native
 from kernels.quant_formats import FORMATS
@@ -162,10 +162,9 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     partials = torch.empty(seqs * layers.num_heads * splits * (head_dim + 1)) if splits > 1 else None
     out, residual = h.clone(), torch.empty_like(h)
     block, layer, kv, slot, head = kv_pool.stride()[:5]
-    shape = torch.tensor([seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers,
-                          splits, block_size, block, layer, kv, slot, head, block_tables.stride(0),
-                          cos_sin.stride(0), 0], dtype=torch.int64)
-    status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table.data_ptr(), shape.data_ptr(),
+    shape = int64_array(seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers, splits,
+                        block_size, block, layer, kv, slot, head, block_tables.stride(0), cos_sin.stride(0), 0)
+    status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table.data_ptr(), shape,
                               kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
                               block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
                               None if partials is None else partials.data_ptr(), layers.eps, layers.scale,
