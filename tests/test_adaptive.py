@@ -265,15 +265,16 @@ def test_on_shared_cores_a_long_prompt_stays_local_while_stalls_are_too_rare_to_
     placed = policy.place(2048, 2048, state())
     assert placed.local and "3 stalled steps stay within 1% of the last 500 (0 so far)" in placed.reason
     for _ in range(3):
-        policy.record_decode_step(2, 8, 5.7)                           # past twice the target: stalls
-    policy.record_decode_step(2, 8, 5.5)                               # within it: not a stall
+        policy.record_decode_step(2, 8, 5.7, carried_long=True)        # past twice the target: stalls
+    policy.record_decode_step(2, 8, 5.5, carried_long=True)            # within it: not a stall
+    policy.record_decode_step(2, 8, 9.0, carried_long=False)           # no long prompt's chunk in it
     assert policy.stalls.stalls == 3
     assert not policy.place(2048, 2048, state()).local                # 3 + 3 > 5: the tail would move
     assert policy.place(1500, 1500, state()).local                    # 3 + 2 = 5: still room
-    for _ in range(500 - 4):
-        policy.record_decode_step(2, 8, step)
+    for _ in range(500 - 5):
+        policy.record_decode_step(2, 8, step, carried_long=False)
     assert policy.stalls.stalls == 3
-    policy.record_decode_step(2, 8, step)                              # the first stall leaves the window
+    policy.record_decode_step(2, 8, step, carried_long=False)          # the first stall leaves the window
     assert policy.stalls.stalls == 2 and policy.place(2048, 2048, state()).local
 
 
@@ -295,3 +296,17 @@ def test_on_shared_cores_a_short_prompt_goes_in_one_step_when_that_step_stays_sh
     placed = shared.place(80, 80, state(rows=10))
     assert placed.local and f"budget of {whole}" in placed.reason
     assert separate.place(80, 80, state(rows=10)).reason != placed.reason
+
+
+def test_on_shared_cores_with_the_default_target_a_short_local_queue_goes_into_one_step_whole():
+    decode, prefill = seeded_costs(3)                    # decode ~30 ms at 10 rows: the default target ~60 ms
+    shared = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, shared_cores=True)
+    separate = PlacementPolicy(decode, prefill, max_prefill_tokens=2048)
+    itl_budget = separate.step_budget(state(rows=10, queued=150))
+    assert itl_budget < 100 and shared.whole_local_queue and not separate.whole_local_queue
+    assert shared.step_budget(state(rows=10, queued=150)) == 1000           # whole, up to the length limit
+    placed = shared.place(900, 900, state(rows=10))
+    assert placed.local and "budget of 1000" in placed.reason
+    assert "budget of" not in separate.place(900, 900, state(rows=10)).reason    # it would be chunked
+    explicit = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05, shared_cores=True)
+    assert not explicit.whole_local_queue and explicit.step_budget(state(rows=10, queued=150)) < 150

@@ -150,7 +150,8 @@ class AdaptiveDecodeActor(DecodeActor):
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)
         if batch.decode:
-            self.policy.record_decode_step(threads, len(batch.decode), seconds)
+            carried_long = any(c.seq.num_tokens > self.policy.max_local for c in batch.chunks)
+            self.policy.record_decode_step(threads, len(batch.decode), seconds, carried_long)
 
     def drop(self, seq: Sequence) -> None:
         self.local.remove(seq)

@@ -6,9 +6,10 @@ online as `fixed + per_decode_row * D + per_prefill_token * P` (one fit per thre
 - the decode unit's prefill budget per step: the prefill tokens that keep a decode step within the
   ITL target (`--itl-target-ms`; by default twice the decode-only step), or, when the local queue
   would otherwise take more than a few steps to drain, as many as the limit allows (throughput
-  first once requests pile up, as colocated serving does). While rows decode the budget never
-  exceeds `--max-local-prefill-length`, however slow the decode step; when nothing decodes it is
-  the full `max_prefill_tokens`;
+  first once requests pile up, as colocated serving does). Where the two actors share the CPU's
+  cores and no target is given, a local queue goes into one step whole, up to that limit. While
+  rows decode the budget never exceeds `--max-local-prefill-length`, however slow the decode
+  step; when nothing decodes it is the full `max_prefill_tokens`;
 - per request, while rows decode: a prompt whose uncached tokens exceed the max local prefill
   length goes to the prefill actor (NVIDIA Dynamo's conditional disaggregation), unless that
   actor is so far behind that it could not even start on the prompt before the decode unit had
@@ -118,7 +119,7 @@ class PlacementPolicy:
             return self.max_prefill_tokens
         itl_budget = self._itl_budget(state)
         queued = state.local_queued_tokens
-        if itl_budget is None or queued > itl_budget * BACKLOG_STEPS:
+        if itl_budget is None or queued > itl_budget * BACKLOG_STEPS or self.whole_local_queue:
             return self.max_local
         if itl_budget < queued <= self._one_step_budget(state):
             return queued                                          # the whole queue now, short of a stall
@@ -138,9 +139,19 @@ class PlacementPolicy:
         tokens = int((targets * self._target(decode_step) - decode_step) / c[2])
         return max(self.min_local_chunk, min(tokens, self.max_local))
 
+    @property
+    def whole_local_queue(self) -> bool:
+        """On shared cores with the default ITL target a local queue goes into the next step whole (up
+        to the max local prefill length), as colocated serving takes it: there, chunking a short prompt
+        delays its first token by a decode step per extra chunk and, measured, moves no ITL percentile
+        (bench/RESULTS.md, issue 13). An explicit `--itl-target-ms` is kept."""
+        return self.shared_cores and self.itl_target is None
+
     def _one_step_budget(self, state: LoadState) -> int | None:
-        """The most prefill one step takes without a stall: on shared cores a short prompt goes in
-        whole, as colocated serving would put it in its next step (within the ITL target otherwise)."""
+        """The most prefill one step takes for a short local queue: the whole queue (above), or on
+        shared cores up to WHOLE_PROMPT_TARGETS targets, clear of a stall; else within the target."""
+        if self.whole_local_queue:
+            return self.max_local
         return self._itl_budget(state, WHOLE_PROMPT_TARGETS if self.shared_cores else 1.0)
 
     def place(self, local_tokens: int, remote_tokens: int, state: LoadState) -> Placement:
@@ -160,12 +171,13 @@ class PlacementPolicy:
             return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
         return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
 
-    def record_decode_step(self, threads: int, decode_rows: int, seconds: float) -> None:
-        """A step of the decode unit that decoded `decode_rows` rows: a stall when it ran past STALL_FACTOR
-        ITL targets (the target is what a step within the ITL budget takes; a stall carried more)."""
+    def record_decode_step(self, threads: int, decode_rows: int, seconds: float, carried_long: bool) -> None:
+        """A step of the decode unit that decoded `decode_rows` rows: a stall when it carried a chunk of a
+        prompt longer than the max local prefill length (the stalls the long-prompt rule spends) and ran
+        past STALL_FACTOR ITL targets (the target is what a step within the ITL budget takes)."""
         decode_only = self.decode_cost.predict(threads, decode_rows, 0)
         if decode_only is not None:
-            self.stalls.record(seconds > STALL_FACTOR * self._target(decode_only))
+            self.stalls.record(carried_long and seconds > STALL_FACTOR * self._target(decode_only))
 
     def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
         """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
