@@ -1,8 +1,8 @@
 """Batched token sampling on the logits' device, following vLLM's semantics.
 
 Order per call: min_tokens stop masking and penalties (fp32) -> greedy argmax or temperature,
-top-k, top-p, min-p and an exponential race -> raw logprobs. Results stay on the device until
-`read_back`, the step's one device-to-host copy.
+top-k, top-p, min-p and a draw (an exponential race on CUDA, inverse CDF on CPU) -> raw logprobs.
+Results stay on the device until `read_back`, the step's one device-to-host copy.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from engine.core.messages import TokenLogprob
+from engine.worker.categorical import sample_categorical
 from engine.worker.penalties import apply_penalties, mask_stop_tokens
 from engine.worker.sampling_filters import min_p_filter, top_k_only, top_k_top_p
 from engine.worker.sampling_state import SamplingState
 from engine.worker.sampling_table import SamplingBatch, SamplingTable
-from engine.worker.seeded_noise import seeded_exponential
+from engine.worker.seeded_noise import seeded_exponential, seeded_uniforms
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +73,20 @@ class Sampler:
         if batch.use_min_p:
             x = min_p_filter(x, batch.min_p)
         probs = x.softmax(dim=-1)  # [B, V]
-        sampled = probs.div_(self._exponential_noise(probs, batch)).argmax(dim=-1)
+        if probs.device.type == "cpu":
+            sampled = sample_categorical(probs, self._uniforms(batch))
+        else:
+            sampled = probs.div_(self._exponential_noise(probs, batch)).argmax(dim=-1)
         return torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _uniforms(batch: SamplingBatch) -> torch.Tensor:
+        """One uniform [B] float64 per row: seeded rows from (seed, position), the rest from the default generator."""
+        uniforms = torch.rand(batch.num_rows, dtype=torch.float64) if batch.any_unseeded \
+            else torch.zeros(batch.num_rows, dtype=torch.float64)
+        if batch.seeded_rows is not None:
+            uniforms[batch.seeded_rows] = seeded_uniforms(batch.seeds, batch.positions)
+        return uniforms
 
     @staticmethod
     def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

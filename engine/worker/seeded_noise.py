@@ -1,10 +1,10 @@
-"""Exponential(1) noise for seeded rows: the draw for output position `i` depends only on (seed, i).
+"""Seeded random draws: the draw for output position `i` depends only on (seed, i).
 
-On CUDA all seeded rows are drawn in one batch of integer ops (no launch per row): the draw for
-(seed, position, vocabulary column) is a hash of the three (murmur3's 32-bit finaliser), with
-32-bit products formed from 16-bit halves so int64 never overflows. On CPU, where a per-row call
-launches nothing, a generator seeded per (seed, position) is 2.5-6x faster than the hash
-(bench/RESULTS.md, host overhead), so each device has its own stream of draws.
+On CUDA the sampler races exponential noise: all seeded rows are drawn in one batch of integer ops
+(no launch per row), the draw for (seed, position, vocabulary column) a hash of the three (murmur3's
+32-bit finaliser), with 32-bit products formed from 16-bit halves so int64 never overflows. On CPU
+the sampler needs one uniform per row (`engine.worker.categorical`), from a generator seeded per
+(seed, position). Each device has its own stream of draws.
 """
 from __future__ import annotations
 
@@ -41,22 +41,21 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Noise [R, vocab_size] fp32 > 0 for rows seeded with `seeds` sampling output `positions`."""
-    if seeds.device.type == "cpu":
-        return per_row_exponential(seeds, positions, vocab_size)
+    """Noise [R, vocab_size] fp32 > 0 for rows seeded with `seeds` sampling output `positions` (any
+    device; the CUDA sampler's)."""
     return hashed_exponential(seeds, positions, vocab_size)
 
 
-def per_row_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    noise = torch.empty(len(seeds), vocab_size, dtype=torch.float32, device=seeds.device)
-    generator = torch.Generator(device=seeds.device)
-    for row, (seed, position) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        noise[row].exponential_(generator=generator.manual_seed(generation_seed(seed, position)))
-    return noise
+def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row seeded with `seeds` sampling output `positions` (CPU)."""
+    generator = torch.Generator()
+    draws = [torch.rand((), dtype=torch.float64, generator=generator.manual_seed(generation_seed(seed, position)))
+             for seed, position in zip(seeds.tolist(), positions.tolist())]
+    return torch.stack(draws)
 
 
 def hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The batched counter-based draw (any device; used on CUDA)."""
+    """The batched counter-based draw."""
     columns = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device), _GOLDEN)
     bits = _fmix32(row_keys(seeds, positions)[:, None] ^ columns[None, :]) >> 8     # [R, V], 24 bits
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))                    # in (0, 1)
