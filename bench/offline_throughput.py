@@ -41,7 +41,8 @@ def seeded_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 
 def measure(generate, args, prompts: list[list[int]], long_prompt: list[int] | None) -> dict:
-    """Figures of one engine; generate(prompts, max_tokens) runs a greedy pass that ignores EOS."""
+    """Figures of one engine; generate(prompts, max_tokens) runs a pass that ignores EOS (greedy unless
+    pdserve was given --temperature)."""
     generate(prompts[:2], 4)                                                       # warm-up
     by_batch = {}
     for batch in args.batches:
@@ -75,10 +76,10 @@ def bench_pdserve(args, prompts, long_prompt) -> dict:
                           scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
                                                     max_prefill_tokens=args.max_prefill_tokens))
     llm = LLM(config=config)
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True)
     decode_actor = llm.engine.actors[-1]
     try:
-        result = measure(lambda p, n: llm.generate(p, replace(greedy, max_tokens=n)), args, prompts, long_prompt)
+        result = measure(lambda p, n: llm.generate(p, replace(params, max_tokens=n)), args, prompts, long_prompt)
     finally:
         llm.close()
     return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.plan.dtype), **result,
@@ -180,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="passes per figure; the best is kept")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's -t")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="pdserve's sampling temperature (default 0: greedy; the other engines stay greedy)")
     p.add_argument("--async-scheduling", choices=("on", "off", "auto"), default="auto",
                    help="schedule each step while the previous one runs (auto: the engine's default)")
     p.add_argument("--compare-transformers", action="store_true")
