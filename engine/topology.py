@@ -160,15 +160,15 @@ def load_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos:
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
                                                            plan.max_model_len)
-    _quantize(decode_model, config, plan.decode_cores)      # NOTE: shared with prefill on one device
+    adaptive = plan.mode == "adaptive"
+    prefill_cores, decode_cores = lending_cores(plan) if adaptive else (plan.prefill_cores, plan.decode_cores)
+    _quantize(decode_model, config, decode_cores)      # NOTE: shared with prefill on one device
     prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
-    adaptive = plan.mode == "adaptive"
     warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len)
     warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
-    prefill_cores, decode_cores = lending_cores(plan) if adaptive else (plan.prefill_cores, plan.decode_cores)
     return Units(ThreadCompute(StepRunner(decode_runner), "decode", decode_cores),
                  ThreadCompute(StepRunner(prefill_runner, transfer, decode_runner.kv_pool), "prefill", prefill_cores))
 
