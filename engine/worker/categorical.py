@@ -3,10 +3,11 @@
 The exponential race (argmax of p / q, q ~ Exp(1) per column) needs one random number and one
 logarithm per vocabulary column: on CPU that is ~1 ms a row for a 49k vocabulary, as much as a
 batch-1 decode step (bench/RESULTS.md, "Sampling on CPU"). Inverse CDF needs one uniform per row
-and two passes over the probabilities. Blocks of columns make it exact enough: their sums and the
-running sum over blocks are float64, and only the chosen block is summed column by column. A
-column with probability 0 (a filtered token) is never chosen: a running sum is flat across it, and
-the draw always falls strictly below the row's total.
+and two passes over the probabilities, in blocks of columns: the blocks' sums (fp32, summed
+pairwise) and their running sum (float64) pick a block, and only that block is summed column by
+column (float64). The draw is the exact inverse CDF to within ~1e-7 of the row's mass. A column
+with probability 0 (a filtered token) is never chosen: a running sum is flat across it, and the
+draw always falls strictly below the total it is searched in.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     rows, vocab = probs.shape
     padded = F.pad(probs, (0, -vocab % BLOCK)) if vocab % BLOCK else probs
     blocks = padded.view(rows, -1, BLOCK)                                        # [B, NB, BLOCK]
-    block_ends = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)         # [B, NB]
+    block_ends = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)            # [B, NB]
     target = _below(uniforms.to(torch.float64).unsqueeze(1) * block_ends[:, -1:], block_ends[:, -1:])
     block = torch.searchsorted(block_ends, target, right=True)                   # [B, 1]: the first past it
     before = torch.where(block > 0, block_ends.gather(1, (block - 1).clamp_min_(0)), 0.0)
