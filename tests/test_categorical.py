@@ -49,3 +49,11 @@ def test_frequencies_follow_the_probabilities():
     counts = torch.bincount(chosen, minlength=len(probs)).double() / draws
     for column, p in enumerate(probs.tolist()):
         assert abs(counts[column].item() - p) < 5 * math.sqrt(p * (1 - p) / draws) + 1e-9, (column, counts[column])
+
+
+def test_a_nan_row_gets_a_column_in_range_and_leaves_the_others_alone():
+    probs = torch.zeros(3, BLOCK + 9)
+    probs[0] = float("nan")
+    probs[1, 5] = probs[2, BLOCK + 3] = 1.0
+    chosen = sample_categorical(probs, torch.tensor([0.5, 0.5, 0.99], dtype=torch.float64))
+    assert 0 <= chosen[0] < BLOCK + 9 and chosen[1:].tolist() == [5, BLOCK + 3]

@@ -25,12 +25,12 @@ def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     blocks = padded.view(rows, -1, BLOCK)                                        # [B, NB, BLOCK]
     block_ends = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)            # [B, NB]
     target = _below(uniforms.to(torch.float64).unsqueeze(1) * block_ends[:, -1:], block_ends[:, -1:])
-    block = torch.searchsorted(block_ends, target, right=True)                   # [B, 1]: the first past it
+    block = torch.searchsorted(block_ends, target, right=True).clamp_max_(blocks.shape[1] - 1)   # [B, 1]
     before = torch.where(block > 0, block_ends.gather(1, (block - 1).clamp_min_(0)), 0.0)
     within = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)]   # [B, BLOCK]
     within_ends = within.to(torch.float64).cumsum_(dim=-1)
     column = torch.searchsorted(within_ends, _below(target - before, within_ends[:, -1:]), right=True)
-    return (block * BLOCK + column).squeeze(1)
+    return (block * BLOCK + column).squeeze(1).clamp_max_(vocab - 1)       # NOTE: a NaN row: in range, no more
 
 
 def _below(values: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
