@@ -310,3 +310,39 @@ def test_on_shared_cores_with_the_default_target_a_short_local_queue_goes_into_o
     assert "budget of" not in separate.place(900, 900, state(rows=10)).reason    # it would be chunked
     explicit = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05, shared_cores=True)
     assert not explicit.whole_local_queue and explicit.step_budget(state(rows=10, queued=150)) < 150
+
+
+def test_on_shared_cores_only_steps_carrying_a_long_prompts_chunk_count_as_stalls():
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_local_prefill_length=64, **TINY_TARGET))
+    prefill, decode = engine.actors
+    assert decode.policy.shared_cores
+    carried_long, recorded = [], []
+    real_observe, real_record = decode.observe_step, decode.policy.record_decode_step
+
+    def observe_step(batch, seconds, threads):
+        if batch.decode:
+            carried_long.append(any(chunk.seq.request_id == "long" for chunk in batch.chunks))
+        real_observe(batch, seconds, threads)
+
+    def record_decode_step(threads, rows, seconds, carried):
+        recorded.append(carried)
+        real_record(threads, rows, seconds, carried)
+
+    decode.observe_step, decode.policy.record_decode_step = observe_step, record_decode_step
+
+    async def scenario():
+        streaming = engine.submit(Request("decoding", prompts([8])[0],
+                                          SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)))
+        for _ in range(6):
+            await streaming.__anext__()                # decode steps measured: every one is over the tiny target
+        arriving = [engine.submit(Request(f"short{i}", p, GREEDY)) for i, p in enumerate(prompts([20, 30], seed=4))]
+        arriving.append(engine.submit(Request("long", prompts([200], seed=5)[0], GREEDY)))
+        for stream in (*arriving, streaming):
+            await collect(stream)
+
+    asyncio.run(run_engine(engine, scenario()))
+    assert decode.remote_prefills == 0                 # 4 chunks of at most 64: the stall window had room
+    assert recorded == carried_long and sum(carried_long) >= 3 and not all(carried_long)
+    assert decode.policy.stalls.stalls == sum(carried_long)      # the short prompts' steps did not count
+    assert_pools_free(engine)
+    engine.close()
