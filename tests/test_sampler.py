@@ -13,6 +13,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.worker.penalties import apply_penalties
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_table import SamplingTable
+from engine.worker.seeded_noise import seeded_exponential, seeded_uniforms
 
 VOCAB = 1000
 PADDED = 1024
@@ -174,6 +175,18 @@ def test_different_seeds_differ_and_unseeded_follow_default_generator():
         torch.manual_seed(11)
         draws.append([t for t, _ in sampler(logits, seqs)] + [t for t, _ in sampler(logits, seqs)])
     assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize("draw", [lambda s, p: seeded_exponential(s, p, 4096), seeded_uniforms],
+                         ids=["exponential noise (CUDA)", "uniforms (CPU)"])
+def test_seeded_draws_depend_only_on_seed_and_position(draw):
+    seeds, positions = torch.tensor([5, 5, 9, 5, -3]), torch.tensor([0, 1, 0, 0, 0])
+    values = draw(seeds, positions)
+    assert torch.equal(values[0], values[3])
+    assert not any(torch.equal(values[0], values[i]) for i in (1, 2, 4))
+    many = draw(torch.arange(2000), torch.zeros(2000, dtype=torch.long))
+    expected_mean = 1.0 if many.dim() == 2 else 0.5      # Exp(1) noise, or U[0, 1)
+    assert (many >= 0).all() and abs(many.double().mean().item() - expected_mean) < 0.02
 
 
 # --- penalties ----------------------------------------------------------------------------------

@@ -40,12 +40,6 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _fmix32((seeds & _M32) ^ _fmix32(high ^ _fmix32(positions & _M32)))
 
 
-def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Noise [R, vocab_size] fp32 > 0 for rows seeded with `seeds` sampling output `positions` (any
-    device; the CUDA sampler's)."""
-    return hashed_exponential(seeds, positions, vocab_size)
-
-
 def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One float64 uniform in [0, 1) per row seeded with `seeds` sampling output `positions` (CPU)."""
     generator = torch.Generator()
@@ -54,8 +48,9 @@ def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return torch.stack(draws)
 
 
-def hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The batched counter-based draw."""
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Noise [R, vocab_size] fp32 > 0 for rows seeded with `seeds` sampling output `positions`: the
+    batched counter-based draw (any device; the CUDA sampler's)."""
     columns = _mul32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device), _GOLDEN)
     bits = _fmix32(row_keys(seeds, positions)[:, None] ^ columns[None, :]) >> 8     # [R, V], 24 bits
     uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))                    # in (0, 1)
