@@ -46,8 +46,8 @@ def seeded_costs(seed: int) -> tuple[StepCostModel, StepCostModel]:
     return decode, prefill
 
 
-def state(rows=8, queued=0, backlog=0) -> LoadState:
-    return LoadState(rows, queued, backlog, decode_threads=2, prefill_threads=1)
+def state(rows=8, queued=0, backlog=0, long=False) -> LoadState:
+    return LoadState(rows, queued, backlog, decode_threads=2, prefill_threads=1, long_queued=long)
 
 
 def decisions(seed: int) -> list[tuple[bool, int]]:
@@ -105,24 +105,28 @@ def test_a_long_prompt_stays_local_only_when_the_prefill_actors_backlog_outlasts
     assert not policy.place(2048, 2048, state(backlog=11000)).local             # 4.46 s behind: still remote
     behind = policy.place(2048, 2048, state(backlog=13000))                     # 5.27 s behind: here
     assert behind.local and "5.27s behind" in behind.reason and "4.80s" in behind.reason
-    assert policy.step_budget(state(queued=2048)) == 1000                       # and chunked at the limit
+    assert policy.step_budget(state(queued=2048, long=True)) == 1000            # and chunked at the limit
 
 
-def test_piled_up_local_prompts_never_take_more_than_the_limit_in_a_step_while_rows_decode():
+def test_piled_up_local_prompts_take_the_limit_with_a_long_one_queued_else_the_prefill_budget():
     decode, prefill = seeded_costs(3)
     policy = PlacementPolicy(decode, prefill, max_prefill_tokens=2048, itl_target=0.05,
                              max_local_prefill_length=600)
     itl_budget = policy.step_budget(state(rows=10))
     assert itl_budget < 600
-    assert policy.step_budget(state(rows=10, queued=itl_budget * 4)) == itl_budget      # not piled up yet
-    assert policy.step_budget(state(rows=10, queued=itl_budget * 4 + 1)) == 600         # throughput mode
-    assert policy.step_budget(state(rows=10, queued=50_000)) == 600
-    assert policy.step_budget(state(rows=0, queued=50_000)) == 2048                     # nothing decodes
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4, long=True)) == itl_budget   # not piled up
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4 + 1, long=True)) == 600     # throughput mode
+    assert policy.step_budget(state(rows=10, queued=50_000, long=True)) == 600
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4)) == itl_budget
+    assert policy.step_budget(state(rows=10, queued=itl_budget * 4 + 1)) == 2048        # short prompts only:
+    assert policy.step_budget(state(rows=10, queued=50_000)) == 2048                    # as colocated takes them
+    assert policy.step_budget(state(rows=0, queued=50_000, long=True)) == 2048          # nothing decodes
 
 
 def test_before_any_step_is_measured_the_length_limit_alone_places():
     policy = PlacementPolicy(StepCostModel(), StepCostModel(), max_prefill_tokens=2048)
-    assert policy.step_budget(state()) == 1000
+    assert policy.step_budget(state(queued=1500, long=True)) == 1000
+    assert policy.step_budget(state(queued=1500)) == 2048
     assert not policy.place(1500, 1500, state()).local
     assert policy.place(900, 900, state()).local
     assert policy.place(1500, 1500, state(rows=0)).local
@@ -304,7 +308,8 @@ def test_on_shared_cores_with_the_default_target_a_short_local_queue_goes_into_o
     separate = PlacementPolicy(decode, prefill, max_prefill_tokens=2048)
     itl_budget = separate.step_budget(state(rows=10, queued=150))
     assert itl_budget < 100 and shared.whole_local_queue and not separate.whole_local_queue
-    assert shared.step_budget(state(rows=10, queued=150)) == 1000           # whole, up to the length limit
+    assert shared.step_budget(state(rows=10, queued=150)) >= 150            # whole
+    assert shared.step_budget(state(rows=10, queued=1500, long=True)) == 1000     # a long prompt: in chunks
     placed = shared.place(900, 900, state(rows=10))
     assert placed.local and "budget of 1000" in placed.reason
     assert "budget of" not in separate.place(900, 900, state(rows=10)).reason    # it would be chunked

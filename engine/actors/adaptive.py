@@ -132,12 +132,13 @@ class AdaptiveDecodeActor(DecodeActor):
 
     def _load(self, decode_rows: int | None = None) -> LoadState:
         prefill = self.prefill_actor
-        local_queued = sum(s.num_tokens - s.num_computed_tokens for s in self.local.sequences())
+        queued = list(self.local.sequences())
         rows = len(self.scheduler) if decode_rows is None else decode_rows
         share = self.share
-        return LoadState(rows, local_queued, prefill.backlog_tokens(),
+        return LoadState(rows, sum(s.num_tokens - s.num_computed_tokens for s in queued), prefill.backlog_tokens(),
                          share.total if share and not prefill.busy else share.decode_own if share else 1,
-                         share.prefill_own if share else 1)
+                         share.prefill_own if share else 1,
+                         long_queued=any(s.num_tokens > self.policy.max_local for s in queued))
 
     # stepping
     def schedule(self) -> Batch | None:

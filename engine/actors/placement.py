@@ -7,9 +7,9 @@ online as `fixed + per_decode_row * D + per_prefill_token * P` (one fit per thre
   ITL target (`--itl-target-ms`; by default twice the decode-only step), or, when the local queue
   would otherwise take more than a few steps to drain, as many as the limit allows (throughput
   first once requests pile up, as colocated serving does). Where the two actors share the CPU's
-  cores and no target is given, a local queue goes into one step whole, up to that limit. While
-  rows decode the budget never exceeds `--max-local-prefill-length`, however slow the decode
-  step; when nothing decodes it is the full `max_prefill_tokens`;
+  cores and no target is given, a local queue goes into one step whole. While rows decode and a
+  long prompt is queued, the budget never exceeds `--max-local-prefill-length`, however slow the
+  decode step; otherwise it is at most the full `max_prefill_tokens`;
 - per request, while rows decode: a prompt whose uncached tokens exceed the max local prefill
   length goes to the prefill actor (NVIDIA Dynamo's conditional disaggregation), unless that
   actor is so far behind that it could not even start on the prompt before the decode unit had
@@ -75,6 +75,7 @@ class LoadState:
     remote_backlog_tokens: int       # prompt tokens queued on or being prefilled by the prefill actor
     decode_threads: int
     prefill_threads: int
+    long_queued: bool = False        # a local queued prompt is longer than the max local prefill length
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ class PlacementPolicy:
         itl_budget = self._itl_budget(state)
         queued = state.local_queued_tokens
         if itl_budget is None or queued > itl_budget * BACKLOG_STEPS or self.whole_local_queue:
-            return self.max_local
+            return self._piled_up_budget(state)
         if itl_budget < queued <= self._one_step_budget(state):
             return queued                                          # the whole queue now, short of a stall
         return itl_budget
@@ -139,17 +140,24 @@ class PlacementPolicy:
         tokens = int((targets * self._target(decode_step) - decode_step) / c[2])
         return max(self.min_local_chunk, min(tokens, self.max_local))
 
+    def _piled_up_budget(self, state: LoadState) -> int:
+        """A queue taken whole or for throughput: a long prompt's chunks stay within the max local
+        prefill length; short prompts alone go in up to `max_prefill_tokens`, as colocated serving
+        takes them (with the limit, a burst took twice the steps to admit: bench/RESULTS.md)."""
+        return self.max_local if state.long_queued else self.max_prefill_tokens
+
     @property
     def whole_local_queue(self) -> bool:
-        """On shared cores with the default ITL target a local queue goes into the next step whole (up
-        to the max local prefill length), as colocated serving takes it: there, chunking a short prompt
-        delays its first token by a decode step per extra chunk and, measured, moves no ITL percentile
-        (bench/RESULTS.md, issue 13). An explicit `--itl-target-ms` is kept."""
+        """On shared cores with the default ITL target a local queue goes into the next step whole (a
+        long prompt's chunks within the max local prefill length), as colocated serving takes it: there,
+        chunking a short prompt delays its first token by a decode step per extra chunk and, measured,
+        moves no ITL percentile (bench/RESULTS.md, issue 13). An explicit `--itl-target-ms` is kept."""
         return self.shared_cores and self.itl_target is None
 
     def _one_step_budget(self, state: LoadState) -> int | None:
-        """The most prefill one step takes for a short local queue: the whole queue (above), or on
-        shared cores up to WHOLE_PROMPT_TARGETS targets, clear of a stall; else within the target."""
+        """The most prefill one step takes for a short local queue: the whole queue (above; a prompt
+        up to the max local prefill length fits), or on shared cores up to WHOLE_PROMPT_TARGETS
+        targets, clear of a stall; else within the target."""
         if self.whole_local_queue:
             return self.max_local
         return self._itl_budget(state, WHOLE_PROMPT_TARGETS if self.shared_cores else 1.0)
