@@ -193,7 +193,7 @@ class PlacementPolicy:
         max_prefill_queue_size, in measured seconds instead of a count), or, where the two actors
         share the CPU's cores, unless its chunks would stall so few decode steps that the tail ITL
         does not move: a remote prefill there takes half the cores from every decode step meanwhile."""
-        chunks = self._stalling_chunks(local_tokens, state)
+        chunks = math.ceil(local_tokens / self.max_local)
         if self.shared_cores and self.stalls.room_for(chunks):
             return Placement(True, f"{local_tokens} tokens, {chunks} stalled steps stay within "
                                    f"{TAIL_FRACTION:.0%} of the last {STALL_WINDOW} ({self.stalls.stalls} so far)")
@@ -203,17 +203,6 @@ class PlacementPolicy:
             return Placement(True, f"{local_tokens} tokens, but the prefill actor is {wait:.2f}s behind "
                                    f"(first token here in {local:.2f}s)")
         return Placement(False, f"{local_tokens} tokens exceed the max local prefill length of {self.max_local}")
-
-    def _stalling_chunks(self, tokens: int, state: LoadState) -> int:
-        """How many of a long prompt's local chunks (the max local prefill length each, the rest last)
-        the cost model predicts past the stall line; every chunk before any step is measured."""
-        full, rest = divmod(tokens, self.max_local)
-        c = self.decode_cost.coefficients(state.decode_threads)
-        if c is None:
-            return full + (rest > 0)
-        decode_step = float(c[0] + c[1] * state.decode_rows)
-        line = STALL_FACTOR * self._target(decode_step)
-        return full * (decode_step + c[2] * self.max_local > line) + (rest > 0 and decode_step + c[2] * rest > line)
 
     def _local_ttft(self, tokens: int, budget: int, state: LoadState) -> float:
         steps = math.ceil((state.local_queued_tokens + tokens) / budget)
