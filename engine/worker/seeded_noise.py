@@ -3,8 +3,8 @@
 On CUDA the sampler races exponential noise: all seeded rows are drawn in one batch of integer ops
 (no launch per row), the draw for (seed, position, vocabulary column) a hash of the three (murmur3's
 32-bit finaliser), with 32-bit products formed from 16-bit halves so int64 never overflows. On CPU
-the sampler needs one uniform per row (`engine.worker.categorical`), from a generator seeded per
-(seed, position). Each device has its own stream of draws.
+the sampler needs one uniform per row (`engine.worker.categorical`), hashed from the same row key.
+Each device has its own stream of draws.
 """
 from __future__ import annotations
 
@@ -12,14 +12,6 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
-_SEED_MULTIPLIER = 1_000_003
-_SEED_MODULUS = 2**63
-
-
-def generation_seed(seed: int, position: int) -> int:
-    """Seed of the CPU generator that draws output position `position` of a request seeded with `seed`."""
-    return (seed * _SEED_MULTIPLIER + position) % _SEED_MODULUS
-
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
     """(a * c) mod 2^32 for 0 <= a < 2^32, in int64 without overflow."""
@@ -41,11 +33,11 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row seeded with `seeds` sampling output `positions` (CPU)."""
-    generator = torch.Generator()
-    draws = [torch.rand((), dtype=torch.float64, generator=generator.manual_seed(generation_seed(seed, position)))
-             for seed, position in zip(seeds.tolist(), positions.tolist())]
-    return torch.stack(draws)
+    """One float64 uniform in [0, 1) per row seeded with `seeds` sampling output `positions` (the CPU
+    sampler's): 53 bits from two hashes of the row's key, all rows at once."""
+    high = row_keys(seeds, positions)
+    low = _fmix32(high ^ _GOLDEN)
+    return ((high >> 5) * (1 << 26) + (low >> 6)).to(torch.float64) * 2.0 ** -53
 
 
 def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
