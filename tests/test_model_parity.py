@@ -17,6 +17,7 @@ from engine.core.sequence import Sequence
 from engine.llm import LLM
 from engine.worker.model_runner import ModelRunner, load_model
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
 CHECKPOINTS = {
     "llama3": lambda: hf_checkpoint("llama3"),
@@ -68,10 +69,9 @@ def test_prompt_logits_match_transformers(name, chunk):
     reference = reference_model(name)
     prompts = random_prompts(reference.config.vocab_size)
     for prompt, ours in zip(prompts, prompt_logits(name, prompts, chunk)):
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0]
-        assert expected.std() > 0.1
-        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+        expected32, expected64 = reference_logits(reference, prompt)
+        assert expected64.std() > 0.1
+        assert_float32_close(ours, expected32, expected64)
 
 
 @pytest.mark.parametrize("max_prefill_tokens", [2048, 16])
@@ -89,9 +89,6 @@ def test_greedy_generation_matches_transformers(name, max_prefill_tokens):
         with torch.no_grad():
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                           min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):]
-            full = torch.tensor([prompt + expected.tolist()])
-            logprobs = torch.log_softmax(reference(full).logits[0, len(prompt) - 1:-1], dim=-1)
         assert list(output.token_ids) == expected.tolist()
-        expected_logprobs = logprobs.gather(1, expected[:, None])[:, 0]
         ours = torch.tensor([lp.logprob for lp in output.logprobs])
-        torch.testing.assert_close(ours, expected_logprobs, atol=1e-4, rtol=0)
+        assert_float32_close(ours, *reference_logprobs(reference, prompt, expected.tolist()))
