@@ -30,6 +30,7 @@ from bench.metrics import (
     summarize,
 )
 from bench.multiturn import MULTITURN, benchmark_conversations, build_conversations, warmup_requests
+from bench.optional import require_plotting
 from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache
 from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
 from bench.turn_metrics import format_turns, turn_summary
@@ -280,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         if args.extra_body is not None and not isinstance(args.extra_body, dict):
             raise ValueError("--extra-body must be a JSON object")
+        if args.plot:
+            require_plotting("--plot")
     except (ValueError, OSError) as error:
         print(f"pdserve bench: error: {error}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
 import math
@@ -263,6 +264,16 @@ async def test_cli_end_to_end_writes_json_and_plot(fake, tmp_path):
     assert all(len(r["itl"]) == 4 and r["output_tokens"] == 5 for r in document["requests"])
     assert len(fake.payloads) == 12  # 2 warm-ups + 10 measured
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_plot_without_matplotlib_fails_before_any_request(fake, tmp_path, monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    argv = ["--base-url", f"{fake.base}/ok", "--num-prompts", "3", "--plot", str(tmp_path / "r.png"), "--disable-tqdm"]
+    assert await asyncio.to_thread(loadtest.main, argv) == 2
+    assert fake.payloads == [] and not (tmp_path / "r.png").exists()
+    assert "pip install 'pdserve[bench]'" in capsys.readouterr().err
 
 
 async def test_cli_exit_codes(fake, tmp_path):
