@@ -2,9 +2,12 @@
 
 Starts each server on a free local port with the same checkpoint, runs the same
 seeded workload against each in turn, stops it (SIGTERM, SIGKILL after a grace
-period) whatever happens, and writes a side-by-side table and one combined plot:
-its own section of bench/RESULTS.md (replaced on each run) and a JSON file. A
-server that cannot start or serve is reported as failed with the reason.
+period) whatever happens, and writes a Markdown report (side-by-side table,
+targets, server commands) to the file `--report` names, a JSON file and one
+combined plot; by default all three go to the ignored bench/out/, and the run
+prints where. It never writes bench/RESULTS.md: that page is edited by hand
+with the figures that answer a question. A server that cannot start or serve
+is reported as failed with the reason.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import loadtest
-from bench.compare_report import evaluate_targets, render_section, replace_section, roles_plot_path
+from bench.compare_report import evaluate_targets, render_report, roles_plot_path, write_report
 from bench.documents import arguments_dict, machine_description, write_json
 from bench.metrics import BenchResult, markdown_comparison
 from bench.server_metrics import PlacementSampler
@@ -46,7 +49,8 @@ from bench.sse_client import EndpointConfig
 from bench.turn_metrics import markdown_turns
 from bench.workloads import add_traffic_arguments, add_workload_arguments
 
-RESULTS_DIR = REPO / "bench" / "results"
+OUT_DIR = REPO / "bench" / "out"  # ignored by git: a run's report, JSON, plots and server logs
+RESULTS_PAGE = REPO / "bench" / "RESULTS.md"  # the hand-kept results page, never written here
 
 
 def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Options,
@@ -100,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--pdserve-variant big-blocks='--block-size 32'")
     parser.add_argument("--prefix-caching-ab", action="store_true",
                         help="pdserve with --enable-prefix-caching against --no-enable-prefix-caching, by default on "
-                             "the multiturn workload in the RESULTS.md section 'prefix-caching'")
+                             "the multiturn workload, as the run 'prefix-caching'")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -114,17 +118,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(num_prompts=40, request_rate=2.0, short_input_len=64, long_input_len=1024, output_len=32,
                         long_fraction=0.1, num_warmups=2, num_conversations=12, system_prompt_len=256,
                         user_message_len=32)
+    parser.add_argument("--report", default=None,
+                        help="Markdown report of the run (replaced if it exists; default: bench/out/compare.md, "
+                             "compare_SECTION.md for another --section)")
     parser.add_argument("--result-json", default=None,
-                        help="default: bench/results/compare.json, compare_SECTION.json for another --section")
-    parser.add_argument("--plot", default=None, help="default: as --result-json, .png; the pdserve servers' "
+                        help="default: as --report, .json")
+    parser.add_argument("--plot", default=None, help="default: as --report, .png; the pdserve servers' "
                                                      "actor roles over time go beside it, as NAME_roles.png")
     parser.add_argument("--role-interval", type=float, default=0.25,
                         help="seconds between two reads of a server's /metrics for its role timeline")
-    parser.add_argument("--log-dir", default=str(RESULTS_DIR / "logs"), help="one server log per server")
-    parser.add_argument("--results-md", default=str(REPO / "bench" / "RESULTS.md"), help="'' to leave it alone")
+    parser.add_argument("--log-dir", default=str(OUT_DIR / "logs"), help="one server log per server")
     parser.add_argument("--section", default=None,
-                        help="name of the RESULTS.md section this run replaces (e.g. one per workload; default: "
-                             "'default', 'prefix-caching' with --prefix-caching-ab)")
+                        help="name of this run: the report's title and the default file names (e.g. one per "
+                             "workload; default: 'default', 'prefix-caching' with --prefix-caching-ab)")
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -150,9 +156,7 @@ def _write_outputs(args: argparse.Namespace, options: loadtest.Options, model_di
         from bench.plot import plot_roles
 
         plot_roles(timelines, roles_plot_path(args.plot))
-    if args.results_md:
-        section = render_section(args, options, model_dir, outcomes, command, date)
-        replace_section(Path(args.results_md), args.section, section)
+    write_report(Path(args.report), render_report(args, options, model_dir, outcomes, command, date))
 
 
 @contextlib.contextmanager
@@ -175,6 +179,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     Returns 0 when every server served, 1 when any failed, 2 on invalid flags, 130 on Ctrl-C
     or SIGTERM (servers are stopped in every case).
     """
+    if Path(args.report).resolve() == RESULTS_PAGE.resolve():
+        print(f"bench.compare: error: --report {args.report} is the hand-kept results page; name another file "
+              "and copy the figures that answer a question into the page", file=sys.stderr)
+        return 2
     model_dir = args.model or default_model_dir()
     if args.tokenizer is None and (Path(model_dir) / "tokenizer.json").is_file():
         args.tokenizer = model_dir  # size prompts in the served model's tokens
@@ -198,7 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _apply_presets(args: argparse.Namespace) -> None:
-    """Fill the defaults that depend on --prefix-caching-ab: its two servers, workload and section."""
+    """Fill the defaults that depend on --prefix-caching-ab (its two servers, workload and section) and the
+    output paths: --report under bench/out/, the JSON and plot beside it."""
     ab = args.prefix_caching_ab
     if ab:
         args.pdserve_variant = [f"{name}={flags}" for name, flags in PREFIX_CACHING_AB] + args.pdserve_variant
@@ -207,8 +216,9 @@ def _apply_presets(args: argparse.Namespace) -> None:
     args.dataset_name = args.dataset_name or ("multiturn" if ab else "mixed")
     args.section = args.section or ("prefix-caching" if ab else "default")
     stem = "compare" if args.section == "default" else "compare_" + re.sub(r"[^A-Za-z0-9]+", "_", args.section)
-    args.result_json = args.result_json or str(RESULTS_DIR / f"{stem}.json")
-    args.plot = args.plot or str(RESULTS_DIR / f"{stem}.png")
+    args.report = args.report or str(OUT_DIR / f"{stem}.md")
+    args.result_json = args.result_json or str(Path(args.report).with_suffix(".json"))
+    args.plot = args.plot or str(Path(args.report).with_suffix(".png"))
 
 
 def selected_specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]:
@@ -229,7 +239,8 @@ def selected_specs(args: argparse.Namespace, model_dir: str) -> list[ServerSpec]
 
 def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: loadtest.Options,
                    model_dir: str, command: str) -> int:
-    """Run every server in `specs` one after the other, write JSON, plot and RESULTS.md section, print the table."""
+    """Run every server in `specs` one after the other, write the report, JSON and plot, print the table and
+    where the files went."""
     try:
         with _sigterm_as_interrupt():
             outcomes = [run_server(spec, args, options, Path(args.log_dir)) for spec in specs]
@@ -241,6 +252,8 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
     print(markdown_turns([(o.spec.title, o.summary) for o in outcomes]))
     print("\n".join(f"{what}: {verdict}" for what, verdict in evaluate_targets(outcomes, options)))
     print("\n".join(f"{o.spec.title} failed: {o.error}" for o in outcomes if not o.ok))
+    plot = f"; plot {args.plot}" if any(o.records for o in outcomes) else ""
+    print(f"bench.compare: report {args.report}; per-request data {args.result_json}{plot}")
     return 0 if all(o.ok for o in outcomes) else 1
 
 

@@ -13,7 +13,7 @@
 #   4. two actors on one GPU, colocated and disaggregated, greedy tokens against the CPU path
 #   5. KV copies with torch, cupy-p2p and staged: cuda:0 -> cuda:1 where a second GPU exists
 #   6. time to first token of the first request after READY=1 against the last of ten (target: <= 2x)
-# It writes ONE results table for bench/RESULTS.md: gpu_check.md, with gpu_check.json (all numbers) and
+# It writes ONE results table for bench/RESULTS.md ("GPU"): gpu_check.md, with gpu_check.json (all numbers) and
 # gpu_check.log (this output), to $OUT if set, else bench/out/.
 #
 # NOTE: the lent GPU machine (Python 3.12) has torch, triton, cupy, aiohttp, uvloop, safetensors,

@@ -3,7 +3,7 @@
     python -m bench.gpu_report --raw DIR --out OUT
 
 Reads DIR/parts.tsv (part, exit status, seconds, limit), DIR/gpu_tests.xml and the JSON files of
-the benchmarks; writes OUT/gpu_check.md (a markdown section for bench/RESULTS.md) and
+the benchmarks; writes OUT/gpu_check.md (the table for bench/RESULTS.md, section "GPU") and
 OUT/gpu_check.json (everything it read), and prints the table. A part that failed or ran out of
 time shows so in its rows instead of hiding the others.
 """

@@ -3,7 +3,7 @@ OpenAI-compatible HTTP API with the same token-id prompts pdserve gets.
 
 Requests are non-streaming `/v1/completions` with `ignore_eos` and `cache_prompt: false` (every pass
 evaluates its prompt, as pdserve's does), sent all at once, one thread per request. How to build the
-binary: bench/RESULTS.md, "Native CPU kernels vs llama.cpp (issue 11)".
+binary: bench/RESULTS.md, "CPU decode vs llama.cpp".
 """
 from __future__ import annotations
 

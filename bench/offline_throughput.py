@@ -8,7 +8,7 @@ For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the
 tokens/s is batch * (output_len - 1) over the difference, and a decode step's time follows. With
 --prefill-len, one prompt of that length is prefilled alone (tokens/s). Each engine runs in its own
 fresh subprocess, one after the other in the same run (a CPU thread team one engine leaves behind
-slows the other: bench/RESULTS.md). The machine's memory bandwidth (bench.memory_bandwidth) is
+slows the other: commit 823867d). The machine's memory bandwidth (bench.memory_bandwidth) is
 measured in the same run, and every decode figure is printed with the bandwidth it achieved: the
 weights plus the K/V read per step, over the step time. Writes the full result as JSON.
 """

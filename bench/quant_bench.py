@@ -9,7 +9,8 @@ turn, `--rounds` times per cell (the best round counts: this VM's neighbours add
 quantized ones run the kernel at every measured decode batch (the probe's own crossover is printed
 and used for the prefill). Each row gives the step time, tokens/s, and the weight bytes a step
 streams divided by its time; the ceiling is a STREAM-like copy and a read (sum) of 512 MB in the
-same run. Full result: bench/results/quant_bench.json.
+same run. Full result: `--out` (default bench/out/quant_bench.json); the run bench/RESULTS.md
+cites ("Quantization, dtype and memory on CPU") is bench/results/quant_bench.json.
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3, help="steps per measurement (the median counts)")
     p.add_argument("--rounds", type=int, default=3, help="measurements per cell, configurations interleaved")
     p.add_argument("--configs", nargs="+", default=[f"{d}:{s}" for d, s in CONFIGS])
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quant_bench.json")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "quant_bench.json")
     args = p.parse_args(argv)
     if args.prepare:
         prepare(args.prepare)

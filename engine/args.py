@@ -77,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds one step may run before its actor counts as failed (0: never)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step while the previous one runs, so host work overlaps "
-                        "device work (default: on for CUDA, off on CPU; see bench/RESULTS.md)")
+                        "device work (default: on for CUDA, off on CPU, where it measured no gain)")
     g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="CPU tensors: native C++ kernels built at start-up (falls back to torch where they "
                         "cannot build) or the plain-torch references; default auto: native where a start-up "

@@ -222,7 +222,7 @@ def _wired(prefill: PrefillActor, decode: DecodeActor) -> list[Actor]:
 
 
 def _overlap(config: EngineConfig, device: torch.device) -> bool:
-    """Async scheduling: forced by the config, else on for CUDA (off on CPU: measured, bench/RESULTS.md)."""
+    """Async scheduling: forced by the config, else on for CUDA (off on CPU: bench/RESULTS.md, "Host work per step")."""
     return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
 
 

@@ -4,7 +4,7 @@
 kernels.native; fp32 or bf16 activations, fp32 arithmetic, OpenMP over the output features) on a
 `KernelWeight`: the weight's rows interleaved by tiles of TILE_ROWS, block by block, so a tile's
 bytes (and its scales) are read as one stream (measured 2.5x faster than row-major for int8
-blocks: bench/RESULTS.md). `quant_linear_ref` is the plain-torch reference: F.linear of the fp32
+blocks: commit 442aa63). `quant_linear_ref` is the plain-torch reference: F.linear of the fp32
 activations against the dequantized fp32 weight, rounded to the activations' dtype.
 """
 from __future__ import annotations

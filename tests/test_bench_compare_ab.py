@@ -33,7 +33,8 @@ def test_prefix_caching_ab_preset():
     assert (chosen.dataset_name, chosen.section) == ("random", "no shared")
     assert [a.result_json.rsplit("/", 1)[1] for a in (args, plain, chosen)] == [
         "compare_prefix_caching.json", "compare.json", "compare_no_shared.json"]
-    assert args.plot.endswith("bench/results/compare_prefix_caching.png")
+    assert args.plot.endswith("bench/out/compare_prefix_caching.png")
+    assert args.report.endswith("bench/out/compare_prefix_caching.md")
 
 
 def test_variants_join_the_named_servers():
@@ -74,7 +75,7 @@ def _ab_args(tmp_path) -> tuple:
         "--prefix-caching-ab", "--num-conversations", "3", "--num-turns", "3", "--system-prompt-len", "20",
         "--user-message-len", "4", "--output-len", "3", "--request-rate", "inf", "--num-warmups", "1",
         "--disable-tqdm", "--result-json", str(tmp_path / "ab.json"), "--plot", str(tmp_path / "ab.png"),
-        "--log-dir", str(tmp_path / "logs"), "--results-md", str(tmp_path / "RESULTS.md"),
+        "--log-dir", str(tmp_path / "logs"), "--report", str(tmp_path / "ab.md"),
         "--server-timeout", "60"])
     return args, loadtest.options_from_args(args)
 
@@ -92,8 +93,8 @@ def test_ab_run_on_the_multiturn_workload(tmp_path):
     assert served["summary"]["prefix_cache_hit_rate"] is None               # the stub has no /metrics
     assert "exited with code 2" in refused["error"] and "unrecognized arguments" in refused["error"]
     assert document["targets"][AB_TARGET] == "n/a (pdserve prefix-caching-off failed)"
-    section = (tmp_path / "RESULTS.md").read_text()
-    assert "## Serving comparison (prefix-caching): pdserve prefix-caching-on vs pdserve prefix-caching-off" in section
+    section = (tmp_path / "ab.md").read_text()
+    assert "# Serving comparison (prefix-caching): pdserve prefix-caching-on vs pdserve prefix-caching-off" in section
     assert "| turn 3 median TTFT (ms) |" in section and "3 conversations at inf conv/s" in section
     assert "transformers serve never sends" not in section
 

@@ -382,14 +382,14 @@ def _compare_args(tmp_path: Path) -> argparse.Namespace:
         "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "40", "--output-len", "4",
         "--long-fraction", "0.34", "--request-rate", "inf", "--num-warmups", "1", "--disable-tqdm",
         "--result-json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"),
-        "--log-dir", str(tmp_path / "logs"), "--results-md", str(tmp_path / "RESULTS.md"), "--server-timeout", "60"])
+        "--log-dir", str(tmp_path / "logs"), "--report", str(tmp_path / "report.md"), "--server-timeout", "60"])
 
 
-def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
+def test_compare_runs_each_server_and_writes_its_report(tmp_path, capsys):
     args = _compare_args(tmp_path)
     options = loadtest.options_from_args(args)
-    md = tmp_path / "RESULTS.md"
-    md.write_text("# results\n\nhand-written notes\n")
+    md = tmp_path / "report.md"
+    md.write_text("# an earlier run\n")
     hf = dict(length_control="generation-config", require_done=False)
     specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"),
              _fake_spec("pdserve-colocated", "pdserve colocated", "ok"),
@@ -405,7 +405,10 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     assert all(" vs " in verdict and verdict.endswith("met") for verdict in document["targets"].values())
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     first = md.read_text()
-    assert "| status | ok | ok | ok |" in first and "--first" in first
+    assert first.startswith("# Serving comparison (default): pdserve disaggregated vs")  # replaced, not appended
+    assert "| status | ok | ok | ok |" in first and "--first" in first and "an earlier run" not in first
+    assert f"bench.compare: report {md}; per-request data {tmp_path / 'c.json'}; plot {tmp_path / 'c.png'}" \
+        in capsys.readouterr().out
 
     broken = servers.ServerSpec("transformers", "transformers serve",
                                 (sys.executable, "-c", "import sys; print('no fastapi here'); sys.exit(3)"), **hf)
@@ -416,14 +419,21 @@ def test_compare_runs_each_server_and_replaces_its_section(tmp_path):
     assert "exited with code 3" in error and "no fastapi here" in error
     assert document["targets"]["output tok/s >= 2 x transformers serve"] == "n/a (transformers serve failed)"
     second = md.read_text()
-    assert second.startswith("# results\n\nhand-written notes\n")
-    begin, end = compare_report.section_markers("default")
-    assert second.count(begin) == 1 and second.count(end) == 1
     assert "--second" in second and "--first" not in second and "| status | ok | **failed** |" in second
-    compare_report.replace_section(md, "saturated", "## another workload")
-    compare_report.replace_section(md, "saturated", "## another workload, again")
-    third = md.read_text()
-    assert third.startswith(second) and third.count("## another workload") == 1 and "again" in third
+
+
+def test_compare_writes_under_bench_out_and_never_the_results_page(tmp_path):
+    out = compare.REPO / "bench" / "out"
+    plain = compare.parse_args([])
+    assert (plain.report, plain.result_json, plain.plot, plain.log_dir) == (
+        str(out / "compare.md"), str(out / "compare.json"), str(out / "compare.png"), str(out / "logs"))
+    named = compare.parse_args(["--section", "30% long", "--report", str(tmp_path / "r.md")])
+    assert (named.result_json, named.plot) == (str(tmp_path / "r.json"), str(tmp_path / "r.png"))
+    assert compare.parse_args(["--section", "30% long"]).report == str(out / "compare_30_long.md")
+    page = compare.REPO / "bench" / "RESULTS.md"
+    before = page.read_bytes()
+    assert compare.run(compare.parse_args(["--report", str(page)]), ["--report", str(page)]) == 2
+    assert page.read_bytes() == before
 
 
 STUBBORN_SERVER = """

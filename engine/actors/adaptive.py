@@ -5,7 +5,8 @@ policy (`engine.actors.placement`), the prompts that are cheaper here; it forwar
 the prefill actor. On CPU the two actors' cores are one pool of threads: a side with nothing to
 do lends its cores to the other, which takes them at its next step launch and gives them back at
 the launch after the lender has work again (measured: switching thread counts per step costs
-nothing, and an idle OpenMP team does not steal a busy thread's core; bench/RESULTS.md).
+nothing, and an idle OpenMP team does not steal a busy thread's core: measured with 5507e67, which
+added lending; bench/RESULTS.md, "Serving modes", shows what lending gives on the saturated load).
 """
 from __future__ import annotations
 
