@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
-from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, lending_cores
+from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, lending_cores, step_thread_counts
 from engine.worker.cpu_kernels import prepare_cpu_kernels
 from engine.worker.memory import kv_layout, num_kv_blocks
 from engine.worker.process import ProcessCompute, SpawnTracker
@@ -43,7 +43,8 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                       plan.prefill_cores, config.quantization, "colocated", sched,
                       log_level=logging.getLogger().getEffectiveLevel(),
                       cpu_kernels=prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
-                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value)
+                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value,
+                      thread_counts=step_thread_counts(plan))
     if plan.mode == "colocated":
         return _started(Units(ProcessCompute(base), shared=(SpawnTracker(),)))
     prefill_cores, decode_cores = lending_cores(plan) if plan.mode == "adaptive" else (plan.prefill_cores,
@@ -53,8 +54,10 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
     check_pools_agree(prefill_pool, decode_pool)
     shared = SharedPool.create(decode_pool, "decode")
     decode = replace(base, name="decode", pool=decode_pool, cores=decode_cores,
-                     warmup_role="colocated" if plan.mode == "adaptive" else "decode")
+                     warmup_role="colocated" if plan.mode == "adaptive" else "decode",
+                     thread_counts=step_thread_counts(plan, decode_cores))
     prefill = replace(base, name="prefill", pool=prefill_pool, cores=prefill_cores, warmup_role="prefill",
+                      thread_counts=step_thread_counts(plan, prefill_cores),
                       peer_pool=decode_pool, kv_transfer=config.kv_transfer)
     try:                               # NOTE: the segment stays open here, for workers spawned again later
         return _started(Units(ProcessCompute(decode, own_pool=shared.fd),

@@ -155,7 +155,7 @@ def load_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos:
         demand = sizer.demand("colocated", prefill_model, 1.0, per_seq * sched.max_num_seqs, graph_batch)
         [blocks] = sizer.blocks(plan.prefill_device, [demand])
         runner = ModelRunner(prefill_model, blocks, cache.block_size, eos, graph_batch, **step_sizes)
-        warm_up_for_serving(runner, "colocated", sched, plan.max_model_len)
+        warm_up_for_serving(runner, "colocated", sched, plan.max_model_len, step_thread_counts(plan))
         return Units(ThreadCompute(StepRunner(runner), "colocated", plan.prefill_cores))
     shared = plan.prefill_device == plan.decode_device
     decode_model = prefill_model if shared else load_model(model_config, plan.dtype, plan.decode_device,
@@ -166,11 +166,20 @@ def load_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos:
     prefill_blocks, decode_blocks = _split_pools(sizer, plan, prefill_model, decode_model, per_seq, graph_batch)
     decode_runner = ModelRunner(decode_model, decode_blocks, cache.block_size, eos, graph_batch, **step_sizes)
     prefill_runner = ModelRunner(prefill_model, prefill_blocks, cache.block_size, eos, **step_sizes)
-    warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len)
-    warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len)
+    warm_up_for_serving(decode_runner, "colocated" if adaptive else "decode", sched, plan.max_model_len,
+                        step_thread_counts(plan, decode_cores))
+    warm_up_for_serving(prefill_runner, "prefill", sched, plan.max_model_len, step_thread_counts(plan, prefill_cores))
     transfer = select_transfer(plan.prefill_device, plan.decode_device, config.kv_transfer)
     return Units(ThreadCompute(StepRunner(decode_runner), "decode", decode_cores),
                  ThreadCompute(StepRunner(prefill_runner, transfer, decode_runner.kv_pool), "prefill", prefill_cores))
+
+
+def step_thread_counts(plan: Plan, cores: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The CPU thread counts a unit on `cores` may step with: all of them, or in adaptive mode either
+    actor's own share too (a step runs on its own cores while the other actor is busy)."""
+    cores = plan.prefill_cores if cores is None else cores
+    own = (len(plan.prefill_cores), len(plan.decode_cores)) if plan.mode == "adaptive" else ()
+    return tuple(sorted({max(len(cores), 1), *own} - {0}))
 
 
 def lending_cores(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:

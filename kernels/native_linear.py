@@ -71,6 +71,29 @@ def prefer_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return winner
 
 
+def row_buckets() -> list[int]:
+    """The power-of-two row counts `prefer_native` decides for: 1, 2, 4, ... MAX_NATIVE_ROWS."""
+    return [1 << k for k in range(MAX_NATIVE_ROWS.bit_length())]
+
+
+def warm_prefer_native(weights: list[torch.Tensor], thread_counts: tuple[int, ...]) -> int:
+    """Decide `prefer_native` now, at load, for every weight shape, row bucket and thread count a step can
+    run with (a lent core changes the count), instead of timing both kernels inside a serving step;
+    returns how many decisions were made."""
+    shapes = {(w.dtype, tuple(w.shape)): w for w in weights
+              if w.dim() == 2 and w.dtype in NATIVE_DTYPES and w.is_contiguous()}
+    before, previous = len(_winners), torch.get_num_threads()
+    try:
+        for threads in sorted(set(thread_counts)):
+            torch.set_num_threads(threads)
+            for weight in shapes.values():
+                for rows in row_buckets():
+                    prefer_native(torch.randn(rows, weight.shape[1], dtype=weight.dtype), weight)
+    finally:
+        torch.set_num_threads(previous)
+    return len(_winners) - before
+
+
 def _measure(x: torch.Tensor, weight: torch.Tensor, key: tuple) -> bool:
     native = best_seconds(lambda: linear_native(x, weight), TIMED_CALLS + 1)
     blas = best_seconds(lambda: F.linear(x, weight), TIMED_CALLS + 1)

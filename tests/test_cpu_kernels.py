@@ -16,7 +16,7 @@ from engine.model.config import ModelConfig
 from engine.worker import cpu_kernels
 from engine.worker.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
 from engine.worker.defaults import ProbeResult
-from kernels import native
+from kernels import native, native_linear
 from kernels.rms_norm import rms_norm_ref
 from tests.models import demo_checkpoint, engine_config
 
@@ -154,3 +154,22 @@ def test_worker_processes_apply_the_coordinators_decision():
     [expected] = generate("native", "colocated", [list(range(3, 40))])
     assert ours[0].token_ids == expected.token_ids
 
+
+
+@needs_native
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_the_native_linear_is_chosen_at_load_for_every_thread_count(monkeypatch, workers):
+    """Serving steps never time the native linear against BLAS: every batch bucket was decided at load, for
+    each actor's own cores and for all of them (a lent step); a step that had to decide fails here."""
+    monkeypatch.setattr(native_linear, "_winners", {})
+    llm = LLM(config=engine_config(demo_checkpoint(), cpu_kernels="native", mode="adaptive", workers=workers,
+                                   prefill_threads=1, decode_threads=1, max_prefill_tokens=64))
+    try:
+        if workers == "thread":
+            assert {key[-1] for key in native_linear._winners} == {1, min(len(os.sched_getaffinity(0)), 2)}
+            assert {key[-2] for key in native_linear._winners} == set(native_linear.row_buckets())
+            monkeypatch.setattr(native_linear, "_measure", lambda *a: pytest.fail("a step timed the linear"))
+        outputs = llm.generate([list(range(3, 3 + n)) for n in (5, 40, 130)] * 3, GREEDY)
+    finally:
+        llm.close()
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.core.config import SchedulerConfig
 from engine.core.sampling_params import SamplingParams
+from engine.model.layers import Linear
+from engine.model.quant import QuantizedLinear
 from engine.worker.cuda_graph import batch_buckets
 from engine.worker.device import on_device, side_stream
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step import ChunkInput, NewRow, StepInput
+from kernels.native_linear import warm_prefer_native
 
 ROLES = ("prefill", "decode", "colocated")
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -68,11 +72,25 @@ def _prefill_shapes(max_num_seqs: int, budget: int) -> list[StepShape]:
     return shapes
 
 
-def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, max_model_len: int) -> int:
-    """Warm a CUDA runner up for every step class of `role` (see the module docstring); 0 steps elsewhere."""
-    if runner.device.type != "cuda":
-        return 0
+def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, max_model_len: int,
+                        thread_counts: tuple[int, ...] = ()) -> int:
+    """Warm a CUDA runner up for every step class of `role` (see the module docstring); on CPU, decide the
+    native linear's batches for every thread count a step may run with (default: the current one).
+    Returns the steps (CUDA) or decisions (CPU) made."""
+    if runner.device.type == "cpu":
+        return warm_cpu_linears(runner.model, thread_counts or (torch.get_num_threads(),))
     return warm_up(runner, warmup_shapes(role, sched.max_num_seqs, sched.max_prefill_tokens, max_model_len))
+
+
+def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> int:
+    """`kernels.native_linear.warm_prefer_native` over every weight `kernels.linear` can be handed: the
+    projections (a quantized one's dense weight serves its larger batches) and a tied head's embedding."""
+    if not kernels.use_native(model.embed_tokens.weight):
+        return 0
+    weights = [m.weight for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
+    if model.lm_head is None:
+        weights.append(model.embed_tokens.weight)
+    return warm_prefer_native(weights, thread_counts)
 
 
 def warm_up(runner: ModelRunner, shapes: list[StepShape], seed: int = 0) -> int:

@@ -51,6 +51,7 @@ class WorkerSpec:
     kv_transfer: str | None = None
     log_level: int = logging.INFO
     cpu_kernels: str = "auto"        # the coordinator's --cpu-kernels decision (native | torch), applied here
+    thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fd) -> None:
@@ -103,7 +104,7 @@ def _build(spec: WorkerSpec, own_fd, peer_fd) -> StepRunner:
     pool = None if own_fd is None else SharedPool(spec.pool, own_fd).tensor()
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
                          kv_pool=pool, **spec.step_sizes)
-    warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len)
+    warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len, spec.thread_counts)
     if spec.peer_pool is None:
         return StepRunner(runner)
     check_pools_agree(spec.pool, spec.peer_pool)
