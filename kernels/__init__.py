@@ -7,10 +7,14 @@ the references otherwise. The environment variable PDSERVE_KERNELS=torch|triton 
 (torch: the references everywhere; triton on CPU needs TRITON_INTERPRET=1). Without Triton
 installed CUDA tensors use the references, with a warning from `check_backend` at start-up for
 CUDA devices; PDSERVE_KERNELS=triton is then an error.
+
+A model runner chooses its `Backend` once, at load (`choose_backend`), and passes it to every op; an op
+called without one (a test, a benchmark) chooses by its tensors on each call.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import threading
 
@@ -36,7 +40,7 @@ from kernels.rotary import rotary_ref, rotary_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "decode_layers",
+           "rotary_store_kv", "linear", "decode_layers", "Backend", "choose_backend",
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -65,67 +69,86 @@ def use_native(x: torch.Tensor) -> bool:
             and cpu_kernels_enabled())
 
 
+class Backend(enum.Enum):
+    TORCH = "torch"      # the plain-torch references
+    TRITON = "triton"    # CUDA tensors (or CPU ones under TRITON_INTERPRET=1)
+    NATIVE = "native"    # CPU tensors through kernels/csrc, where an op has a native version (else torch)
+
+
+def choose_backend(x: torch.Tensor) -> Backend:
+    """The path ops on tensors like `x` take (device, dtype, PDSERVE_KERNELS, --cpu-kernels)."""
+    if use_native(x):
+        return Backend.NATIVE
+    return Backend.TRITON if use_triton(x) else Backend.TORCH
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, backend: Backend | None = None) -> None:
     """Write key/value [T, Hkv, D] into kv_pool [N, L, 2, bs, Hkv, D] at slots [T]; slot -1 skips."""
-    if not use_triton(key):
+    if (backend or choose_backend(key)) is not Backend.TRITON:
         return store_kv_ref(key, value, kv_pool, layer, slot_mapping)
     with _INTERPRETER_LOCK:
         store_kv_triton(key, value, kv_pool, layer, slot_mapping)
 
 
 def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, backend: Backend | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q [S, Hq, D], over its paged context; returns [S, Hq, D].
 
     context_lens [S] counts the current token, whose K/V must already be stored."""
-    if use_native(q) and native_attention_supports(q, kv_pool):
+    backend = backend or choose_backend(q)
+    if backend is Backend.NATIVE and native_attention_supports(q, kv_pool):
         return decode_attention_native(q, kv_pool, layer, block_tables, context_lens, scale)
-    if not use_triton(q):
+    if backend is not Backend.TRITON:
         return decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
     with _INTERPRETER_LOCK:
         return decode_attention_triton(q, kv_pool, layer, block_tables, context_lens, scale)
 
 
 def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seqlens_q: torch.Tensor,
-                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      backend: Backend | None = None) -> torch.Tensor:
     """Causal attention of a packed batch of new chunks q [T, Hq, D] over their paged context; [T, Hq, D].
 
     Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last positions of its
     context_lens[b] tokens (all K/V already stored)."""
-    if use_native(q) and native_attention_supports(q, kv_pool):  # one-token rows: the native decode kernel
+    backend = backend or choose_backend(q)
+    if backend is Backend.NATIVE and native_attention_supports(q, kv_pool):  # one-token rows: the native decode kernel
         return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale,
                                      decode_rows=decode_attention_native)
-    if not use_triton(q):
+    if backend is not Backend.TRITON:
         return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
     with _INTERPRETER_LOCK:
         return prefill_attention_triton(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             backend: Backend | None = None):
     """norm(x) * weight for x [T, H]; with residual returns (norm(x + residual) * weight, x + residual)."""
-    if use_native(x):
+    backend = backend or choose_backend(x)
+    if backend is Backend.NATIVE:
         return rms_norm_native(x, weight, eps, residual)
-    if not use_triton(x):
+    if backend is Backend.TORCH:
         return rms_norm_ref(x, weight, eps, residual)
     with _INTERPRETER_LOCK:
         return rms_norm_triton(x, weight, eps, residual)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           cos_sin: torch.Tensor, backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding of q [T, Hq, D], k [T, Hkv, D]; cos_sin [P, D] = [cos | sin]; new (q, k)."""
-    if not use_triton(q):
+    if (backend or choose_backend(q)) is not Backend.TRITON:
         return rotary_ref(q, k, positions, cos_sin)
     with _INTERPRETER_LOCK:
         return rotary_triton(q, k, positions, cos_sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I]."""
-    if use_native(x):
+    backend = backend or choose_backend(x)
+    if backend is Backend.NATIVE:
         return silu_and_mul_native(x)
-    if not use_triton(x):
+    if backend is Backend.TORCH:
         return silu_and_mul_ref(x)
     with _INTERPRETER_LOCK:
         return silu_and_mul_triton(x)
@@ -133,18 +156,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, kv_pool: torch.Tensor, layer: int,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
     """rotary() then store_kv() of the rotated k and v; returns the rotated q (one fused pass on CPU)."""
-    if use_native(q):
+    backend = backend or choose_backend(q)
+    if backend is Backend.NATIVE:
         return rotary_store_native(q, k, v, positions, cos_sin, kv_pool, layer, slot_mapping)
-    q, k = rotary(q, k, positions, cos_sin)
-    store_kv(k, v, kv_pool, layer, slot_mapping)
+    q, k = rotary(q, k, positions, cos_sin, backend)
+    store_kv(k, v, kv_pool, layer, slot_mapping, backend)
     return q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           backend: Backend | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T + bias [N]; the native kernel on CPU for batches it is faster at."""
-    if use_native(x) and native_linear_supports(x, weight, bias) and prefer_native(x, weight):
+    if ((backend or choose_backend(x)) is Backend.NATIVE and native_linear_supports(x, weight, bias)
+            and prefer_native(x, weight)):
         return linear_native(x, weight, bias)
     return F.linear(x, weight, bias)
 

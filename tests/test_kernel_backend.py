@@ -10,11 +10,14 @@ import pytest
 import torch
 
 import kernels
+from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
 from kernels import _triton, backend
 from kernels._triton import launch_fitting
 from kernels.backend import KernelBackendError, check_backend
 from kernels.prefill_attention import INTERPRETER_TILE, tile_configs
 from tests.fake_cuda import fake_cuda
+from tests.models import demo_checkpoint, engine_config
 
 CUDA0 = torch.device("cuda:0")
 
@@ -111,3 +114,16 @@ def test_every_target_gets_a_tile_and_ever_smaller_fallbacks(arch, head_dim, ele
     areas = [c["BLOCK_M"] * c["BLOCK_N"] for c in configs]
     assert areas == sorted(areas, reverse=True) and len(set(areas)) == len(areas)
     assert tile_configs(head_dim, element_bytes, None) == (INTERPRETER_TILE,)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["native", "torch"])
+def test_a_runner_chooses_its_backend_once_at_load(monkeypatch, cpu_kernels):
+    """The steps of a loaded engine never choose a backend again: every op takes the runner's choice."""
+    llm = LLM(config=engine_config(demo_checkpoint(), cpu_kernels=cpu_kernels, mode="colocated"))
+    for choice in ("choose_backend", "use_native", "use_triton"):
+        monkeypatch.setattr(kernels, choice, lambda x: pytest.fail("a step chose a kernel backend"))
+    try:
+        outputs = llm.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))
+    finally:
+        llm.close()
+    assert [len(o.token_ids) for o in outputs] == [8, 8]

@@ -14,13 +14,15 @@ def empty_parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    backend: kernels.Backend | None = None     # set by CausalLM.use_backend; None: chosen per call
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = empty_parameter(out_features, in_features)
         self.bias = empty_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.backend)
 
     def native_projection(self) -> Projection:
         """This linear as the one-call decode step runs it."""
@@ -28,13 +30,15 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    backend: kernels.Backend | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = empty_parameter(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.backend)
 
 
 class Embedding(nn.Module):

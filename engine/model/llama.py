@@ -13,6 +13,8 @@ from kernels.native_decode_layers import DecodeLayers, LayerTensors
 
 
 class Attention(nn.Module):
+    backend: kernels.Backend | None = None
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -39,24 +41,27 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index, batch.slot_mapping)
+        q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index, batch.slot_mapping,
+                                    self.backend)
         if batch.is_decode:
             o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
-                                         batch.context_lens, self.scale)
+                                         batch.context_lens, self.scale, self.backend)
         else:
             o = kernels.prefill_attention(q, kv_pool, self.layer_index, batch.cu_seqlens_q,
-                                          batch.context_lens, batch.block_tables, self.scale)
+                                          batch.context_lens, batch.block_tables, self.scale, self.backend)
         return self.o_proj(o.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
+    backend: kernels.Backend | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), self.backend))
 
 
 class DecoderLayer(nn.Module):
@@ -79,6 +84,8 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """forward() returns final hidden states [T, hidden]; compute_logits() projects rows to the vocabulary."""
+
+    backend: kernels.Backend | None = None
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -104,9 +111,15 @@ class CausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
+    def use_backend(self, backend: kernels.Backend) -> None:
+        """Every op of this model takes `backend` from now on (a runner chooses it once, at load)."""
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
+
     def native_decode_layers(self, h: torch.Tensor) -> DecodeLayers | None:
         """Every layer in one native call for this decode step, when the native kernels serve it."""
-        if not kernels.use_native(h):
+        if (self.backend or kernels.choose_backend(h)) is not kernels.Backend.NATIVE:
             return None
         built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
         if self._decode_layers_for != built_for:
@@ -128,7 +141,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return kernels.linear(hidden, self.embed_tokens.weight).float()  # logits: [S, V] fp32
+            return kernels.linear(hidden, self.embed_tokens.weight, backend=self.backend).float()  # logits: [S, V] fp32
         return self.lm_head(hidden).float()
 
 

@@ -46,6 +46,8 @@ class QuantDecision:
 class QuantizedLinear(nn.Module):
     """Drop-in for `Linear`: up to `max_rows` rows through the quantized kernel, more through `weight`."""
 
+    backend: kernels.Backend | None = None
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: KernelWeight,
                  max_rows: int) -> None:
         super().__init__()
@@ -59,7 +61,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
-            return kernels.linear(x, self.weight, self.bias)
+            return kernels.linear(x, self.weight, self.bias, self.backend)
         y = quant_linear_native(x.contiguous(), self.packed)
         return y if self.bias is None else y.add_(self.bias)
 

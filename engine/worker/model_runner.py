@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+import kernels
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
@@ -50,6 +51,7 @@ class ModelRunner:
         is a pool allocated elsewhere (shared memory), else one is allocated here."""
         c = model.config
         self.model = model
+        model.use_backend(kernels.choose_backend(model.embed_tokens.weight))    # NOTE: once, not per op
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
