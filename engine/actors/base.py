@@ -24,6 +24,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.messages import ActorStats, FinishReason, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
+from engine.core.speculative import Speculator
 from engine.worker.compute import Compute
 from engine.worker.step import StepWork
 from engine.worker.step_runner import StepOutcome
@@ -64,6 +65,7 @@ class Actor(abc.ABC):
         self.failure: str | None = None
         self.pipeline_depth = 2 if overlap else 1
         self.plan = StepPlanner()
+        self.speculator: Speculator | None = None     # decode-side actors that speculate set it
         self.steps = 0
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
@@ -260,6 +262,30 @@ class Actor(abc.ABC):
                             cached_tokens=tuple(cached) if any(cached) else None)
         return output, recorded
 
+    def record_verified(self, batch: Batch, outcome: StepOutcome, output: StepOutput,
+                        recorded: Recorded) -> tuple[StepOutput, Recorded]:
+        """Append each verifying sequence's kept drafts and next token, up to where it finishes."""
+        ids, tokens, reasons = list(output.request_ids), list(output.token_ids), list(output.finish_reasons)
+        eos, limit = self.unit.eos_token_ids, self.max_model_len
+        for seq, emitted in zip(batch.verify, outcome.result.verified):
+            if seq.done:                           # left while the step ran: its tokens are dropped
+                continue
+            seq.num_in_flight -= 1
+            self.speculator.settle(seq, self.blocks, len(emitted) - 1)
+            for token in emitted:
+                seq.output_token_ids.append(token)
+                reason = seq.finish_reason(eos, limit)
+                ids.append(seq.request_id)
+                tokens.append(token)
+                reasons.append(reason)
+                if reason is not None:
+                    break
+            recorded.append((seq, reason))
+        extra = len(ids) - len(output)
+        logprobs = output.logprobs and output.logprobs + (None,) * extra      # NOTE: rows with logprobs never draft
+        cached = output.cached_tokens and output.cached_tokens + (0,) * extra
+        return StepOutput(tuple(ids), tuple(tokens), tuple(reasons), logprobs, cached_tokens=cached), recorded
+
     def leave(self, seq: Sequence) -> None:
         """`seq` is done on this actor: its runner row goes, its blocks are freed (once no step holds them)."""
         seq.done = True
@@ -302,6 +328,8 @@ class Actor(abc.ABC):
 
         By default every sampled sequence gets its token and one that finished leaves (`drop`)."""
         output, recorded = self.record_tokens(batch.sampled, outcome)
+        if batch.verify:
+            output, recorded = self.record_verified(batch, outcome, output, recorded)
         for seq, reason in recorded:
             if reason is not None:
                 self.drop(seq)
