@@ -302,7 +302,15 @@ class Actor(abc.ABC):
                           kv_blocks_total=b.num_blocks, steps=self.steps, last_step_time=self.last_step_time,
                           alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
                           role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
-                          remote_prefills=self.remote_prefills)
+                          remote_prefills=self.remote_prefills, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_drafts": c.num_drafts, "spec_draft_tokens": c.num_draft_tokens,
+                "spec_accepted_tokens": c.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(c.accepted_per_position)}
 
     def role(self) -> str:
         """What this actor's compute does now (adaptive mode lends it; the fixed modes keep their role)."""

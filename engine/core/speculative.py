@@ -30,8 +30,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5                   # vLLM's defaults when neither bound is given
+    prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None     # None: FLAT_STEP_TOKENS // (1 + K) rows
 
     @property
