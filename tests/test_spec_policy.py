@@ -2,6 +2,10 @@
 spec-decode counters as the server exports them and `pdserve bench` reads them."""
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from bench.loadtest import format_spec_decode
 from bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
 from engine.core.block_manager import BlockManager
@@ -10,6 +14,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
 from engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
+from server.cli import add_serve_arguments, server_config_from_args
 from server.metrics import Metrics
 
 REPEATING = (1, 2, 3, 4, 5, 6, 7, 8) * 4
@@ -90,3 +95,14 @@ def test_counters_are_exported_with_vllms_meaning_and_bench_reads_them():
     plain = Metrics(lambda: EngineStats((ActorStats("decode", 1, 0, 2, 10, 3, 0.0),), 1, 0), lambda: [])
     assert "spec_decode" not in plain.render().decode()
     assert spec_decode_delta(after, parse_prefix_cache(plain.render().decode())) is None
+
+
+def test_serve_takes_the_option():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    spelled = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = server_config_from_args(parser.parse_args(["--speculative-config", spelled])).engine.speculative
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    assert server_config_from_args(parser.parse_args([])).engine.speculative is None
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        server_config_from_args(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 99}']))
