@@ -274,3 +274,23 @@ def test_default_model_gives_the_same_greedy_text_and_accepts_drafts(smollm2):
             llm.close()
     assert outputs[False] == outputs[True]
     assert counters.num_accepted_tokens >= counters.num_draft_tokens / 3
+
+
+def test_stop_strings_cut_a_multi_token_step_where_plain_decoding_stops():
+    prompt = echo_prompts([20, 40, 9], seed=1)[2]                      # the model loops on this one
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outputs = {}
+    for name, speculative in (("plain", None), ("spec", spec)):
+        llm = LLM(config=engine_config(demo_checkpoint(), mode="disaggregated"), speculative_config=speculative)
+        try:
+            free = llm.generate([list(prompt)], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+            stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+            cut = llm.generate([list(prompt)], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                             stop=[stop]))[0]
+            accepted = llm.engine.actors[-1].speculator and llm.engine.actors[-1].speculator.counters
+        finally:
+            llm.close()
+        outputs[name] = (free.text, stop, cut.text, cut.finish_reason)
+    assert outputs["spec"] == outputs["plain"]
+    assert outputs["plain"][3] == "stop" and len(outputs["plain"][2]) < len(outputs["plain"][0])
+    assert accepted.num_accepted_tokens > 0
