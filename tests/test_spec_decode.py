@@ -294,3 +294,31 @@ def test_stop_strings_cut_a_multi_token_step_where_plain_decoding_stops():
     assert outputs["spec"] == outputs["plain"]
     assert outputs["plain"][3] == "stop" and len(outputs["plain"][2]) < len(outputs["plain"][0])
     assert accepted.num_accepted_tokens > 0
+
+
+def test_verification_logits_match_transformers_in_decode_and_mixed_steps():
+    """A verifying row's logits, as decode rows (a step without chunks) or as a chunk (beside a prefill chunk),
+    equal transformers' over the prompt and the drafts."""
+    import transformers
+
+    from engine.config import ModelConfig
+    from engine.worker.model_runner import ModelRunner, load_model
+    from engine.worker.step import ChunkInput, NewRow, StepInput
+
+    path = demo_checkpoint()
+    model = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 256)
+    runner = ModelRunner(model, 16, 16, frozenset())
+    a, b = prompts([23, 11], seed=9)
+    drafts = tuple(prompts([4], seed=10)[0])
+    greedy = SamplingParams(temperature=0.0)
+    runner.apply(StepInput(new_rows=(NewRow(0, a, len(a), (0, 1), greedy), NewRow(1, b, len(b), (2,), greedy))))
+    with torch.inference_mode():
+        runner.logits(StepInput(chunks=(ChunkInput(0, 0, len(a) - 1, False), ChunkInput(1, 0, len(b) - 1, False))))
+        verify = (VerifyInput(0, len(a) - 1, (a[-1], *drafts)),)
+        as_decode = runner.logits(StepInput(verify=verify))
+        mixed = runner.logits(StepInput(chunks=(ChunkInput(1, len(b) - 1, 1, True),), verify=verify))[1:]
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        expected = reference(torch.tensor([a + drafts])).logits[0, len(a) - 1:]
+    vocab = expected.shape[-1]
+    torch.testing.assert_close(as_decode[:, :vocab], expected, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[:, :vocab], expected, atol=2e-4, rtol=1e-4)

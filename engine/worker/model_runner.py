@@ -118,8 +118,7 @@ class ModelRunner:
         fill_inputs(buffers, self.rows, step, self.block_size, width)
         buffers.upload(num_seqs, width)
         gather_decode_inputs(buffers, self.rows, len(step.decode_rows))
-        return buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width,
-                                     is_decode=not step.chunks and not step.verify)
+        return buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width, is_decode=not step.chunks)
 
     def logits(self, step: StepInput) -> torch.Tensor:
         """logits [S', V] fp32 of an applied step's sampled rows (a captured graph for decode when one fits)."""

@@ -68,7 +68,8 @@ def step_shape(step: StepInput, block_size: int) -> tuple[int, int, int]:
     positions = (list(step.decode_positions) + [c.start + c.num_tokens - 1 for c in step.chunks]
                  + [v.start + len(v.token_ids) - 1 for v in step.verify])
     longest = max(positions, default=0) + 1
-    return step.num_tokens, len(step.decode_rows) + len(step.chunks) + len(step.verify), -(-longest // block_size)
+    verify_seqs = len(step.verify) if step.chunks else sum(len(v.token_ids) for v in step.verify)
+    return step.num_tokens, len(step.decode_rows) + len(step.chunks) + verify_seqs, -(-longest // block_size)
 
 
 def num_logits(step: StepInput) -> int:
@@ -79,8 +80,9 @@ def num_logits(step: StepInput) -> int:
 def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
     """Write a step's metadata into the host side of `buffers` (vectorised over tokens and rows).
 
-    Verifying rows run like chunks after the prefill chunks, their tokens given by the step."""
-    if not step.chunks and not step.verify:
+    Verifying rows, their tokens given by the step, run like chunks after the prefill chunks in a step
+    with chunks, else as one decode row per token (`_fill_decode`)."""
+    if not step.chunks:
         return _fill_decode(buffers, rows, step, block_size, width)
     b = buffers.np
     num_decode, chunks, verify = len(step.decode_rows), step.chunks, step.verify
@@ -115,18 +117,28 @@ def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_si
 
 
 def _fill_decode(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
-    """fill_inputs for a step of decode rows only: one position per row."""
+    """fill_inputs for a step without chunks: one position per row. A verifying row's tokens become rows of
+    their own over its block table, each seeing the positions before it: the decode kernels store every
+    row's K and V before any row attends, so within a layer this is causal attention over the drafts."""
     b, n = buffers.np, len(step.decode_rows)
     seq_rows = np.asarray(step.decode_rows, dtype=np.int32)
     positions = np.asarray(step.decode_positions, dtype=np.int32)
-    b["rows"][:n] = b["sampled_rows"][:n] = seq_rows
-    b["positions"][:n] = positions
-    b["slots"][:n] = rows.block_tables[seq_rows, positions // block_size] * block_size + positions % block_size
-    b["context_lens"][:n] = positions + 1
-    counting = np.arange(n + 1, dtype=np.int32)
-    b["cu_seqlens"][:n + 1] = counting
-    b["logits_indices"][:n] = counting[:n]
-    buffers.block_table_view(n, width)[:] = rows.block_tables[seq_rows, :width]
+    if step.verify:
+        lengths = [len(v.token_ids) for v in step.verify]
+        seq_rows = np.concatenate([seq_rows, np.repeat(np.array([v.row for v in step.verify], np.int32), lengths)])
+        positions = np.concatenate([positions, *(np.arange(v.start, v.start + len(v.token_ids), dtype=np.int32)
+                                                 for v in step.verify)])
+        b["input_ids"][n:len(seq_rows)] = np.concatenate([v.token_ids for v in step.verify])
+    m = len(seq_rows)
+    b["rows"][:m] = seq_rows
+    b["sampled_rows"][:n] = seq_rows[:n]
+    b["positions"][:m] = positions
+    b["slots"][:m] = rows.block_tables[seq_rows, positions // block_size] * block_size + positions % block_size
+    b["context_lens"][:m] = positions + 1
+    counting = np.arange(m + 1, dtype=np.int32)
+    b["cu_seqlens"][:m + 1] = counting
+    b["logits_indices"][:m] = counting[:m]
+    buffers.block_table_view(m, width)[:] = rows.block_tables[seq_rows, :width]
 
 
 def gather_decode_inputs(buffers: InputBuffers, rows: RowState, num_decode: int) -> None:
