@@ -322,3 +322,24 @@ def test_verification_logits_match_transformers_in_decode_and_mixed_steps():
     vocab = expected.shape[-1]
     torch.testing.assert_close(as_decode[:, :vocab], expected, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(mixed[:, :vocab], expected, atol=2e-4, rtol=1e-4)
+
+
+def test_logprobs_of_drafted_tokens_are_those_plain_decoding_reports():
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3)
+    requests = [Request("r", echo_prompts([20, 40, 9], seed=1)[2], params)]       # the model loops on it
+    results = {}
+    for name, speculative in (("plain", None), ("spec", SPEC)):
+        engine = Engine(engine_config(demo_checkpoint(), mode="colocated", speculative=speculative))
+
+        async def run():
+            return [[e.logprobs for e in [event async for event in engine.submit(r)]] for r in requests]
+
+        results[name] = asyncio.run(run_engine(engine, run()))
+        counters = engine.actors[-1].speculator and engine.actors[-1].speculator.counters
+        engine.close()
+    plain = [lp for event in results["plain"][0] for lp in event]
+    spec = [lp for event in results["spec"][0] for lp in event]
+    assert [lp.token_id for lp in spec] == [lp.token_id for lp in plain] and len(plain) == 30
+    for a, b in zip(spec, plain):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert counters.num_accepted_tokens > 0

@@ -47,12 +47,6 @@ def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
     assert c.accepted_per_position == [3, 1, 0, 0, 0]
 
 
-def test_rows_asking_for_logprobs_do_not_draft():
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2))
-    seq = Sequence(Request("r", REPEATING, SamplingParams(max_tokens=50, logprobs=2)), [1])
-    assert speculator.drafts(seq, 10) == ()
-
-
 def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
     config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
                                disable_by_batch_size=2)

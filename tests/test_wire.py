@@ -44,7 +44,8 @@ def test_step_work_round_trips():
 
 
 def test_step_outcome_round_trips_with_landed_copies():
-    result = StepResult((4, 9), (TokenLogprob(4, -0.5, ((4, -0.5), (3, -1.25))), None), ((9, 9, 2), (7,)))
+    result = StepResult((4, 9), (TokenLogprob(4, -0.5, ((4, -0.5), (3, -1.25))), None), ((9, 9, 2), (7,)),
+                        ((TokenLogprob(9, -0.1, ((9, -0.1),)), TokenLogprob(9, -0.2), TokenLogprob(2, -3.0)), None))
     outcome = StepOutcome(result, (("req-a", TransferHandle.finished(4096, 0.002)),), 0.031, 2)
     back = wire.decode_outcome(wire.encode_outcome(outcome))
     assert back.result == result and (back.seconds, back.threads) == (0.031, 2)

@@ -266,25 +266,27 @@ class Actor(abc.ABC):
                         recorded: Recorded) -> tuple[StepOutput, Recorded]:
         """Append each verifying sequence's kept drafts and next token, up to where it finishes."""
         ids, tokens, reasons = list(output.request_ids), list(output.token_ids), list(output.finish_reasons)
-        eos, limit = self.unit.eos_token_ids, self.max_model_len
-        for seq, emitted in zip(batch.verify, outcome.result.verified):
+        logprobs = list(output.logprobs or (None,) * len(output))
+        eos, limit, result = self.unit.eos_token_ids, self.max_model_len, outcome.result
+        for seq, emitted, row_logprobs in zip(batch.verify, result.verified,
+                                              result.verified_logprobs or (None,) * len(batch.verify)):
             if seq.done:                           # left while the step ran: its tokens are dropped
                 continue
             seq.num_in_flight -= 1
             self.speculator.settle(seq, self.blocks, len(emitted) - 1)
-            for token in emitted:
+            for j, token in enumerate(emitted):
                 seq.output_token_ids.append(token)
                 reason = seq.finish_reason(eos, limit)
                 ids.append(seq.request_id)
                 tokens.append(token)
                 reasons.append(reason)
+                logprobs.append(row_logprobs[j] if row_logprobs else None)
                 if reason is not None:
                     break
             recorded.append((seq, reason))
-        extra = len(ids) - len(output)
-        logprobs = output.logprobs and output.logprobs + (None,) * extra      # NOTE: rows with logprobs never draft
-        cached = output.cached_tokens and output.cached_tokens + (0,) * extra
-        return StepOutput(tuple(ids), tuple(tokens), tuple(reasons), logprobs, cached_tokens=cached), recorded
+        cached = output.cached_tokens and output.cached_tokens + (0,) * (len(ids) - len(output))
+        return StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if any(logprobs) else None,
+                          cached_tokens=cached), recorded
 
     def leave(self, seq: Sequence) -> None:
         """`seq` is done on this actor: its runner row goes, its blocks are freed (once no step holds them)."""

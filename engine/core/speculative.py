@@ -135,7 +135,7 @@ class Speculator:
             state.pause -= 1
             return ()
         k = min(state.k, room)
-        if k <= 0 or seq.params.logprobs is not None:
+        if k <= 0:
             return ()
         c = self.config
         return tuple(propose_ngram(state.sync(seq), k, c.prompt_lookup_min, c.prompt_lookup_max))

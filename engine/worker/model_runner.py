@@ -17,7 +17,7 @@ from engine.worker.memory import kv_layout
 from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
 from engine.worker.sampler import Sampler, read_back
 from engine.worker.sampling_table import SamplingTable
-from engine.worker.spec_verify import verify
+from engine.worker.spec_verify import emitted_logprobs, verify
 from engine.worker.step import StepInput, StepResult
 
 
@@ -78,9 +78,9 @@ class ModelRunner:
         logits, buffers = self._logits(step)
         num_sampled = len(step.sampled_rows)
         tokens, logprobs = self._sample(logits[:num_sampled], buffers, step) if num_sampled else ((), None)
-        verified = self._verify(logits[num_sampled:], step) if step.verify else ()
+        verified, verified_logprobs = self._verify(logits[num_sampled:], step) if step.verify else ((), None)
         self._add_forward_time(started)
-        return StepResult(tokens, logprobs, verified)
+        return StepResult(tokens, logprobs, verified, verified_logprobs)
 
     def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput):
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
@@ -90,9 +90,11 @@ class ModelRunner:
         self.sampling.record(sampled_rows, output.tokens)
         return read_back(output, batch)
 
-    def _verify(self, logits: torch.Tensor, step: StepInput) -> tuple[tuple[int, ...], ...]:
-        """Kept drafts and one more token per verifying row; its sampling state and last token follow."""
+    def _verify(self, logits: torch.Tensor, step: StepInput):
+        """Kept drafts and one more token per verifying row, and their logprobs where asked; the rows'
+        sampling state and last token follow."""
         verified = verify(self.sampler, self.sampling, logits, step.verify)
+        logprobs = emitted_logprobs(logits, self.sampling, step.verify, verified)
         rows = np.array([v.row for v in step.verify], dtype=np.int64)
         for column in range(max(len(tokens) for tokens in verified)):
             emitted = [i for i, tokens in enumerate(verified) if len(tokens) > column]
@@ -100,7 +102,7 @@ class ModelRunner:
             self.sampling.record(rows[emitted], tokens)
         self.rows.remember_sampled(torch.from_numpy(rows).to(self.device),
                                    torch.tensor([tokens[-1] for tokens in verified], device=self.device))
-        return verified
+        return verified, logprobs
 
     def apply(self, step: StepInput) -> None:
         """Free, add and extend rows as `step` says (execute does this first)."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.core.messages import TokenLogprob
 from engine.worker.categorical import sample_categorical
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_table import SamplingBatch, SamplingTable
@@ -53,12 +54,36 @@ def verify(sampler: Sampler, table: SamplingTable, logits: torch.Tensor,
     drafts = torch.tensor(_next_tokens(rows), dtype=torch.long, device=probs.device)   # [N], -1: none
     p_draft = probs.gather(1, drafts.clamp_min(0).unsqueeze(1)).squeeze(1)
     accept = torch.where(batch.greedy, greedy_choice == drafts, _uniforms(batch, 0) < p_draft) & (drafts >= 0)
-    accept_host, greedy_host = accept.tolist(), greedy_choice.tolist()
+    accept_host = accept.tolist()
     kept = [accepted_prefix(accept_host[s:s + n - 1], [True] * (n - 1)) for s, n in zip(starts, lengths)]
     last = torch.tensor(starts + np.array(kept), dtype=torch.long, device=probs.device)    # [R] entries
     sampled = _draw_final(probs[last], drafts[last], _select(batch, last))
     final = torch.where(batch.greedy[last], greedy_choice[last], sampled)
     return tuple(tuple(v.token_ids[1:1 + k]) + (int(t),) for v, k, t in zip(rows, kept, final.tolist()))
+
+
+def emitted_logprobs(logits: torch.Tensor, table: SamplingTable, rows: Sequence[VerifyInput],
+                     verified: Sequence[tuple[int, ...]]) -> tuple[tuple[TokenLogprob, ...] | None, ...] | None:
+    """Per row that asked for logprobs, those of each token it emitted (raw logits, as the sampler reports
+    them), else None; None when no row asked."""
+    counts = table.arrays["logprobs"][np.array([v.row for v in rows])]
+    if (counts < 0).all():
+        return None
+    starts = np.concatenate([[0], np.cumsum([len(v.token_ids) for v in rows])[:-1]])
+    entries = [int(s) + j for s, n, emitted in zip(starts, counts, verified) if n >= 0 for j in range(len(emitted))]
+    tokens = [t for n, emitted in zip(counts, verified) if n >= 0 for t in emitted]
+    raw = logits[torch.tensor(entries, device=logits.device)].float().log_softmax(dim=-1)    # [E, V]
+    chosen = raw.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = (t.tolist() for t in raw.topk(int(counts.max()), dim=-1))
+    out, e = [], 0
+    for n, emitted in zip(counts.tolist(), verified):
+        if n < 0:
+            out.append(None)
+            continue
+        out.append(tuple(TokenLogprob(t, chosen[e + j], tuple(zip(top_ids[e + j][:n], top_values[e + j][:n])))
+                         for j, t in enumerate(emitted)))
+        e += len(emitted)
+    return tuple(out)
 
 
 def _greedy(chosen: list[int], rows: Sequence[VerifyInput], lengths: np.ndarray) -> tuple[tuple[int, ...], ...]:

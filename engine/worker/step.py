@@ -97,3 +97,4 @@ class StepResult:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     verified: tuple[tuple[int, ...], ...] = ()    # per StepInput.verify row: the accepted drafts, then one more
+    verified_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] | None = None   # of each, where a row asked

@@ -134,7 +134,10 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     logprobs = None if result.logprobs is None else [
         None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in result.logprobs]
     copies = [[key, handle.nbytes, handle.seconds] for key, handle in outcome.copies]
-    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies}
+    verified_logprobs = None if result.verified_logprobs is None else [
+        None if row is None else [[lp.token_id, lp.logprob, lp.top] for lp in row] for row in result.verified_logprobs]
+    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
+           "verified_logprobs": verified_logprobs}
     verified = result.verified
     return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
@@ -146,7 +149,11 @@ def decode_outcome(data: bytes) -> StepOutcome:
     logprobs = None if doc["logprobs"] is None else tuple(
         None if lp is None else TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in doc["logprobs"])
     copies = tuple((key, TransferHandle.finished(nbytes, seconds)) for key, nbytes, seconds in doc["copies"])
-    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified), copies, doc["seconds"], doc["threads"])
+    verified_logprobs = None if doc["verified_logprobs"] is None else tuple(
+        None if row is None else tuple(TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in row)
+        for row in doc["verified_logprobs"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs), copies,
+                       doc["seconds"], doc["threads"])
 
 
 def encode_error(error: BaseException) -> bytes:
