@@ -227,8 +227,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
 
 
 def workload_endpoint(endpoint: EndpointConfig, workload: WorkloadSpec) -> EndpointConfig:
-    """The endpoint a workload is sent to: multi-turn chat always goes to /v1/chat/completions."""
-    return replace(endpoint, endpoint="chat") if workload.name == MULTITURN else endpoint
+    """The endpoint a workload is sent to: multi-turn chat and edit instructions always go to /v1/chat/completions."""
+    return replace(endpoint, endpoint="chat") if workload.name in (MULTITURN, "edit") else endpoint
 
 
 async def run_workload(endpoint: EndpointConfig, options: Options, progress: bool = True) -> BenchResult:

@@ -2,7 +2,8 @@
 answer does not, in one process: tok/s of each and the ratios.
 
     python -m bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 Both engines are built once (same weights, same mode) and take turns request by request, so drift of the
 machine hits both alike; each figure is the median of --repeats greedy requests (after one warm-up each).

@@ -258,7 +258,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                        default=None, help="default: sharegpt with --dataset-path, else random; multiturn: chat "
                                           "conversations that resend their history (/v1/chat/completions); edit: "
                                           "repeat or lightly edit a passage of --random-input-len tokens from "
-                                          "local files (output overlaps input: speculative decoding's case)")
+                                          "local files, sent as chat (output overlaps input: speculative "
+                                          "decoding's case)")
     group.add_argument("--dataset-path", default=None,
                        help="ShareGPT-format JSON file; for edit, a text file or folder (default: pdserve's sources)")
     group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")

@@ -6,6 +6,8 @@ import itertools
 import pytest
 
 from bench.edit_workload import REPO
+from bench.loadtest import workload_endpoint
+from bench.sse_client import EndpointConfig
 from bench.workloads import WorkloadSpec, build_workload
 
 
@@ -24,6 +26,12 @@ def test_prompts_quote_local_files_and_are_seeded():
         assert passage in sources                                  # consecutive lines of a file, verbatim
         assert 100 <= len(passage) <= 200 * 4 or "\n" not in passage
         assert request.output_len == 150
+
+
+def test_edit_instructions_go_to_the_chat_endpoint():
+    endpoint = EndpointConfig("http://localhost:8000", "m", endpoint="completions")
+    assert workload_endpoint(endpoint, WorkloadSpec(name="edit")).endpoint == "chat"
+    assert workload_endpoint(endpoint, WorkloadSpec(name="random")).endpoint == "completions"
 
 
 def test_a_given_folder_is_used_and_an_empty_one_refused(tmp_path):
