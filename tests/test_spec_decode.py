@@ -255,7 +255,8 @@ def test_penalised_rows_count_earlier_drafts_and_min_tokens_counts_positions():
     assert out == ((2, 4), (3, 4, 1))                                   # EOS masked for outputs 0 and 1 only
 
 
-def test_default_model_gives_the_same_greedy_text_and_accepts_drafts(smollm2):
+@pytest.mark.parametrize("mode", ("adaptive", "disaggregated", "colocated"))
+def test_default_model_gives_the_same_greedy_text_and_accepts_drafts(smollm2, mode):
     """SmolLM2 asked to repeat a passage: speculation keeps most drafts and changes no token."""
     passage = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
     prompts_ = [[{"role": "user", "content": f"Repeat this code exactly:\n{passage}"}],
@@ -263,11 +264,11 @@ def test_default_model_gives_the_same_greedy_text_and_accepts_drafts(smollm2):
     outputs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                         "prompt_lookup_min": 2}):
-        llm = LLM(config=engine_config(smollm2[1], mode="adaptive"), speculative_config=spec)
+        llm = LLM(config=engine_config(smollm2[1], mode=mode), speculative_config=spec)
         try:
             tokenizer = llm.tokenizer
             batch = [tokenizer.encode_chat(c) for c in prompts_]
-            outputs[spec is None] = [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=48,
+            outputs[spec is None] = [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=40,
                                                                                          temperature=0.0))]
             counters = llm.engine.actors[-1].speculator and llm.engine.actors[-1].speculator.counters
         finally:
