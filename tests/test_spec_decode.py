@@ -127,7 +127,7 @@ def test_seeded_sampled_rows_are_reproducible():
 def test_aborts_mid_verification_free_every_block(mode):
     engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32, speculative=SPEC))
     rng = random.Random(0)
-    verifying, loop = [], []
+    verifying, loop, aborted = [], [], []
     decode = engine.actors[-1]
     runner_execute = decode.runner.execute
 
@@ -137,6 +137,7 @@ def test_aborts_mid_verification_free_every_block(mode):
             rows = {v.row for v in step.verify}
             for seq in (decode.scheduler if mode == "disaggregated" else decode.decode).running:
                 if seq.row in rows and rng.random() < 0.3:
+                    aborted.append(seq.request_id)
                     loop[0].call_soon_threadsafe(engine.abort, seq.request_id)
         return runner_execute(step)
 
@@ -152,7 +153,7 @@ def test_aborts_mid_verification_free_every_block(mode):
         return results
 
     results = asyncio.run(run_engine(engine, scenario()))
-    assert verifying
+    assert verifying and aborted
     assert_pools_free(engine)
     assert any(reason is FinishReason.ABORT for _, reason in results)
     assert all(len(tokens) == 40 for tokens, reason in results if reason is FinishReason.LENGTH)
