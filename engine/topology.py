@@ -229,6 +229,8 @@ def _overlap(config: EngineConfig, device: torch.device, speculative=None) -> bo
 
     Never for an actor that verifies drafts: its next step's positions depend on the drafts kept."""
     if speculative is not None:
+        if config.async_scheduling:
+            logger.warning("--async-scheduling is off for the decode side: speculative decoding is on")
         return False
     return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
 
