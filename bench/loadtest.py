@@ -31,7 +31,7 @@ from bench.metrics import (
 )
 from bench.multiturn import MULTITURN, benchmark_conversations, build_conversations, warmup_requests
 from bench.optional import require_plotting
-from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache
+from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
 from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
 from bench.turn_metrics import format_turns, turn_summary
 from bench.workloads import (
@@ -148,7 +148,7 @@ async def benchmark(
             duration = time.perf_counter() - origin
         after = await scrape_prefix_cache(session, endpoint)
     return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after),
-                       origin)
+                       origin, spec_decode_delta(before, after))
 
 
 async def _send_all(session: aiohttp.ClientSession, endpoint: EndpointConfig, samples: Iterable[SampleRequest],
@@ -228,8 +228,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
 
 
 def workload_endpoint(endpoint: EndpointConfig, workload: WorkloadSpec) -> EndpointConfig:
-    """The endpoint a workload is sent to: multi-turn chat always goes to /v1/chat/completions."""
-    return replace(endpoint, endpoint="chat") if workload.name == MULTITURN else endpoint
+    """The endpoint a workload is sent to: multi-turn chat and edit instructions always go to /v1/chat/completions."""
+    return replace(endpoint, endpoint="chat") if workload.name in (MULTITURN, "edit") else endpoint
 
 
 async def run_workload(endpoint: EndpointConfig, options: Options, progress: bool = True) -> BenchResult:
@@ -246,8 +246,16 @@ def summarize_run(result: BenchResult, options: Options) -> dict:
     """`bench.metrics.summarize` of a run with `options`' SLO, percentiles and metrics, and its per-turn
     and prefix-cache figures (`bench.turn_metrics.turn_summary`)."""
     summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
-    return summary | turn_summary(result.records, result.prefix_cache)
+    return summary | turn_summary(result.records, result.prefix_cache) | {"spec_decode": result.spec_decode}
 
+
+
+def format_spec_decode(spec: dict) -> str:
+    """The server's speculative decoding over the run: acceptance rate and tokens per verification."""
+    rate, length = spec["acceptance_rate"], spec["mean_acceptance_length"]
+    return (f"{'Draft acceptance rate (server):':<40}{'n/a' if rate is None else f'{rate:.1%}'} of "
+            f"{spec['draft_tokens']:.0f} draft tokens; "
+            f"{'n/a' if length is None else f'{length:.2f}'} tokens per verification")
 
 async def _run(args: argparse.Namespace, options: Options) -> int:
     model = args.model or await resolve_model(args.base_url, args.api_key)
@@ -259,6 +267,8 @@ async def _run(args: argparse.Namespace, options: Options) -> int:
     summary = summarize_run(result, options)
     print(format_summary(summary, options.percentiles))
     print(format_turns(summary))
+    if summary["spec_decode"] is not None:
+        print(format_spec_decode(summary["spec_decode"]))
     label = args.label or f"{endpoint.model} @ {endpoint.base_url}"
     if args.result_json:
         document = result_document(label, endpoint, options.traffic, options.workload, summary,

@@ -78,6 +78,7 @@ class BenchResult:
     duration: float
     prefix_cache: dict | None = None
     origin: float = 0.0
+    spec_decode: dict | None = None     # bench.server_metrics.spec_decode_delta; None when the server has none
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -21,7 +21,7 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.metrics import BenchResult, RequestRecord
-from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache
+from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
 from bench.sse_client import EndpointConfig, send_request_with_text
 from bench.workloads import (
     SampleRequest,
@@ -132,7 +132,7 @@ async def benchmark_conversations(endpoint: EndpointConfig, spec: WorkloadSpec, 
             duration = time.perf_counter() - origin
         after = await scrape_prefix_cache(session, endpoint)
     return BenchResult(tuple(sorted(records, key=lambda r: r.index)), duration, prefix_cache_delta(before, after),
-                       origin)
+                       origin, spec_decode_delta(before, after))
 
 
 def _sender(session: aiohttp.ClientSession, endpoint: EndpointConfig, origin: float) -> SendTurn:

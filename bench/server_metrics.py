@@ -14,6 +14,10 @@ from bench.sse_client import EndpointConfig
 
 QUERIES = "pdserve_prefix_cache_queries_total"
 HITS = "pdserve_prefix_cache_hits_total"
+SPEC_DRAFTS = "pdserve_spec_decode_num_drafts_total"             # vLLM's spec-decode counters, pdserve-named
+SPEC_DRAFT_TOKENS = "pdserve_spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "pdserve_spec_decode_num_accepted_tokens_total"
+SPEC_NAMES = (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED)
 
 Counters = dict[tuple[str, str], float]          # (sample name, actor label) -> value
 
@@ -49,8 +53,10 @@ def _samples(text: str) -> list | None:
 
 
 def parse_prefix_cache(text: str) -> Counters | None:
-    """The QUERIES and HITS samples of a Prometheus text page; None when there are none or it is not one."""
-    counters = {(s.name, s.labels.get("actor", "")): s.value for s in _samples(text) or () if s.name in (QUERIES, HITS)}
+    """The QUERIES and HITS samples (and the SPEC_NAMES ones, actor "") of a Prometheus text page; None when
+    there are none or it is not one."""
+    names = (QUERIES, HITS, *SPEC_NAMES)
+    counters = {(s.name, s.labels.get("actor", "")): s.value for s in _samples(text) or () if s.name in names}
     return counters or None
 
 
@@ -106,7 +112,7 @@ def prefix_cache_delta(before: Counters | None, after: Counters | None) -> dict 
     None when either scrape found no counters."""
     if before is None or after is None:
         return None
-    actors = sorted({actor for _, actor in after})
+    actors = sorted({actor for name, actor in after if name in (QUERIES, HITS)})
     per_actor = {actor: _rate(*(after.get((name, actor), 0.0) - before.get((name, actor), 0.0)
                                 for name in (QUERIES, HITS))) for actor in actors}
     total = _rate(sum(a["queries"] for a in per_actor.values()), sum(a["hits"] for a in per_actor.values()))
@@ -135,3 +141,14 @@ def timeline_summary(timeline: list[dict]) -> dict | None:
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+def spec_decode_delta(before: Counters | None, after: Counters | None) -> dict | None:
+    """Drafts, draft tokens and accepted tokens over the run, the acceptance rate (accepted / draft tokens)
+    and the mean tokens a verification emits (1 + accepted / drafts); None when the server exports none."""
+    if before is None or after is None or (SPEC_DRAFTS, "") not in after:
+        return None
+    drafts, tokens, accepted = (after.get((name, ""), 0.0) - before.get((name, ""), 0.0) for name in SPEC_NAMES)
+    return {"drafts": drafts, "draft_tokens": tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens if tokens > 0 else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None}

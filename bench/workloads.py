@@ -76,7 +76,7 @@ class TrafficSpec:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    name: str = "random"  # random | mixed | sharegpt | multiturn (bench.multiturn)
+    name: str = "random"  # random | mixed | sharegpt | edit (bench.edit_workload) | multiturn (bench.multiturn)
     seed: int = 0
     random_input_len: int = 1024
     random_output_len: int = 128
@@ -133,9 +133,11 @@ def build_workload(spec: WorkloadSpec) -> Iterator[SampleRequest]:
         return mixed_requests(rng, spec)
     if spec.name == "sharegpt":
         return sharegpt_requests(rng, spec)
+    if spec.name == "edit":
+        return edit_requests(rng, spec)
     if spec.name == "multiturn":
         raise ValueError("the multiturn workload depends on the answers: bench.multiturn runs it")
-    raise ValueError(f"unknown workload {spec.name!r} (random, mixed, sharegpt, multiturn)")
+    raise ValueError(f"unknown workload {spec.name!r} (random, mixed, sharegpt, edit, multiturn)")
 
 
 def _length_range(length: int, ratio: float) -> tuple[int, int]:
@@ -225,6 +227,18 @@ def sharegpt_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[Sample
             for prompt, prompt_len, output_len in itertools.cycle(pairs))
 
 
+def edit_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
+    """Repeat or lightly edit a passage of about `random_input_len` tokens (bench.edit_workload); the
+    output wanted is `random_output_len` tokens."""
+    from bench.edit_workload import edit_prompts
+
+    if spec.random_output_len < 1:
+        raise ValueError("the edit workload needs --random-output-len >= 1")
+    for prompt in edit_prompts(rng, spec.random_input_len, spec.dataset_path):
+        prompt_len = approx_tokens(prompt)
+        yield SampleRequest(prompt, prompt_len, spec.random_output_len, _kind(prompt_len, spec.long_threshold))
+
+
 def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float]:
     """Seconds after the start at which each request is due: gamma gaps, shape=burstiness, mean 1/rate."""
     if math.isinf(rate):
@@ -240,10 +254,14 @@ def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt", "multiturn"),
+    group.add_argument("--dataset-name", "--workload", choices=("random", "mixed", "sharegpt", "edit", "multiturn"),
                        default=None, help="default: sharegpt with --dataset-path, else random; multiturn: chat "
-                                          "conversations that resend their history (/v1/chat/completions)")
-    group.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file")
+                                          "conversations that resend their history (/v1/chat/completions); edit: "
+                                          "repeat or lightly edit a passage of --random-input-len tokens from "
+                                          "local files, sent as chat (output overlaps input: speculative "
+                                          "decoding's case)")
+    group.add_argument("--dataset-path", default=None,
+                       help="ShareGPT-format JSON file; for edit, a text file or folder (default: pdserve's sources)")
     group.add_argument("--sharegpt-output-len", type=int, default=None, help="override each ShareGPT output length")
     group.add_argument("--random-input-len", type=int, default=1024)
     group.add_argument("--random-output-len", type=int, default=128)

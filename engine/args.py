@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.model.quant import SCHEMES
 from engine.worker.cpu_kernels import CPU_KERNELS
 
@@ -78,6 +78,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step while the previous one runs, so host work overlaps "
                         "device work (default: on for CUDA, off on CPU, where it measured no gain)")
+    g.add_argument("--speculative-config", default=None,
+                   help="speculative decoding on the decode side, as vLLM spells it: a JSON object such as "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup over the prompt and output so far; '
+                        "optional disable_by_batch_size: no drafts in steps with more decode rows). Turns "
+                        "async scheduling off for the decode side (default: off)")
     g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="CPU tensors: native C++ kernels built at start-up (falls back to torch where they "
                         "cannot build) or the plain-torch references; default auto: native where a start-up "
@@ -103,6 +109,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, cpu_kernels=args.cpu_kernels, workers=args.workers,
         on_worker_failure=args.on_worker_failure,
         step_timeout=args.step_timeout,
+        speculative=SpeculativeConfig.from_json(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

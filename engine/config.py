@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.speculative import SpeculativeConfig
 from engine.model.config import (
     DTYPES,
     SUPPORTED_ARCHITECTURES,
@@ -17,7 +18,7 @@ from engine.model.config import (
 )
 
 __all__ = ["CacheConfig", "ConfigError", "DTYPES", "EngineConfig", "ModelConfig", "RopeConfig",
-           "SUPPORTED_ARCHITECTURES", "SchedulerConfig"]
+           "SUPPORTED_ARCHITECTURES", "SchedulerConfig", "SpeculativeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +41,4 @@ class EngineConfig:
     step_timeout: float = 120.0       # seconds one step may run before its actor counts as failed; 0: never
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None   # drafts verified on the decode side; None: off

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.messages import FinishReason, Request, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.engine import Engine
@@ -35,8 +35,12 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 class LLM:
     """Loads the model once; each `generate` call runs the actors on a fresh event loop."""
 
-    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None,
+                 speculative_config: dict | str | None = None, **overrides) -> None:
+        """`speculative_config`: vLLM's dict (or JSON), e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
         config = config or EngineConfig()
+        if speculative_config is not None:
+            overrides["speculative"] = SpeculativeConfig.from_json(speculative_config)
         self.engine = Engine(replace(config, model=model or config.model, **overrides))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

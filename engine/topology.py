@@ -195,11 +195,13 @@ def wire_actors(config: EngineConfig, plan: Plan, units: Units, emit: Emit) -> l
     sched, cache = config.scheduler, config.cache
     if plan.mode == "colocated":
         return [ColocatedActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
-                               _overlap(config, plan.prefill_device), cache.enable_prefix_caching)]
+                               _overlap(config, plan.prefill_device, config.speculative),
+                               cache.enable_prefix_caching, config.speculative)]
     if plan.mode == "adaptive":
         return _adaptive_actors(config, plan, units, emit)
     decode = DecodeActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
-                         _overlap(config, plan.decode_device), cache.enable_prefix_caching)
+                         _overlap(config, plan.decode_device, config.speculative), cache.enable_prefix_caching,
+                         config.speculative)
     prefill = PrefillActor(units.prefill, decode, sched, plan.max_model_len, emit,
                            _overlap(config, plan.prefill_device), cache.enable_prefix_caching)
     return _wired(prefill, decode)
@@ -215,7 +217,8 @@ def _adaptive_actors(config: EngineConfig, plan: Plan, units: Units, emit: Emit)
     policy = PlacementPolicy(decode_cost, prefill_cost, sched.max_prefill_tokens, itl_target,
                              sched.max_local_prefill_length, shared_cores=share is not None)
     decode = AdaptiveDecodeActor(units.decode, sched, cache.kv_watermark, plan.max_model_len, emit,
-                                 _overlap(config, plan.decode_device), cache.enable_prefix_caching,
+                                 _overlap(config, plan.decode_device, config.speculative),
+                                 cache.enable_prefix_caching, config.speculative,
                                  policy=policy, cost=decode_cost, share=share)
     prefill = LendingPrefillActor(units.prefill, decode, sched, plan.max_model_len, emit,
                                   _overlap(config, plan.prefill_device), cache.enable_prefix_caching,
@@ -230,8 +233,14 @@ def _wired(prefill: PrefillActor, decode: DecodeActor) -> list[Actor]:
     return [prefill, decode]
 
 
-def _overlap(config: EngineConfig, device: torch.device) -> bool:
-    """Async scheduling: forced by the config, else on for CUDA (off on CPU: bench/RESULTS.md, "Host work per step")."""
+def _overlap(config: EngineConfig, device: torch.device, speculative=None) -> bool:
+    """Async scheduling: forced by the config, else on for CUDA (off on CPU: bench/RESULTS.md, "Host work per step").
+
+    Never for an actor that verifies drafts: its next step's positions depend on the drafts kept."""
+    if speculative is not None:
+        if config.async_scheduling:
+            logger.warning("--async-scheduling is off for the decode side: speculative decoding is on")
+        return False
     return config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
 
 

@@ -60,6 +60,8 @@ class EngineCollector(Collector):
         yield from families.values()
         yield from counters.values()
         yield from EngineCollector._placement(stats)
+        if any(a.spec_accepted_per_position for a in stats.actors):
+            yield from EngineCollector._speculative(stats)
 
     @staticmethod
     def _placement(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -72,6 +74,26 @@ class EngineCollector(Collector):
             roles.add_metric([actor.name, actor.role], 1.0)
         yield prefills
         yield roles
+
+
+    @staticmethod
+    def _speculative(stats: EngineStats) -> Iterator[CounterMetricFamily]:
+        """vLLM's spec-decode counters: verifications, draft tokens, accepted tokens, accepted per position."""
+        actors = stats.actors
+        for name, text, count in (("num_drafts", "Verifications of drafts run", lambda a: a.spec_drafts),
+                                  ("num_draft_tokens", "Draft tokens verified", lambda a: a.spec_draft_tokens),
+                                  ("num_accepted_tokens", "Draft tokens accepted", lambda a: a.spec_accepted_tokens)):
+            family = CounterMetricFamily(f"pdserve_spec_decode_{name}", text)
+            family.add_metric([], float(sum(count(a) for a in actors)))
+            yield family
+        per_position = CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted at each draft position", labels=["position"])
+        width = max(len(a.spec_accepted_per_position) for a in actors)
+        for position in range(width):
+            accepted = sum(a.spec_accepted_per_position[position] for a in actors
+                           if position < len(a.spec_accepted_per_position))
+            per_position.add_metric([str(position)], float(accepted))
+        yield per_position
 
 
 class Metrics:

@@ -10,7 +10,16 @@ from engine.core.sampling_params import SamplingParams
 from engine.transfer.base import TransferHandle
 from engine.worker import wire
 from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.step import BlockAppend, BlockCopy, ChunkInput, NewRow, StepInput, StepResult, StepWork
+from engine.worker.step import (
+    BlockAppend,
+    BlockCopy,
+    ChunkInput,
+    NewRow,
+    StepInput,
+    StepResult,
+    StepWork,
+    VerifyInput,
+)
 from engine.worker.step_runner import StepOutcome
 from kernels.kv_layout import KVLayout
 
@@ -22,7 +31,8 @@ WORK = StepWork(
                         NewRow(4, (8,), 1, (), SamplingParams())),
               appends=(BlockAppend(2, 5, (17, 18)),),
               decode_rows=(2, 5), decode_positions=(80, 12),
-              chunks=(ChunkInput(0, 0, 3, True), ChunkInput(4, 0, 1, False))),
+              chunks=(ChunkInput(0, 0, 3, True), ChunkInput(4, 0, 1, False)),
+              verify=(VerifyInput(6, 40, (3, 9, 9, 1)), VerifyInput(7, 8, (2, 5)))),
     copies=(BlockCopy("req-a", (1, 2), (30, 31)), BlockCopy("req-b", (7,), (9,))),
     threads=2)
 
@@ -34,7 +44,8 @@ def test_step_work_round_trips():
 
 
 def test_step_outcome_round_trips_with_landed_copies():
-    result = StepResult((4, 9), (TokenLogprob(4, -0.5, ((4, -0.5), (3, -1.25))), None))
+    result = StepResult((4, 9), (TokenLogprob(4, -0.5, ((4, -0.5), (3, -1.25))), None), ((9, 9, 2), (7,)),
+                        ((TokenLogprob(9, -0.1, ((9, -0.1),)), TokenLogprob(9, -0.2), TokenLogprob(2, -3.0)), None))
     outcome = StepOutcome(result, (("req-a", TransferHandle.finished(4096, 0.002)),), 0.031, 2)
     back = wire.decode_outcome(wire.encode_outcome(outcome))
     assert back.result == result and (back.seconds, back.threads) == (0.031, 2)
@@ -48,8 +59,9 @@ def test_another_version_a_wrong_kind_and_a_damaged_frame_are_refused(monkeypatc
         wire.decode_outcome(frame)
     with pytest.raises(wire.WireError, match="does not match"):
         wire.decode_work(frame[:-3])
-    monkeypatch.setattr(wire, "VERSION", 2)
-    with pytest.raises(wire.WireError, match="version 1"):
+    sent_as = wire.VERSION
+    monkeypatch.setattr(wire, "VERSION", sent_as + 1)
+    with pytest.raises(wire.WireError, match=f"version {sent_as}"):
         wire.decode_work(frame)
 
 

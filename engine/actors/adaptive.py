@@ -150,7 +150,9 @@ class AdaptiveDecodeActor(DecodeActor):
         return borrowed_threads(self, self.share and self.share.decode_own, self.prefill_actor)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        self.cost.observe(threads, len(batch.decode), sum(c.num_tokens for c in batch.chunks), seconds)
+        drafts = sum(len(d) for d in batch.verify_drafts)      # verified like prefill tokens
+        self.cost.observe(threads, len(batch.decode) + len(batch.verify),
+                          sum(c.num_tokens for c in batch.chunks) + drafts, seconds)
         if batch.decode:
             carried_long = any(c.seq.num_tokens > self.policy.max_local for c in batch.chunks)
             self.policy.record_decode_step(threads, len(batch.decode), seconds, carried_long)

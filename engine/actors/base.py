@@ -24,6 +24,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.messages import ActorStats, FinishReason, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
+from engine.core.speculative import Speculator
 from engine.worker.compute import Compute
 from engine.worker.step import StepWork
 from engine.worker.step_runner import StepOutcome
@@ -64,6 +65,7 @@ class Actor(abc.ABC):
         self.failure: str | None = None
         self.pipeline_depth = 2 if overlap else 1
         self.plan = StepPlanner()
+        self.speculator: Speculator | None = None     # decode-side actors that speculate set it
         self.steps = 0
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
@@ -260,6 +262,32 @@ class Actor(abc.ABC):
                             cached_tokens=tuple(cached) if any(cached) else None)
         return output, recorded
 
+    def record_verified(self, batch: Batch, outcome: StepOutcome, output: StepOutput,
+                        recorded: Recorded) -> tuple[StepOutput, Recorded]:
+        """Append each verifying sequence's kept drafts and next token, up to where it finishes."""
+        ids, tokens, reasons = list(output.request_ids), list(output.token_ids), list(output.finish_reasons)
+        logprobs = list(output.logprobs or (None,) * len(output))
+        eos, limit, result = self.unit.eos_token_ids, self.max_model_len, outcome.result
+        for seq, emitted, row_logprobs in zip(batch.verify, result.verified,
+                                              result.verified_logprobs or (None,) * len(batch.verify)):
+            if seq.done:                           # left while the step ran: its tokens are dropped
+                continue
+            seq.num_in_flight -= 1
+            self.speculator.settle(seq, self.blocks, len(emitted) - 1)
+            for j, token in enumerate(emitted):
+                seq.output_token_ids.append(token)
+                reason = seq.finish_reason(eos, limit)
+                ids.append(seq.request_id)
+                tokens.append(token)
+                reasons.append(reason)
+                logprobs.append(row_logprobs[j] if row_logprobs else None)
+                if reason is not None:
+                    break
+            recorded.append((seq, reason))
+        cached = output.cached_tokens and output.cached_tokens + (0,) * (len(ids) - len(output))
+        return StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if any(logprobs) else None,
+                          cached_tokens=cached), recorded
+
     def leave(self, seq: Sequence) -> None:
         """`seq` is done on this actor: its runner row goes, its blocks are freed (once no step holds them)."""
         seq.done = True
@@ -276,7 +304,15 @@ class Actor(abc.ABC):
                           kv_blocks_total=b.num_blocks, steps=self.steps, last_step_time=self.last_step_time,
                           alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
                           role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
-                          remote_prefills=self.remote_prefills)
+                          remote_prefills=self.remote_prefills, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_drafts": c.num_drafts, "spec_draft_tokens": c.num_draft_tokens,
+                "spec_accepted_tokens": c.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(c.accepted_per_position)}
 
     def role(self) -> str:
         """What this actor's compute does now (adaptive mode lends it; the fixed modes keep their role)."""
@@ -302,6 +338,8 @@ class Actor(abc.ABC):
 
         By default every sampled sequence gets its token and one that finished leaves (`drop`)."""
         output, recorded = self.record_tokens(batch.sampled, outcome)
+        if batch.verify:
+            output, recorded = self.record_verified(batch, outcome, output, recorded)
         for seq, reason in recorded:
             if reason is not None:
                 self.drop(seq)

@@ -7,6 +7,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.messages import Abort, Request
 from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from engine.core.sequence import Sequence
+from engine.core.speculative import SpeculativeConfig, Speculator
 from engine.worker.compute import Compute
 
 
@@ -14,15 +15,17 @@ class ColocatedActor(Actor):
     name = "colocated"
 
     def __init__(self, unit: Compute, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
+                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
+        self.speculator = Speculator(speculative) if speculative else None
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.kv_watermark = kv_watermark
         self.prefill = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                         pool_max_seqs=config.max_num_seqs, watermark=kv_watermark)
         self.decode = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._requeue,
-                                      max_model_len=max_model_len)
+                                      max_model_len=max_model_len, speculator=self.speculator)
 
     def handle(self, message) -> None:
         if isinstance(message, Request):

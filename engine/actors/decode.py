@@ -12,6 +12,7 @@ from engine.core.messages import Abort, KVHandoff, Preempted
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
+from engine.core.speculative import SpeculativeConfig, Speculator
 from engine.worker.compute import Compute
 
 
@@ -29,12 +30,14 @@ class DecodeActor(Actor):
     name = "decode"
 
     def __init__(self, unit: Compute, config: SchedulerConfig, kv_watermark: float,
-                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
+                 max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
+        self.speculator = Speculator(speculative) if speculative else None
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, speculator=self.speculator)
         self.landing: list[tuple[Sequence, tuple]] = []
         self.send_to_prefill: Callable[[object], None] = lambda message: None
         self.on_blocks_freed: Callable[[], None] = lambda: None

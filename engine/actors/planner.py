@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.core.batch import Batch
 from engine.core.sequence import Sequence
-from engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput
+from engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput, VerifyInput
 
 
 class StepPlanner:
@@ -28,9 +28,11 @@ class StepPlanner:
                 seq.synced_blocks = len(seq.block_table)
         freed, self._freed = tuple(self._freed), []
         decode = batch.decode
+        verify = tuple(VerifyInput(s.row, p, (s.output_token_ids[-1], *d))     # NOTE: nothing of s is in flight
+                       for s, p, d in zip(batch.verify, batch.verify_positions, batch.verify_drafts))
         return StepInput(freed, tuple(new_rows), tuple(appends), tuple([s.row for s in decode]),
                          batch.decode_positions or tuple([s.num_computed_tokens - 1 for s in decode]),
-                         tuple(ChunkInput(c.seq.row, c.start, c.num_tokens, c.sample) for c in batch.chunks))
+                         tuple(ChunkInput(c.seq.row, c.start, c.num_tokens, c.sample) for c in batch.chunks), verify)
 
     def _new_row(self, seq: Sequence) -> NewRow:
         seq.row = self._free_rows.pop() if self._free_rows else self._take_new_row()

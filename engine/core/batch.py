@@ -30,17 +30,31 @@ class Batch:
 
     @classmethod
     def of(cls, decode: tuple[Sequence, ...] = (), chunks: tuple[ScheduledChunk, ...] = ()) -> "Batch":
-        """A batch of sequences just scheduled: decode positions read off `num_computed_tokens`."""
-        return cls(decode, chunks, tuple([s.num_computed_tokens - 1 for s in decode]))
+        """A batch of sequences just scheduled: decode positions read off `num_computed_tokens`.
+
+        A decode sequence holding drafts (`Sequence.drafts`) verifies them: it goes to `verify`."""
+        if not any(s.drafts for s in decode):
+            return cls(decode, chunks, tuple([s.num_computed_tokens - 1 for s in decode]))
+        plain = tuple(s for s in decode if not s.drafts)
+        verify = tuple(s for s in decode if s.drafts)
+        return cls(plain, chunks, tuple([s.num_computed_tokens - 1 for s in plain]), verify,
+                   tuple([s.num_computed_tokens - 1 - len(s.drafts) for s in verify]),
+                   tuple([s.drafts for s in verify]))
 
     def landed(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens whose KV exists once this step has run), for every sequence in it."""
+        """(sequence, tokens whose KV exists once this step has run), for every sequence in it.
+
+        A verifying sequence counts only its input token: which drafts are kept is known later."""
         return ([(s, p + 1) for s, p in zip(self.decode, self.decode_positions)]
+                + [(s, p + 1) for s, p in zip(self.verify, self.verify_positions)]
                 + [(c.seq, c.stop) for c in self.chunks])
 
     decode: tuple[Sequence, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
     decode_positions: tuple[int, ...] = ()      # the position each decode sequence computes
+    verify: tuple[Sequence, ...] = ()           # decode sequences verifying drafts: 1 + len(drafts) positions
+    verify_positions: tuple[int, ...] = ()      # the position of each one's input token (its first)
+    verify_drafts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -48,7 +62,8 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.num_tokens for c in self.chunks)
+        return (len(self.decode) + sum(c.num_tokens for c in self.chunks)
+                + sum(1 + len(d) for d in self.verify_drafts))
 
     @property
     def sampled(self) -> tuple[Sequence, ...]:
@@ -56,4 +71,4 @@ class Batch:
         return self.decode + tuple(c.seq for c in self.chunks if c.sample)
 
     def sequences(self) -> tuple[Sequence, ...]:
-        return self.decode + tuple(c.seq for c in self.chunks)
+        return self.decode + self.verify + tuple(c.seq for c in self.chunks)

@@ -138,6 +138,17 @@ class BlockManager:
         self.prefix_hits += hit_tokens
 
     # release
+    def truncate(self, seq_id: str, num_tokens: int) -> int:
+        """Release the blocks of `seq_id` past those covering `num_tokens` tokens (no step may still use
+        them: rejected draft positions). Returns the number released."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        keep = blocks_for(num_tokens, self.block_size)
+        tail = table[keep:]
+        del table[keep:]
+        return self._release(tail)
+
     def free(self, seq_id: str) -> int:
         """Release every block of `seq_id`; a second call is a no-op. Returns the number released."""
         table = self._tables.pop(seq_id, None)

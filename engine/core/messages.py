@@ -123,6 +123,10 @@ class ActorStats:
     lent_steps: int = 0             # steps run with cores borrowed from the other actor
     local_prefills: int = 0         # prompts this actor placed on itself (adaptive mode)
     remote_prefills: int = 0        # and on the prefill actor
+    spec_drafts: int = 0            # speculative decoding (vLLM's meaning): verifications run,
+    spec_draft_tokens: int = 0      # draft tokens verified,
+    spec_accepted_tokens: int = 0   # of which accepted,
+    spec_accepted_per_position: tuple[int, ...] = ()   # accepted at draft position 0, 1, ..; () when off
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
+from engine.core.speculative import Speculator
 
 ReserveHook = Callable[[Sequence], bool]
 
@@ -130,8 +131,9 @@ class DecodeScheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, on_preempt: Callable[[Sequence], None],
-                 max_model_len: int = 1 << 62) -> None:
+                 max_model_len: int = 1 << 62, speculator: Speculator | None = None) -> None:
         self.blocks = blocks
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.on_preempt = on_preempt
@@ -161,13 +163,30 @@ class DecodeScheduler:
             if room <= 0:
                 break
             for seq in self._take_turns(self._queues.get(priority, {}), room):
-                if not seq.done and seq.can_continue(self.max_model_len) and self._make_room(seq):
+                if (not seq.done and not seq.drafts and seq.can_continue(self.max_model_len)
+                        and self._make_room(seq)):
                     chosen.append(seq)
         chosen = [seq for seq in chosen if not seq.done]      # NOTE: a later one's room may preempt it
+        speculating = self.speculator is not None and self.speculator.active(len(chosen))
         for seq in chosen:
-            seq.num_computed_tokens += 1
+            if speculating and not seq.num_in_flight:
+                self._draft(seq)
+            seq.num_computed_tokens += 1 + len(seq.drafts)
             seq.num_in_flight += 1
         return tuple(chosen)
+
+    def _draft(self, seq: Sequence) -> None:
+        """Give `seq` drafts to verify this step, as many as max_tokens, the context and free blocks allow."""
+        room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+        drafts = self.speculator.drafts(seq, room) if room > 0 else ()
+        if not drafts:
+            return
+        held = len(seq.block_table) * self.blocks.block_size
+        fits = held - seq.num_computed_tokens - 1 + self.blocks.num_free * self.blocks.block_size
+        drafts = drafts[:max(fits, 0)]                        # NOTE: drafts never preempt anyone
+        if drafts:
+            seq.block_table = self.blocks.grow(seq.request_id, seq.num_computed_tokens + 1 + len(drafts))
+            seq.drafts = drafts
 
     @staticmethod
     def _take_turns(queue: dict[Sequence, None], room: int) -> list[Sequence]:

@@ -31,6 +31,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks (prefix caching)
     num_registered_blocks: int = 0   # of its blocks registered in the prefix cache
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache at admission
+    drafts: tuple[int, ...] = ()     # draft tokens of the verification in flight (speculative decoding)
+    spec: object = None              # the speculator's state for this sequence (engine.core.speculative)
 
     @property
     def request_id(self) -> str:

@@ -15,9 +15,10 @@ from engine.model.weights import load_weights
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.memory import kv_layout
-from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, step_shape
+from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
 from engine.worker.sampler import Sampler, read_back
 from engine.worker.sampling_table import SamplingTable
+from engine.worker.spec_verify import emitted_logprobs, verify
 from engine.worker.step import StepInput, StepResult
 
 
@@ -77,14 +78,33 @@ class ModelRunner:
             return StepResult()
         started = self._clock()
         logits, buffers = self._logits(step)
+        num_sampled = len(step.sampled_rows)
+        tokens, logprobs = self._sample(logits[:num_sampled], buffers, step) if num_sampled else ((), None)
+        verified, verified_logprobs = self._verify(logits[num_sampled:], step) if step.verify else ((), None)
+        self._add_forward_time(started)
+        return StepResult(tokens, logprobs, verified, verified_logprobs)
+
+    def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput):
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
         batch = self.sampling.batch(sampled_rows)
         output = self.sampler.sample(logits, batch)
         self.rows.remember_sampled(buffers.dev["sampled_rows"][:len(sampled_rows)], output.tokens)
         self.sampling.record(sampled_rows, output.tokens)
-        tokens, logprobs = read_back(output, batch)
-        self._add_forward_time(started)
-        return StepResult(tokens, logprobs)
+        return read_back(output, batch)
+
+    def _verify(self, logits: torch.Tensor, step: StepInput):
+        """Kept drafts and one more token per verifying row, and their logprobs where asked; the rows'
+        sampling state and last token follow."""
+        verified = verify(self.sampler, self.sampling, logits, step.verify)
+        logprobs = emitted_logprobs(logits, self.sampling, step.verify, verified)
+        rows = np.array([v.row for v in step.verify], dtype=np.int64)
+        for column in range(max(len(tokens) for tokens in verified)):
+            emitted = [i for i, tokens in enumerate(verified) if len(tokens) > column]
+            tokens = torch.tensor([verified[i][column] for i in emitted], device=self.device)
+            self.sampling.record(rows[emitted], tokens)
+        self.rows.remember_sampled(torch.from_numpy(rows).to(self.device),
+                                   torch.tensor([tokens[-1] for tokens in verified], device=self.device))
+        return verified, logprobs
 
     def apply(self, step: StepInput) -> None:
         """Free, add and extend rows as `step` says (execute does this first)."""
@@ -98,18 +118,19 @@ class ModelRunner:
     def prepare(self, step: StepInput) -> ForwardBatch:
         """The model's inputs for an applied `step` (eager buffers; every token's hidden state is computed)."""
         num_tokens, num_seqs, width = step_shape(step, self.block_size)
-        buffers = self._buffers_for(num_tokens, num_seqs, width)
+        buffers = self._buffers_for(num_tokens, max(num_seqs, num_logits(step)), width)
         fill_inputs(buffers, self.rows, step, self.block_size, width)
         buffers.upload(num_seqs, width)
         gather_decode_inputs(buffers, self.rows, len(step.decode_rows))
-        return buffers.forward_batch(num_tokens, num_seqs, len(step.sampled_rows), width, is_decode=not step.chunks)
+        return buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width, is_decode=not step.chunks)
 
     def logits(self, step: StepInput) -> torch.Tensor:
         """logits [S', V] fp32 of an applied step's sampled rows (a captured graph for decode when one fits)."""
         return self._logits(step)[0]
 
     def _logits(self, step: StepInput) -> tuple[torch.Tensor, InputBuffers]:
-        if not step.chunks and self.graphs is not None and self.graphs.fits(*step_shape(step, self.block_size)[1:]):
+        decode_only = not step.chunks and not step.verify
+        if decode_only and self.graphs is not None and self.graphs.fits(*step_shape(step, self.block_size)[1:]):
             return self.graphs.run(self.rows, step), self.graphs.buffers
         batch = self.prepare(step)
         hidden = self.model(batch, self.kv_pool)

@@ -65,29 +65,38 @@ class RowState:
 
 def step_shape(step: StepInput, block_size: int) -> tuple[int, int, int]:
     """(tokens, sequences, table width in blocks) of a step."""
-    positions = list(step.decode_positions) + [c.start + c.num_tokens - 1 for c in step.chunks]
+    positions = (list(step.decode_positions) + [c.start + c.num_tokens - 1 for c in step.chunks]
+                 + [v.start + len(v.token_ids) - 1 for v in step.verify])
     longest = max(positions, default=0) + 1
-    return step.num_tokens, len(step.decode_rows) + len(step.chunks), -(-longest // block_size)
+    verify_seqs = len(step.verify) if step.chunks else sum(len(v.token_ids) for v in step.verify)
+    return step.num_tokens, len(step.decode_rows) + len(step.chunks) + verify_seqs, -(-longest // block_size)
+
+
+def num_logits(step: StepInput) -> int:
+    """Logits rows of a step: one per sampled row, then one per token of each verifying row."""
+    return len(step.sampled_rows) + sum(len(v.token_ids) for v in step.verify)
 
 
 def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
-    """Write a step's metadata into the host side of `buffers` (vectorised over tokens and rows)."""
+    """Write a step's metadata into the host side of `buffers` (vectorised over tokens and rows).
+
+    Verifying rows, their tokens given by the step, run like chunks after the prefill chunks in a step
+    with chunks, else as one decode row per token (`_fill_decode`)."""
     if not step.chunks:
         return _fill_decode(buffers, rows, step, block_size, width)
     b = buffers.np
-    num_decode, chunks = len(step.decode_rows), step.chunks
-    lengths = np.fromiter((c.num_tokens for c in chunks), dtype=np.int32, count=len(chunks))
-    starts = np.fromiter((c.start for c in chunks), dtype=np.int32, count=len(chunks))
-    chunk_rows = np.fromiter((c.row for c in chunks), dtype=np.int32, count=len(chunks))
+    num_decode, chunks, verify = len(step.decode_rows), step.chunks, step.verify
+    spans = [(c.row, c.start, c.num_tokens) for c in chunks] + [(v.row, v.start, len(v.token_ids)) for v in verify]
+    chunk_rows, starts, lengths = np.array(spans, dtype=np.int32).reshape(-1, 3).T
     seq_rows = np.concatenate([np.asarray(step.decode_rows, dtype=np.int32), chunk_rows])
     num_seqs, num_tokens = len(seq_rows), num_decode + int(lengths.sum())
     b["rows"][:num_seqs] = seq_rows
     positions = b["positions"][:num_tokens]
     positions[:num_decode] = step.decode_positions
-    if chunks:
-        positions[num_decode:] = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        b["input_ids"][num_decode:num_tokens] = np.concatenate(
-            [rows.tokens[c.row][c.start:c.start + c.num_tokens] for c in chunks])
+    positions[num_decode:] = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    b["input_ids"][num_decode:num_tokens] = np.concatenate(
+        [rows.tokens[c.row][c.start:c.start + c.num_tokens] for c in chunks]
+        + [np.asarray(v.token_ids, dtype=np.int32) for v in verify])
     token_rows = np.concatenate([seq_rows[:num_decode], np.repeat(chunk_rows, lengths)])
     blocks = rows.block_tables[token_rows, positions // block_size]
     b["slots"][:num_tokens] = blocks * block_size + positions % block_size
@@ -99,24 +108,37 @@ def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_si
     np.cumsum(np.concatenate([np.ones(num_decode, dtype=np.int32), lengths]), out=cu[1:])
     sampling = np.fromiter((c.sample for c in chunks), dtype=bool, count=len(chunks))
     num_sampled = num_decode + int(sampling.sum())
-    b["logits_indices"][:num_sampled] = np.concatenate([np.arange(num_decode), cu[1 + num_decode:][sampling] - 1])
-    b["sampled_rows"][:num_sampled] = np.concatenate([seq_rows[:num_decode], chunk_rows[sampling]])
+    chunk_ends = cu[1 + num_decode:1 + num_decode + len(chunks)]
+    verified = np.arange(num_tokens - int(lengths[len(chunks):].sum()), num_tokens)
+    indices = np.concatenate([np.arange(num_decode), chunk_ends[sampling] - 1, verified])
+    b["logits_indices"][:len(indices)] = indices
+    b["sampled_rows"][:num_sampled] = np.concatenate([seq_rows[:num_decode], chunk_rows[:len(chunks)][sampling]])
     buffers.block_table_view(num_seqs, width)[:] = rows.block_tables[seq_rows, :width]
 
 
 def _fill_decode(buffers: InputBuffers, rows: RowState, step: StepInput, block_size: int, width: int) -> None:
-    """fill_inputs for a step of decode rows only: one position per row."""
+    """fill_inputs for a step without chunks: one position per row. A verifying row's tokens become rows of
+    their own over its block table, each seeing the positions before it: the decode kernels store every
+    row's K and V before any row attends, so within a layer this is causal attention over the drafts."""
     b, n = buffers.np, len(step.decode_rows)
     seq_rows = np.asarray(step.decode_rows, dtype=np.int32)
     positions = np.asarray(step.decode_positions, dtype=np.int32)
-    b["rows"][:n] = b["sampled_rows"][:n] = seq_rows
-    b["positions"][:n] = positions
-    b["slots"][:n] = rows.block_tables[seq_rows, positions // block_size] * block_size + positions % block_size
-    b["context_lens"][:n] = positions + 1
-    counting = np.arange(n + 1, dtype=np.int32)
-    b["cu_seqlens"][:n + 1] = counting
-    b["logits_indices"][:n] = counting[:n]
-    buffers.block_table_view(n, width)[:] = rows.block_tables[seq_rows, :width]
+    if step.verify:
+        lengths = [len(v.token_ids) for v in step.verify]
+        seq_rows = np.concatenate([seq_rows, np.repeat(np.array([v.row for v in step.verify], np.int32), lengths)])
+        positions = np.concatenate([positions, *(np.arange(v.start, v.start + len(v.token_ids), dtype=np.int32)
+                                                 for v in step.verify)])
+        b["input_ids"][n:len(seq_rows)] = np.concatenate([v.token_ids for v in step.verify])
+    m = len(seq_rows)
+    b["rows"][:m] = seq_rows
+    b["sampled_rows"][:n] = seq_rows[:n]
+    b["positions"][:m] = positions
+    b["slots"][:m] = rows.block_tables[seq_rows, positions // block_size] * block_size + positions % block_size
+    b["context_lens"][:m] = positions + 1
+    counting = np.arange(m + 1, dtype=np.int32)
+    b["cu_seqlens"][:m + 1] = counting
+    b["logits_indices"][:m] = counting[:m]
+    buffers.block_table_view(m, width)[:] = rows.block_tables[seq_rows, :width]
 
 
 def gather_decode_inputs(buffers: InputBuffers, rows: RowState, num_decode: int) -> None:

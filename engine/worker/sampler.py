@@ -46,10 +46,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size]  # [B, V]
         if batch.plain_greedy:  # fast path: every decode step of greedy requests
             return SampleOutput(logits.argmax(dim=-1))
-        processed = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        mask_stop_tokens(processed, batch)
-        apply_penalties(processed, batch)
-        tokens = self._choose(processed, batch)  # [B]
+        tokens = self._choose(self.processed(logits, batch), batch)  # [B]
         return _with_logprobs(logits, tokens, batch)
 
     def __call__(self, logits: torch.Tensor,
@@ -65,6 +62,23 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
+        probs = self.probabilities(logits, batch)  # [B, V]
+        if probs.device.type == "cpu":
+            sampled = sample_categorical(probs, self._uniforms(batch))
+        else:
+            sampled = probs.div_(self._exponential_noise(probs, batch)).argmax(dim=-1)
+        return torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+
+    def processed(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """fp32 copy [B, V] of `logits` with min_tokens masking and penalties applied."""
+        processed = logits[:, : self.vocab_size].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        mask_stop_tokens(processed, batch)
+        apply_penalties(processed, batch)
+        return processed
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution [B, V] a random row draws from: processed logits, temperature, top-k/top-p/min-p."""
         x = logits / batch.temperature.unsqueeze(1)  # [B, V]
         if batch.use_top_p:
             x = top_k_top_p(x, batch.top_k, batch.top_p)
@@ -72,12 +86,7 @@ class Sampler:
             x = top_k_only(x, batch.top_k, batch.max_top_k)
         if batch.use_min_p:
             x = min_p_filter(x, batch.min_p)
-        probs = x.softmax(dim=-1)  # [B, V]
-        if probs.device.type == "cpu":
-            sampled = sample_categorical(probs, self._uniforms(batch))
-        else:
-            sampled = probs.div_(self._exponential_noise(probs, batch)).argmax(dim=-1)
-        return torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        return x.softmax(dim=-1)
 
     @staticmethod
     def _uniforms(batch: SamplingBatch) -> torch.Tensor:

@@ -96,11 +96,16 @@ class SamplingTable:
             self.output_counts.index_put_((index, chosen.long()), torch.ones_like(chosen, dtype=torch.float32),
                                           accumulate=True)
 
-    def batch(self, rows: np.ndarray) -> SamplingBatch:
-        """The SamplingBatch of `rows` (host int array), one entry per row in order."""
+    def batch(self, rows: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
+        """The SamplingBatch of `rows` (host int array), one entry per row in order.
+
+        `ahead[i]`: entry i samples that many outputs past the row's recorded ones (a draft position;
+        its penalty counts are the caller's to add)."""
         if self._plain_greedy(rows):
             return _plain_greedy_batch(len(rows))
         a = {name: values[rows] for name, values in self.arrays.items()}
+        if ahead is not None:
+            a["num_outputs"] = a["num_outputs"] + ahead
         below_min = a["num_outputs"] < a["min_tokens"]
         random = ~a["greedy"]
         plain = not (random.any() or a["penalised"].any() or below_min.any() or (a["logprobs"] >= 0).any())

@@ -41,6 +41,16 @@ class ChunkInput:
 
 
 @dataclass(frozen=True, slots=True)
+class VerifyInput:
+    """A decode row verifying drafts: `token_ids` (its last token, then the drafts) at positions start ..;
+    logits come back for every one of them (speculative decoding)."""
+
+    row: int
+    start: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
     """Applied in order: free rows, add rows, append blocks; then run decode rows and chunks."""
 
@@ -50,10 +60,12 @@ class StepInput:
     decode_rows: tuple[int, ...] = ()
     decode_positions: tuple[int, ...] = ()     # position each decode row computes
     chunks: tuple[ChunkInput, ...] = ()
+    verify: tuple[VerifyInput, ...] = ()      # after the chunks in the model's batch
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode_rows) + sum(c.num_tokens for c in self.chunks)
+        return (len(self.decode_rows) + sum(c.num_tokens for c in self.chunks)
+                + sum(len(v.token_ids) for v in self.verify))
 
     @property
     def sampled_rows(self) -> tuple[int, ...]:
@@ -84,3 +96,5 @@ class StepResult:
 
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] | None = None
+    verified: tuple[tuple[int, ...], ...] = ()    # per StepInput.verify row: the accepted drafts, then one more
+    verified_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] | None = None   # of each, where a row asked

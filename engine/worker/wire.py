@@ -23,10 +23,11 @@ from engine.worker.step import (
     StepInput,
     StepResult,
     StepWork,
+    VerifyInput,
 )
 from engine.worker.step_runner import StepOutcome
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"PDSV"
 HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
 WORK, OUTCOME, ERROR, READY, STOP = range(5)
@@ -82,6 +83,8 @@ def encode_work(work: StepWork) -> bytes:
         [len(c.src_blocks) for c in cp],
         [b for c in cp for b in c.src_blocks],
         [b for c in cp for b in c.dst_blocks],
+        [x for v in s.verify for x in (v.row, v.start, len(v.token_ids))],
+        [t for v in s.verify for t in v.token_ids],
     ]
     doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp]}
     return _frame(WORK, arrays, doc)
@@ -89,7 +92,8 @@ def encode_work(work: StepWork) -> bytes:
 
 def decode_work(data: bytes) -> StepWork:
     _, a, doc = _unframe(data, WORK)
-    freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst = a
+    (freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst,
+     verify_meta, verify_tokens) = a
     new_rows, t, b = [], 0, 0
     for (row, prompt, n_tokens, n_blocks), params in zip(new_meta.reshape(-1, 4).tolist(), doc["params"]):
         new_rows.append(NewRow(row, tuple(new_tokens[t:t + n_tokens].tolist()), prompt,
@@ -105,8 +109,17 @@ def decode_work(data: bytes) -> StepWork:
         b += n
     step = StepInput(tuple(freed.tolist()), tuple(new_rows), tuple(appends), tuple(rows.tolist()),
                      tuple(positions.tolist()),
-                     tuple(ChunkInput(r, s, n, bool(x)) for r, s, n, x in chunks.reshape(-1, 4).tolist()))
+                     tuple(ChunkInput(r, s, n, bool(x)) for r, s, n, x in chunks.reshape(-1, 4).tolist()),
+                     _verify_inputs(verify_meta, verify_tokens))
     return StepWork(step, tuple(copies), doc["threads"])
+
+
+def _verify_inputs(meta: np.ndarray, tokens: np.ndarray) -> tuple[VerifyInput, ...]:
+    verify, t = [], 0
+    for row, start, n in meta.reshape(-1, 3).tolist():
+        verify.append(VerifyInput(row, start, tuple(tokens[t:t + n].tolist())))
+        t += n
+    return tuple(verify)
 
 
 def _params(fields: dict) -> SamplingParams:
@@ -121,16 +134,26 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     logprobs = None if result.logprobs is None else [
         None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in result.logprobs]
     copies = [[key, handle.nbytes, handle.seconds] for key, handle in outcome.copies]
-    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies}
-    return _frame(OUTCOME, [result.token_ids], doc)
+    verified_logprobs = None if result.verified_logprobs is None else [
+        None if row is None else [[lp.token_id, lp.logprob, lp.top] for lp in row] for row in result.verified_logprobs]
+    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
+           "verified_logprobs": verified_logprobs}
+    verified = result.verified
+    return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
 
 def decode_outcome(data: bytes) -> StepOutcome:
-    _, (tokens,), doc = _unframe(data, OUTCOME)
+    _, (tokens, verified_n, verified_tokens), doc = _unframe(data, OUTCOME)
+    ends = np.cumsum(verified_n).tolist()
+    verified = tuple(tuple(verified_tokens[end - n:end].tolist()) for n, end in zip(verified_n.tolist(), ends))
     logprobs = None if doc["logprobs"] is None else tuple(
         None if lp is None else TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in doc["logprobs"])
     copies = tuple((key, TransferHandle.finished(nbytes, seconds)) for key, nbytes, seconds in doc["copies"])
-    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs), copies, doc["seconds"], doc["threads"])
+    verified_logprobs = None if doc["verified_logprobs"] is None else tuple(
+        None if row is None else tuple(TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in row)
+        for row in doc["verified_logprobs"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs), copies,
+                       doc["seconds"], doc["threads"])
 
 
 def encode_error(error: BaseException) -> bytes:

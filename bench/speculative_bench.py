@@ -1,0 +1,103 @@
+"""One stream with and without speculative decoding, on a prompt whose answer overlaps it and on one whose
+answer does not, in one process: tok/s of each and the ratios.
+
+    python -m bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+Both engines are built once (same weights, same mode) and take turns request by request, so drift of the
+machine hits both alike; each figure is the median of --repeats greedy requests (after one warm-up each).
+Prints one summary line per workload and writes everything as JSON to --result-json.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import orjson
+
+from bench.edit_workload import edit_prompts
+from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.llm import LLM
+
+OPEN_ENDED = "Write a long story about a lighthouse keeper who finds a map in a bottle. Use vivid detail."
+
+
+def prompts(llm: LLM, passage_tokens: int, seed: int) -> dict[str, list[int]]:
+    """{"overlap": an edit prompt over this repository's code, "no_overlap": an open-ended story}, chat-templated."""
+    edit = next(edit_prompts(random.Random(seed), passage_tokens, None))
+    chat = llm.tokenizer.encode_chat
+    return {"overlap": chat([{"role": "user", "content": edit}]),
+            "no_overlap": chat([{"role": "user", "content": OPEN_ENDED}])}
+
+
+def tokens_per_second(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
+    started = time.perf_counter()
+    [output] = llm.generate([prompt], params)
+    return len(output.token_ids) / (time.perf_counter() - started), len(output.token_ids)
+
+
+def counters(llm: LLM) -> dict:
+    stats = [a for a in llm.engine.stats().actors if a.spec_accepted_per_position]
+    return {"drafts": sum(a.spec_drafts for a in stats), "draft_tokens": sum(a.spec_draft_tokens for a in stats),
+            "accepted_tokens": sum(a.spec_accepted_tokens for a in stats)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    base = EngineConfig(model=args.model, mode=args.mode, dtype=args.dtype)
+    engines = {"plain": LLM(config=base), "spec": LLM(config=base, speculative_config=args.speculative_config)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    results = {}
+    try:
+        for name, prompt in prompts(engines["plain"], args.passage_tokens, args.seed).items():
+            for llm in engines.values():
+                tokens_per_second(llm, prompt, params)                       # warm-up
+            before = counters(engines["spec"])
+            rates = {key: [] for key in engines}
+            lengths = {}
+            for _ in range(args.repeats):
+                for key, llm in engines.items():
+                    rate, lengths[key] = tokens_per_second(llm, prompt, params)
+                    rates[key].append(rate)
+            after = counters(engines["spec"])
+            spent = {k: after[k] - before[k] for k in after}
+            medians = {key: statistics.median(values) for key, values in rates.items()}
+            results[name] = {"prompt_tokens": len(prompt), "output_tokens": lengths, "tok_s": rates,
+                             "median_tok_s": medians, "ratio": medians["spec"] / medians["plain"],
+                             "acceptance_rate": spent["accepted_tokens"] / spent["draft_tokens"]
+                             if spent["draft_tokens"] else None, **spent}
+            rate = results[name]["acceptance_rate"]
+            print(f"{name:>10}: plain {medians['plain']:.1f} tok/s, speculative {medians['spec']:.1f} tok/s, "
+                  f"ratio {results[name]['ratio']:.2f}x, acceptance {'n/a' if rate is None else f'{rate:.1%}'} "
+                  f"({args.repeats} runs, medians; outputs {lengths['plain']}/{lengths['spec']} tokens)")
+    finally:
+        for llm in engines.values():
+            llm.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="as pdserve's --model (default: smollm2 when installed)")
+    parser.add_argument("--mode", default="colocated", choices=("colocated", "disaggregated", "adaptive"))
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--passage-tokens", type=int, default=300, help="size of the passage the edit prompt quotes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-json", default=None)
+    args = parser.parse_args(argv)
+    results = run(args)
+    if args.result_json:
+        with open(args.result_json, "wb") as f:
+            f.write(orjson.dumps({"args": vars(args), "results": results}, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""Where speculation pays: per-row draft lengths from recent acceptance, none in large steps; and the
+spec-decode counters as the server exports them and `pdserve bench` reads them."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.loadtest import format_spec_decode
+from bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
+from engine.core.block_manager import BlockManager
+from engine.core.messages import ActorStats, EngineStats, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import DecodeScheduler
+from engine.core.sequence import Sequence
+from engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
+from server.cli import add_serve_arguments, server_config_from_args
+from server.metrics import Metrics
+
+REPEATING = (1, 2, 3, 4, 5, 6, 7, 8) * 4
+
+
+def sequence(prompt=REPEATING, max_tokens=100) -> Sequence:
+    return Sequence(Request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)), [1])
+
+
+def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=3))
+    seq = sequence()
+    assert speculator.drafts(seq, 10) == (2, 3, 4, 5, 6)
+    speculator.observe(seq, 5, 1)
+    assert len(speculator.drafts(seq, 10)) == 2                  # one more than the one kept
+    speculator.observe(seq, 2, 2)
+    assert len(speculator.drafts(seq, 10)) == 3
+    assert len(speculator.drafts(seq, 2)) == 2                   # max_tokens / context room caps it
+    for _ in range(MISSES_BEFORE_BACKOFF):
+        speculator.observe(seq, 1, 0)
+    assert speculator.drafts(seq, 10) == ()                      # paused
+    assert speculator.drafts(seq, 10) == (2,)                    # then probes again with one draft
+    speculator.observe(seq, 1, 0)
+    assert speculator.drafts(seq, 10) == () and speculator.drafts(seq, 10) == ()   # a longer pause
+    assert speculator.drafts(seq, 10) == (2,)
+    speculator.observe(seq, 1, 1)
+    assert len(speculator.drafts(seq, 10)) == 2
+    c = speculator.counters
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (6, 11, 4)
+    assert c.accepted_per_position == [3, 1, 0, 0, 0]
+
+
+def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
+                               disable_by_batch_size=2)
+    blocks = BlockManager(num_blocks=12, block_size=16)
+    scheduler = DecodeScheduler(blocks, 8, on_preempt=lambda seq: None, speculator=Speculator(config))
+    seqs = [sequence() for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.request = Request(f"r{i}", REPEATING + REPEATING[:14] * (i == 1), seq.params)
+        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        scheduler.add(seq)
+    assert all(not s.drafts for s in scheduler.schedule())       # 3 rows > disable_by_batch_size
+    for seq in seqs:
+        seq.num_in_flight, seq.num_computed_tokens = 0, seq.num_tokens - 1
+    scheduler.remove(seqs[2])
+    blocks.free(seqs[2].request_id)
+    while blocks.num_free:                                       # no free block: a draft must fit the last one
+        blocks.grow(f"hog{blocks.num_free}", 16)
+    chosen = scheduler.schedule()
+    assert [len(s.drafts) for s in chosen] == [3, 1]             # 3 blocks hold 48 tokens: 33 + 3, 47 + 1
+    assert SpeculativeConfig(num_speculative_tokens=3).max_rows == 8   # FLAT_STEP_TOKENS // (1 + K)
+
+
+def test_counters_are_exported_with_vllms_meaning_and_bench_reads_them():
+    spec = dict(spec_drafts=10, spec_draft_tokens=30, spec_accepted_tokens=12, spec_accepted_per_position=(7, 4, 1))
+    stats = EngineStats((ActorStats("prefill", 0, 0, 0, 10, 3, 0.0),
+                         ActorStats("decode", 1, 0, 2, 10, 3, 0.0, **spec)), 1, 0)
+    text = Metrics(lambda: stats, lambda: []).render().decode()
+    for line in ("pdserve_spec_decode_num_drafts_total 10.0", "pdserve_spec_decode_num_draft_tokens_total 30.0",
+                 "pdserve_spec_decode_num_accepted_tokens_total 12.0",
+                 'pdserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4.0'):
+        assert line in text
+    before = parse_prefix_cache(text.replace("30.0", "10.0").replace("total 12.0", "total 2.0")
+                                .replace("drafts_total 10.0", "drafts_total 4.0"))
+    after = parse_prefix_cache(text)
+    delta = spec_decode_delta(before, after)
+    assert delta["acceptance_rate"] == 10 / 20 and delta["mean_acceptance_length"] == 1 + 10 / 6
+    assert "50.0% of 20 draft tokens" in format_spec_decode(delta)
+    assert set(prefix_cache_delta(before, after)["actors"]) == {"prefill", "decode"}
+    plain = Metrics(lambda: EngineStats((ActorStats("decode", 1, 0, 2, 10, 3, 0.0),), 1, 0), lambda: [])
+    assert "spec_decode" not in plain.render().decode()
+    assert spec_decode_delta(after, parse_prefix_cache(plain.render().decode())) is None
+
+
+def test_serve_takes_the_option():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    spelled = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = server_config_from_args(parser.parse_args(["--speculative-config", spelled])).engine.speculative
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    assert server_config_from_args(parser.parse_args([])).engine.speculative is None
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        server_config_from_args(parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 99}']))
