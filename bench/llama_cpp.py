@@ -39,19 +39,20 @@ def _free_port() -> int:
 
 
 def llama_server_argv(binary: str, gguf: Path | str, threads: int, context: int, slots: int, kv_type: str,
-                      port: str) -> list[str]:
+                      port: str, extra: tuple[str, ...] = ()) -> list[str]:
     """llama-server on 127.0.0.1:port: `threads` for prompts and generation, `slots` parallel sequences
-    sharing one `context`-token KV cache (-kvu), K and V stored as `kv_type`."""
+    sharing one `context`-token KV cache (-kvu), K and V stored as `kv_type`; `extra` flags after those."""
     return [binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context),
-            "-np", str(slots), "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--host", "127.0.0.1", "--port", port]
+            "-np", str(slots), "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--host", "127.0.0.1", "--port", port,
+            *extra]
 
 
 @contextlib.contextmanager
 def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int,
-                 kv_type: str = "f32") -> Iterator[str]:
+                 kv_type: str = "f32", extra: tuple[str, ...] = ()) -> Iterator[str]:
     """A running llama-server on 127.0.0.1; yields its base URL; stops it on exit."""
     port = _free_port()
-    command = llama_server_argv(binary, gguf, threads, context, slots, kv_type, str(port))
+    command = llama_server_argv(binary, gguf, threads, context, slots, kv_type, str(port), extra)
     log = tempfile.TemporaryFile("w+")      # NOTE: a pipe nobody drains fills up and stalls the server
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -84,8 +85,8 @@ def _wait_ready(url: str, process: subprocess.Popen, log) -> None:
     raise TimeoutError(f"llama-server not ready after {READY_TIMEOUT_S} s")
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+def _complete(url: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
             "cache_prompt": False}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -93,9 +94,10 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
         return json.loads(response.read())
 
 
-def timed_completions(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[dict]]:
+def timed_completions(url: str, prompts: list[list[int]], max_tokens: int,
+                      ignore_eos: bool = True) -> tuple[float, list[dict]]:
     """Wall seconds for all prompts sent at once, and the responses (each has llama.cpp's `timings`)."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
-        responses = list(pool.map(lambda p: _complete(url, p, max_tokens), prompts))
+        responses = list(pool.map(lambda p: _complete(url, p, max_tokens, ignore_eos), prompts))
         return time.perf_counter() - start, responses

@@ -7,6 +7,9 @@ answer does not, in one process: tok/s of each and the ratios.
 
 Both engines are built once (same weights, same mode) and take turns request by request, so drift of the
 machine hits both alike; each figure is the median of --repeats greedy requests (after one warm-up each).
+With --llama-server and --llama-gguf (the same weights as --model, e.g. `python -m bench.reference_model`'s
+F32 pair), llama.cpp's `llama-server` runs the same token prompts after pdserve, without and with its own
+n-gram speculation (`--llama-spec`), one request at a time, stopping at EOS as pdserve's requests do.
 Prints one summary line per workload and writes everything as JSON to --result-json.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import orjson
 
 from bench.edit_workload import edit_prompts
+from bench.llama_cpp import find_llama_server, llama_server, timed_completions
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
@@ -50,9 +54,9 @@ def run(args: argparse.Namespace) -> dict:
     base = EngineConfig(model=args.model, mode=args.mode, dtype=args.dtype)
     engines = {"plain": LLM(config=base), "spec": LLM(config=base, speculative_config=args.speculative_config)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    results = {}
+    results = {"_prompts": prompts(engines["plain"], args.passage_tokens, args.seed)}
     try:
-        for name, prompt in prompts(engines["plain"], args.passage_tokens, args.seed).items():
+        for name, prompt in results["_prompts"].items():
             for llm in engines.values():
                 tokens_per_second(llm, prompt, params)                       # warm-up
             before = counters(engines["spec"])
@@ -79,6 +83,26 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def llama_cpp_rates(args: argparse.Namespace, prompt_sets: dict[str, list[int]]) -> dict:
+    """{workload: {"plain"|"spec": median tok/s}} of llama-server over the same prompts, one at a time."""
+    binary = find_llama_server(args.llama_server)
+    variants = {"plain": (), "spec": tuple(args.llama_spec.split())}
+    rates: dict = {name: {} for name in prompt_sets}
+    for variant, extra in variants.items():
+        with llama_server(binary, args.llama_gguf, args.threads, 4096, 1, extra=extra) as url:
+            for name, prompt in prompt_sets.items():
+                timed_completions(url, [prompt], args.max_tokens, ignore_eos=False)          # warm-up
+                runs = []
+                for _ in range(args.repeats):
+                    seconds, [response] = timed_completions(url, [prompt], args.max_tokens, ignore_eos=False)
+                    runs.append(response["usage"]["completion_tokens"] / seconds)
+                rates[name][variant] = statistics.median(runs)
+    for name, pair in rates.items():
+        print(f"{name:>10}: llama.cpp plain {pair['plain']:.1f} tok/s, llama.cpp {args.llama_spec!r} "
+              f"{pair['spec']:.1f} tok/s")
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="as pdserve's --model (default: smollm2 when installed)")
@@ -91,8 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None)
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (default: on PATH)")
+    parser.add_argument("--llama-gguf", default=None, help="the same weights as --model, for llama-server")
+    parser.add_argument("--llama-spec", default="--spec-type ngram-simple --spec-ngram-simple-size-n 3 "
+                                                "--spec-ngram-simple-size-m 4",
+                        help="llama-server's speculation flags for its 'spec' run")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     args = parser.parse_args(argv)
     results = run(args)
+    if args.llama_gguf:
+        results["llama.cpp"] = llama_cpp_rates(args, results.pop("_prompts"))
+    else:
+        results.pop("_prompts")
     if args.result_json:
         with open(args.result_json, "wb") as f:
             f.write(orjson.dumps({"args": vars(args), "results": results}, option=orjson.OPT_INDENT_2))
