@@ -223,6 +223,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not t < vocab for t, _ in request.params.logit_bias):
+            raise ValueError(f"logit_bias must name token ids in [0, {vocab})")
         if prompt_len + request.params.max_tokens > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                              f"prompt has {prompt_len} and max_tokens is {request.params.max_tokens}")

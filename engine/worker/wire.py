@@ -111,6 +111,7 @@ def decode_work(data: bytes) -> StepWork:
 
 def _params(fields: dict) -> SamplingParams:
     fields["stop"], fields["stop_token_ids"] = tuple(fields["stop"]), tuple(fields["stop_token_ids"])
+    fields["logit_bias"] = tuple((token, bias) for token, bias in fields["logit_bias"])
     return SamplingParams(**fields)
 
 
@@ -121,7 +122,8 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     logprobs = None if result.logprobs is None else [
         None if lp is None else [lp.token_id, lp.logprob, lp.top] for lp in result.logprobs]
     copies = [[key, handle.nbytes, handle.seconds] for key, handle in outcome.copies]
-    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies}
+    doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
+           "mask_seconds": outcome.mask_seconds}
     return _frame(OUTCOME, [result.token_ids], doc)
 
 
@@ -130,7 +132,8 @@ def decode_outcome(data: bytes) -> StepOutcome:
     logprobs = None if doc["logprobs"] is None else tuple(
         None if lp is None else TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in doc["logprobs"])
     copies = tuple((key, TransferHandle.finished(nbytes, seconds)) for key, nbytes, seconds in doc["copies"])
-    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs), copies, doc["seconds"], doc["threads"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs), copies, doc["seconds"], doc["threads"],
+                       doc["mask_seconds"])
 
 
 def encode_error(error: BaseException) -> bytes:
