@@ -318,6 +318,13 @@ class Engine:
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams),
                            restarts=self.supervisor.restarts, dead=self.dead is not None)
 
+    def take_mask_times(self) -> list[float]:
+        """Host seconds each step spent on its token masks (grammars, logit_bias), since the last call."""
+        drained = [seconds for actor in self.actors for seconds in actor.mask_seconds]
+        for actor in self.actors:
+            actor.mask_seconds.clear()
+        return drained
+
     def take_kv_transfer_times(self) -> list[float]:
         """Durations (seconds) of KV copies finished since the last call."""
         times = getattr(self.actors[0], "transfer_seconds", None)
