@@ -3,7 +3,8 @@
 A row's matcher is built from its grammar and the output tokens the row was created with, so it
 is right wherever the row is created: the prefill unit, the decode unit after the hand-off, a
 re-prefill after preemption, a worker process. A step's masks are filled on a helper thread while
-the forward runs (`start`), then applied to the logits before sampling (`StepConstraints.apply`);
+the forward runs (`start`), then moved to the device and applied to the logits before sampling
+(`StepConstraints.to`, `.apply`);
 the runner advances the matchers with the tokens it sampled (`advance`).
 """
 from __future__ import annotations
@@ -35,6 +36,14 @@ class StepConstraints:
     bias_values: torch.Tensor | None    # [K] fp32
     mask_seconds: float                 # host time spent building matchers and filling the masks
 
+    def to(self, device: torch.device) -> "StepConstraints":
+        """On `device` (copied by the runner's thread, on its stream; the masks are filled on the host)."""
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return StepConstraints(move(self.mask_rows), move(self.bitmask), move(self.bias_index),
+                               move(self.bias_values), self.mask_seconds)
+
     def apply(self, logits: torch.Tensor) -> None:
         """Add the biases, then set disallowed tokens to -inf, in place; logits [B, V] fp32."""
         if self.bias_index is not None:
@@ -53,9 +62,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class RowConstraints:
     """The grammar matchers and logit biases of a runner's rows."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: frozenset[int],
-                 device: torch.device) -> None:
-        self.model_dir, self.vocab_size, self.device = model_dir, vocab_size, device
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.model_dir, self.vocab_size = model_dir, vocab_size
         self.eos_token_ids = tuple(sorted(t for t in eos_token_ids if t < vocab_size))
         self.words = (vocab_size + 31) // 32
         self.matchers: dict[int, LLMatcher] = {}
@@ -93,12 +101,11 @@ class RowConstraints:
         grammar_rows = [i for i, r in enumerate(rows) if r in self.matchers]
         bitmask = self._fill(rows, grammar_rows) if grammar_rows else None
         pairs = [(i, t, b) for i, r in enumerate(rows) for t, b in self.biases.get(r, ())]
-        to = self._to_device
         return StepConstraints(
-            mask_rows=to(torch.tensor(grammar_rows, dtype=torch.long)) if grammar_rows else None,
-            bitmask=to(bitmask) if bitmask is not None else None,
-            bias_index=to(torch.tensor([(i, t) for i, t, _ in pairs], dtype=torch.long).T) if pairs else None,
-            bias_values=to(torch.tensor([b for _, _, b in pairs], dtype=torch.float32)) if pairs else None,
+            mask_rows=torch.tensor(grammar_rows, dtype=torch.long) if grammar_rows else None,
+            bitmask=bitmask,
+            bias_index=torch.tensor([(i, t) for i, t, _ in pairs], dtype=torch.long).T.contiguous() if pairs else None,
+            bias_values=torch.tensor([b for _, _, b in pairs], dtype=torch.float32) if pairs else None,
             mask_seconds=time.perf_counter() - started)
 
     def advance(self, rows: Sequence[int], tokens: Sequence[int]) -> None:
@@ -130,9 +137,6 @@ class RowConstraints:
                 for eos in self.eos_token_ids:
                     bitmask[g, eos // 32] |= _bit(eos % 32)
         return bitmask
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
 
 
 def _bit(index: int) -> int:

@@ -63,7 +63,7 @@ class ModelRunner:
         self.rows = RowState(self.max_blocks_per_seq, self.device)
         self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
-        self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids, self.device)
+        self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids)
         self.mask_seconds = 0.0          # host time of the newest step's token masks (0 without any)
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
         self.graphs = None
@@ -81,7 +81,7 @@ class ModelRunner:
         logits, buffers = self._logits(step)
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
         batch = self.sampling.batch(sampled_rows)
-        constraints = masks.result() if masks is not None else None
+        constraints = masks.result().to(self.device) if masks is not None else None
         output = self.sampler.sample(logits, batch, constraints)
         self.rows.remember_sampled(buffers.dev["sampled_rows"][:len(sampled_rows)], output.tokens)
         self.sampling.record(sampled_rows, output.tokens)

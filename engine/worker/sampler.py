@@ -60,6 +60,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor,
                  seqs: Sequence[SamplingState]) -> list[tuple[int, TokenLogprob | None]]:
         """Sample for `seqs` without a runner's row table: per row, the token and its logprobs or None."""
+        if any(seq.params.constrained for seq in seqs):
+            raise ValueError("grammars and logit_bias need a runner's rows (ModelRunner.execute)")
         table = SamplingTable(self.vocab_size, self.eos_token_ids, logits.device)
         for row, seq in enumerate(seqs):
             table.add(row, seq.params, seq.prompt_token_ids, seq.output_token_ids)
