@@ -109,6 +109,23 @@ async def test_parse_returns_the_pydantic_model(engines, serve):
     assert isinstance(city, City) and completion.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_choice_of_n_follows_the_schema(engines, serve, stream):
+    base = await serve(engines("disaggregated"), served_model_names=("smollm2",))
+    async with client(base) as c:
+        kwargs = dict(model="smollm2", messages=ASK, response_format=RESPONSE_FORMAT, max_tokens=120, n=3,
+                      temperature=1.0, presence_penalty=0.5, logprobs=True, top_logprobs=2)
+        if stream:
+            texts = ["", "", ""]
+            async for chunk in await c.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.delta.content or ""
+        else:
+            texts = [choice.message.content for choice in (await c.chat.completions.create(**kwargs)).choices]
+    for text in texts:
+        jsonschema.validate(json.loads(text), ORDER)
+
+
 def check_calls(calls: list[dict], tools: list[dict], one: bool) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     assert calls and (len(calls) == 1 or not one)
