@@ -86,7 +86,7 @@ def check(outputs) -> None:
 
 
 @pytest.mark.parametrize("mode, overrides", [("disaggregated", {}), ("disaggregated", {"workers": "process"}),
-                                             ("adaptive", {})])
+                                             ("adaptive", {}), ("disaggregated", {"async_scheduling": True})])
 def test_every_mode_samples_the_first_token_and_the_rest_under_the_same_constraints(llms, mode, overrides):
     prompts, params = requests()
     expected = llms("colocated").generate(prompts, params)
@@ -106,16 +106,18 @@ NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum"
            "maxItems": 20}
 
 
-def test_preempted_and_prefilled_again_mid_grammar_gives_the_roomy_outputs(llms, smollm2):
+@pytest.mark.parametrize("mode, pool", [("disaggregated", "24MiB"), ("colocated", "12MiB")])
+def test_preempted_and_prefilled_again_mid_grammar_gives_the_roomy_outputs(llms, smollm2, mode, pool):
     grammar = json_schema_grammar(NUMBERS)
     params = [SamplingParams(max_tokens=80, temperature=0.0 if i % 2 else 0.8, seed=i, grammar=grammar)
               for i in range(6)]
     prompts = [PROMPT.replace("a person", f"{i + 20} numbers") for i in range(6)]
-    expected = llms("disaggregated").generate(prompts, params)
-    tight = LLM(config=engine_config(smollm2[1], mode="disaggregated", max_model_len=512, kv_cache_memory="24MiB"))
+    expected = llms(mode).generate(prompts, params)
+    tight = LLM(config=engine_config(smollm2[1], mode=mode, max_model_len=512, kv_cache_memory=pool))
     try:
         got = tight.generate(prompts, params)
-        assert tight.engine.actors[-1].scheduler.num_preemptions > 0
+        decode = tight.engine.actors[-1]
+        assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
         for actor in tight.engine.actors:
             assert actor.blocks.num_used == 0, actor.name
     finally:
