@@ -97,3 +97,32 @@ def test_bitmask_unpacking_matches_llguidance():
     apply_token_bitmask_inplace(expected, bitmask)
     ours = torch.from_numpy(logits).masked_fill(~unpack_bitmask(torch.from_numpy(bitmask), vocab), float("-inf"))
     assert np.array_equal(ours.numpy(), expected)
+
+
+def test_grammar_and_logit_bias_cross_the_process_boundary_once_per_row():
+    from engine.core.sampling_params import SamplingParams
+    from engine.text.grammar import regex_grammar
+    from engine.worker import wire
+    from engine.worker.step import NewRow, StepInput, StepResult, StepWork
+    from engine.worker.step_runner import StepOutcome
+
+    params = SamplingParams(max_tokens=9, temperature=0.5, grammar=regex_grammar("[0-9]+"),
+                            logit_bias=((3, -100.0), (17, 2.5)))
+    work = StepWork(StepInput(new_rows=(NewRow(4, (1, 2, 3, 9), 3, (7,), params),)))
+    assert wire.decode_work(wire.encode_work(work)) == work
+    outcome = StepOutcome(StepResult((5,)), (), 0.01, 2, mask_seconds=0.002)
+    assert wire.decode_outcome(wire.encode_outcome(outcome)) == outcome
+
+
+def test_the_serve_command_takes_a_tool_call_parser(monkeypatch):
+    import dataclasses
+
+    from server import cli
+
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, "serve", dataclasses.replace(cli.COMMANDS["serve"],
+                                                                  run=lambda args: seen.append(args) or 0))
+    assert cli.main(["serve", "--tool-call-parser", "llama3_json"]) == 0 and cli.main(["serve"]) == 0
+    assert [cli.server_config_from_args(a).tool_call_parser for a in seen] == ["llama3_json", None]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--tool-call-parser", "mistral"])
