@@ -97,6 +97,7 @@ async def test_json_schema_answers_validate(engines, serve, mode, workers, strea
     samples = await wait_until_idle(base)
     assert samples[("pdserve_structured_requests_total", (("kind", "json"),))] == 3
     assert samples[("pdserve_grammar_mask_seconds_count", ())] > 0
+    assert samples[("pdserve_grammar_compile_seconds_count", ())] == 2        # ORDER and json_object, once each
 
 
 async def test_parse_returns_the_pydantic_model(engines, serve):
