@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
+from llguidance import LLTokenizer
 
 from engine.core.messages import EngineStats
 from engine.engine import Engine
 from engine.text.grammar import grammar_tokenizer
-from llguidance import LLTokenizer
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics

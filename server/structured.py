@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from llguidance import LLTokenizer
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from engine.text.grammar import choice_grammar, grammar_error, json_schema_grammar, lark_grammar, regex_grammar
@@ -140,8 +142,9 @@ def build_grammar(fmt: OutputFormat) -> str:
 class GrammarCompiler:
     """Grammars by spec, compiled and checked in a worker thread, kept in an LRU (errors too)."""
 
-    def __init__(self, tokenizer_source, observe_seconds, capacity: int = 512) -> None:
-        self._tokenizer_source = tokenizer_source          # () -> LLTokenizer (built once, ~1 s)
+    def __init__(self, tokenizer_source: Callable[[], LLTokenizer], observe_seconds: Callable[[float], None],
+                 capacity: int = 512) -> None:
+        self._tokenizer_source = tokenizer_source          # built once (~1 s), in the first compile's thread
         self._observe_seconds = observe_seconds
         self._cache: OrderedDict[tuple[str, str], tuple[str | None, str | None]] = OrderedDict()
         self.capacity = capacity

@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
