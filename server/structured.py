@@ -26,7 +26,7 @@ MAX_LOGIT_BIAS = 300
 
 @dataclass(frozen=True, slots=True)
 class OutputFormat:
-    """What the output must match: `kind` json | regex | choice | grammar, its value as canonical JSON
+    """What the output must match: `kind` json | regex | choice | grammar, its value as compact JSON
     text (the cache key), and the request field it came from (errors name it)."""
 
     kind: str
@@ -105,7 +105,8 @@ def _checked(kind: str, value: Any, param: str) -> str:
 
 
 def _canonical(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    """Compact JSON text, keys in the request's order (a schema's property order is the output's order)."""
+    return orjson.dumps(value).decode()
 
 
 def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

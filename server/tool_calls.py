@@ -104,7 +104,7 @@ def forced_format(tools: Tools) -> OutputFormat:
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not tools.parallel:
         schema["maxItems"] = 1
-    return OutputFormat("json", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode(), "tools")
+    return OutputFormat("json", orjson.dumps(schema).decode(), "tools")          # NOTE: the name comes first
 
 
 def choose_parser(chat_template: str | None, override: str | None) -> str:

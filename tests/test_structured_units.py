@@ -126,3 +126,23 @@ def test_the_serve_command_takes_a_tool_call_parser(monkeypatch):
     assert [cli.server_config_from_args(a).tool_call_parser for a in seen] == ["llama3_json", None]
     with pytest.raises(SystemExit):
         cli.main(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_outputs_follow_the_request_s_property_order(smollm2):
+    from llguidance import LLMatcher
+
+    from engine.text.grammar import grammar_tokenizer
+    from server.structured import build_grammar, output_format
+    from server.tool_calls import forced_format
+
+    loaded = Tokenizer.from_dir(smollm2[1])
+    tokenizer = grammar_tokenizer(smollm2[1], 49152, tuple(sorted(loaded.eos_token_ids)))
+
+    def forced_start(fmt) -> str:
+        return loaded.decode(LLMatcher(tokenizer, build_grammar(fmt)).compute_ff_tokens())
+
+    schema = {"type": "object", "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "string"}, "alpha": {"type": "string"}}}
+    fmt = output_format({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert forced_start(fmt).startswith('{"zeta')
+    assert forced_start(forced_format(Tools((WEATHER,), "required"))).startswith('[{"name')
