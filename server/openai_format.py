@@ -99,17 +99,18 @@ class ChatFormat:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
-        text, calls = delta.text, []
+        text, calls, first = delta.text, [], 0
         if self.tools is not None:
             stream = self._streams.setdefault(index, ToolCallStream(self.tools, self.parser))
-            text = stream.feed(delta.text)
+            first = stream.sent
+            text, calls = stream.feed(delta.text)
             if finish_reason is not None:
-                rest, calls = stream.finish()
-                text += rest
+                rest, more = stream.finish()
+                text, calls = text + rest, calls + more
+                finish_reason = "tool_calls" if stream.sent and finish_reason == "stop" else finish_reason
         message = {"content": text} if text or finish_reason is None else {}
         if calls:
-            message["tool_calls"] = [call.body(i) for i, call in enumerate(calls)]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            message["tool_calls"] = [call.body(first + i) for i, call in enumerate(calls)]
         return self._chunk(index, message, self.logprobs(delta.logprobs) if with_logprobs else None,
                            finish_reason)
 

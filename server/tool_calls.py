@@ -230,30 +230,54 @@ def _json_objects(text: str) -> list[str]:
 
 
 class ToolCallStream:
-    """What one streamed choice may show as content while its tool calls are still being written: all
-    of it until a call may have started, then nothing; `finish` parses the whole text."""
+    """What one streamed choice shows while its tool calls are being written. A forced choice sends each
+    call as soon as its JSON closes; `auto` shows content until a call may have started, then holds the
+    rest for `finish`, which parses the whole text. Calls come numbered in order (`sent` so far)."""
 
     def __init__(self, tools: Tools, parser: str) -> None:
         self.tools, self.parser = tools, parser
         self.text, self.shown = "", 0
+        self.scanned = 0                 # forced: end of the last call sent (0: before the array)
+        self.sent = 0
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        """(content to show now, calls complete now)."""
         self.text += delta
         if self.tools.forced:
-            return ""
+            return "", self._count(self._closed_calls())
         safe = self._safe_length()
         shown, self.shown = self.text[self.shown:safe], max(self.shown, safe)
-        return shown
+        return shown, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content not shown yet, the calls)."""
+        """(the content not shown yet, the calls not sent yet)."""
         if self.tools.forced:
-            calls = forced_calls(self.text)
-            return (self.text, []) if calls is None else ("", calls)
+            calls = self._count(self._closed_calls())
+            return ("", calls) if self.sent else (self.text, [])
         content, calls = parse_auto(self.text, self.parser, self.tools.names)
         if not calls:
             return self.text[self.shown:], []
-        return content[self.shown:] if len(content) > self.shown else "", calls
+        return content[self.shown:] if len(content) > self.shown else "", self._count(calls)
+
+    def _count(self, calls: list[ToolCall]) -> list[ToolCall]:
+        self.sent += len(calls)
+        return calls
+
+    def _closed_calls(self) -> list[ToolCall]:
+        """The forced array's calls whose JSON has closed since the last look (the grammar writes compact JSON)."""
+        calls, decoder = [], json.JSONDecoder()
+        while True:
+            at = self.scanned
+            if at == 0 and not self.text.startswith("["):
+                return calls
+            if at > 0 and self.text[at:at + 1] != ",":
+                return calls
+            try:
+                call, end = decoder.raw_decode(self.text, at + 1)
+            except json.JSONDecodeError:
+                return calls
+            calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False), new_call_id()))
+            self.scanned = end
 
     def _safe_length(self) -> int:
         """How much of the text cannot be part of a tool call."""

@@ -39,11 +39,27 @@ def test_llama3_json_calls_are_read_and_prose_stays_content():
 def test_a_stream_never_shows_any_part_of_a_call(cut):
     text = f"Sure.<tool_call>\n{CALL}\n</tool_call>"
     stream = ToolCallStream(TOOLS, "hermes")
-    shown = "".join(stream.feed(text[i:i + cut]) for i in range(0, len(text), cut))
+    shown = "".join(stream.feed(text[i:i + cut])[0] for i in range(0, len(text), cut))
     rest, calls = stream.finish()
     assert shown + rest == "Sure." and len(calls) == 1
     plain = ToolCallStream(TOOLS, "hermes")
-    assert "".join(plain.feed(c) for c in "a <tool b") + plain.finish()[0] == "a <tool b"
+    assert "".join(plain.feed(c)[0] for c in "a <tool b") + plain.finish()[0] == "a <tool b"
+
+
+@pytest.mark.parametrize("cut", [1, 5])
+def test_a_forced_stream_sends_each_call_once_its_json_closes(cut):
+    first, second = '{"name":"get_weather","arguments":{"city":"Oslo"}}', '{"name":"get_weather","arguments":{}}'
+    text = f"[{first},{second}]"
+    stream, sent = ToolCallStream(Tools((WEATHER,), "required"), "hermes"), []
+    for i in range(0, len(text), cut):
+        content, calls = stream.feed(text[i:i + cut])
+        assert content == ""
+        sent += [(i + cut, call) for call in calls]
+    assert stream.finish() == ("", [])
+    assert [json.loads(call.arguments) for _, call in sent] == [{"city": "Oslo"}, {}]
+    assert sent[0][0] <= len(first) + 1 + cut          # the first call went before the second closed
+    cut_short = ToolCallStream(Tools((WEATHER,), "required"), "hermes")
+    assert cut_short.feed('[{"name":"get_wea')[1] == [] and cut_short.finish() == ('[{"name":"get_wea', [])
 
 
 def test_the_parser_follows_the_template():
