@@ -213,6 +213,8 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),

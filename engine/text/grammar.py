@@ -37,12 +37,13 @@ def lark_grammar(lark: str) -> str:
 
 
 def grammar_error(grammar: str, tokenizer: LLTokenizer) -> str | None:
-    """Why `grammar` cannot constrain this tokenizer's output, or None when it can."""
+    """Why `grammar` cannot constrain this tokenizer's output exactly, or None when it can (a warning, such as
+    a schema keyword llguidance would ignore, counts as a reason)."""
     try:
-        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        _, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     except (ValueError, TypeError) as e:
         return str(e)
-    return error or None
+    return "; ".join(messages) or None
 
 
 class GrammarCache:
