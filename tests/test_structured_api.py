@@ -81,7 +81,7 @@ async def chat(c: openai.AsyncOpenAI, stream: bool, **kwargs) -> tuple[str | Non
 
 
 @pytest.mark.parametrize("mode, workers", [("disaggregated", "thread"), ("colocated", "thread"),
-                                           ("disaggregated", "process")])
+                                           ("disaggregated", "process"), ("adaptive", "thread")])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_json_schema_answers_validate(engines, serve, mode, workers, stream):
     base = await serve(engines(mode, workers), served_model_names=("smollm2",))
