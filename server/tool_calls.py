@@ -231,13 +231,14 @@ def _json_objects(text: str) -> list[str]:
 
 class ToolCallStream:
     """What one streamed choice shows while its tool calls are being written. A forced choice sends each
-    call as soon as its JSON closes; `auto` shows content until a call may have started, then holds the
-    rest for `finish`, which parses the whole text. Calls come numbered in order (`sent` so far)."""
+    call as soon as its JSON closes, `auto` with hermes as soon as its `</tool_call>` comes; content is
+    shown until a call may have started; `finish` parses the whole text and sends the calls not sent yet
+    (llama3_json's all). Calls come numbered in order (`sent` so far)."""
 
     def __init__(self, tools: Tools, parser: str) -> None:
         self.tools, self.parser = tools, parser
         self.text, self.shown = "", 0
-        self.scanned = 0                 # forced: end of the last call sent (0: before the array)
+        self.scanned = 0                 # end of the last call read (forced: 0 before the array)
         self.sent = 0
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
@@ -247,7 +248,7 @@ class ToolCallStream:
             return "", self._count(self._closed_calls())
         safe = self._safe_length()
         shown, self.shown = self.text[self.shown:safe], max(self.shown, safe)
-        return shown, []
+        return shown, self._count(self._closed_hermes_calls()) if self.parser == "hermes" else []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(the content not shown yet, the calls not sent yet)."""
@@ -257,10 +258,22 @@ class ToolCallStream:
         content, calls = parse_auto(self.text, self.parser, self.tools.names)
         if not calls:
             return self.text[self.shown:], []
-        return content[self.shown:] if len(content) > self.shown else "", self._count(calls)
+        return content[self.shown:] if len(content) > self.shown else "", self._count(calls[self.sent:])
 
     def _count(self, calls: list[ToolCall]) -> list[ToolCall]:
         self.sent += len(calls)
+        return calls
+
+    def _closed_hermes_calls(self) -> list[ToolCall]:
+        """Calls of offered tools in `<tool_call>` blocks closed since the last look."""
+        calls = []
+        while (start := self.text.find(HERMES_START, self.scanned)) >= 0:
+            end = self.text.find(HERMES_END, start)
+            if end < 0:
+                break
+            if (call := _call(self.text[start + len(HERMES_START):end].strip(), self.tools.names, "arguments")):
+                calls.append(call)
+            self.scanned = end + len(HERMES_END)
         return calls
 
     def _closed_calls(self) -> list[ToolCall]:

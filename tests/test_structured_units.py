@@ -41,7 +41,10 @@ def test_a_stream_never_shows_any_part_of_a_call(cut):
     stream = ToolCallStream(TOOLS, "hermes")
     shown = "".join(stream.feed(text[i:i + cut])[0] for i in range(0, len(text), cut))
     rest, calls = stream.finish()
-    assert shown + rest == "Sure." and len(calls) == 1
+    assert shown + rest == "Sure." and len(calls) == 0 and stream.sent == 1
+    early = ToolCallStream(TOOLS, "hermes")
+    assert early.feed(text)[1][0].name == "get_weather" and early.feed("<tool_call>" + CALL)[1] == []
+    assert len(early.finish()[1]) == 1 and early.sent == 2          # the unclosed last one, at the end
     plain = ToolCallStream(TOOLS, "hermes")
     assert "".join(plain.feed(c)[0] for c in "a <tool b") + plain.finish()[0] == "a <tool b"
 
