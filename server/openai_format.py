@@ -84,7 +84,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 class ChatFormat:
     """`chat.completion` and `chat.completion.chunk` objects; with `tools` (not `none`), the output's tool
-    calls as `tool_calls` (streamed: content until a call may start, the calls when the choice ends)."""
+    calls as `tool_calls` (streamed as `ToolCallStream` says) and `finish_reason: "tool_calls"`."""
 
     def __init__(self, request_id: str, model: str, created: int, token_text: TokenText,
                  tools: Tools | None = None, parser: str = "hermes") -> None:

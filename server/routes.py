@@ -84,11 +84,11 @@ async def _off_loop_if(size: int, fn: Callable, *args):
 
 async def _with_grammar(state: ServerState, parsed: ParsedRequest) -> ParsedRequest:
     """`parsed` with its output format's grammar (compiled off the loop, cached) in its sampling parameters."""
+    grammar = await state.grammars.grammar(parsed.output) if parsed.output is not None else None
     if parsed.sampling.get("logit_bias"):
         state.metrics.structured.labels("logit_bias").inc()
-    if parsed.output is None:
+    if grammar is None:
         return parsed
-    grammar = await state.grammars.grammar(parsed.output)
     state.metrics.structured.labels("tools" if parsed.output.param == "tools" else parsed.output.kind).inc()
     return replace(parsed, sampling={**parsed.sampling, "grammar": grammar})
 
