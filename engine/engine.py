@@ -223,6 +223,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not t < vocab for t, _ in request.params.logit_bias):
+            raise ValueError(f"logit_bias must name token ids in [0, {vocab})")
         if prompt_len + request.params.max_tokens > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the "
                              f"prompt has {prompt_len} and max_tokens is {request.params.max_tokens}")
@@ -315,6 +317,13 @@ class Engine:
             running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams),
                            restarts=self.supervisor.restarts, dead=self.dead is not None)
+
+    def take_mask_times(self) -> list[float]:
+        """Host seconds each step spent on its token masks (grammars, logit_bias), since the last call."""
+        drained = [seconds for actor in self.actors for seconds in actor.mask_seconds]
+        for actor in self.actors:
+            actor.mask_seconds.clear()
+        return drained
 
     def take_kv_transfer_times(self) -> list[float]:
         """Durations (seconds) of KV copies finished since the last call."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine.args import add_engine_args, engine_config_from_args
 from engine.worker.memory import parse_memory
-from server.config import RequestLimits, ServerConfig
+from server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULTS = ServerConfig()
@@ -45,6 +45,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
                    help="seconds SIGTERM waits for running streams before aborting them")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how to read tool calls from the model's output with tool_choice auto (default: from "
+                        "the chat template: llama3_json for Llama 3.1 style templates, else hermes)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +66,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
                         served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
-                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def _limits_from_args(args: argparse.Namespace) -> RequestLimits:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What one request may ask for; README.md, "Request limits", documents each."""
@@ -27,3 +30,4 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     retry_after: int = 1                      # seconds, on 429 and 503
     log_level: str = "info"
+    tool_call_parser: str | None = None       # hermes | llama3_json; None: chosen from the chat template

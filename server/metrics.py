@@ -13,6 +13,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
+COMPILE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -100,9 +102,10 @@ class Metrics:
     """Every metric the server exports; `render()` produces the Prometheus text."""
 
     def __init__(self, stats: Callable[[], EngineStats | None],
-                 transfer_times: Callable[[], list[float]]) -> None:
+                 transfer_times: Callable[[], list[float]],
+                 mask_times: Callable[[], list[float]] = list) -> None:
         self.registry = CollectorRegistry()
-        self._transfer_times = transfer_times
+        self._transfer_times, self._mask_times = transfer_times, mask_times
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
                               registry=r)
@@ -117,6 +120,12 @@ class Metrics:
         self.finished = Counter("pdserve_requests_finished", "Finished engine requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.http_errors = Counter("pdserve_http_errors", "Error responses by status", ["status"], registry=r)
+        self.structured = Counter("pdserve_structured_requests", "Requests with constrained output by kind "
+                                  "(json, regex, choice, grammar, tools, logit_bias)", ["kind"], registry=r)
+        self.grammar_compile = Histogram("pdserve_grammar_compile_seconds", "Building and checking one new "
+                                         "grammar (cache misses only)", buckets=COMPILE_BUCKETS, registry=r)
+        self.grammar_mask = Histogram("pdserve_grammar_mask_seconds", "Host time of one step's token masks "
+                                      "(steps with constrained rows)", buckets=MASK_BUCKETS, registry=r)
         for reason in FinishReason:
             self.finished.labels(reason.value)
         r.register(EngineCollector(stats))
@@ -130,6 +139,8 @@ class Metrics:
     def drain_transfer_times(self) -> None:
         for seconds in self._transfer_times():
             self.kv_transfer.observe(seconds)
+        for seconds in self._mask_times():
+            self.grammar_mask.observe(seconds)
 
     def render(self) -> bytes:
         self.drain_transfer_times()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.core.messages import TokenEvent, TokenLogprob
 from engine.text.tokenizer import Tokenizer
+from server.tool_calls import ToolCall, ToolCallStream, Tools, forced_calls, parse_auto
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,18 +83,34 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class ChatFormat:
-    """`chat.completion` and `chat.completion.chunk` objects."""
+    """`chat.completion` and `chat.completion.chunk` objects; with `tools` (not `none`), the output's tool
+    calls as `tool_calls` (streamed as `ToolCallStream` says) and `finish_reason: "tool_calls"`."""
 
-    def __init__(self, request_id: str, model: str, created: int, token_text: TokenText) -> None:
+    def __init__(self, request_id: str, model: str, created: int, token_text: TokenText,
+                 tools: Tools | None = None, parser: str = "hermes") -> None:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": None}
         self.token_text = token_text
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.parser = parser
+        self._streams: dict[int, ToolCallStream] = {}
 
     def first_chunk(self, index: int) -> dict | None:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
-        message = {"content": delta.text} if delta.text or finish_reason is None else {}
+        text, calls, first = delta.text, [], 0
+        if self.tools is not None:
+            stream = self._streams.setdefault(index, ToolCallStream(self.tools, self.parser))
+            first = stream.sent
+            text, calls = stream.feed(delta.text)
+            if finish_reason is not None:
+                rest, more = stream.finish()
+                text, calls = text + rest, calls + more
+                finish_reason = "tool_calls" if stream.sent and finish_reason == "stop" else finish_reason
+        message = {"content": text} if text or finish_reason is None else {}
+        if calls:
+            message["tool_calls"] = [call.body(first + i) for i, call in enumerate(calls)]
         return self._chunk(index, message, self.logprobs(delta.logprobs) if with_logprobs else None,
                            finish_reason)
 
@@ -106,11 +123,29 @@ class ChatFormat:
 
     def response(self, choices: Sequence[Choice], usage_: dict, with_logprobs: bool) -> dict:
         return {**self.head, "object": "chat.completion",
-                "choices": [{"index": c.index,
-                             "message": {"role": "assistant", "content": c.full_text, "refusal": None},
-                             "logprobs": self.logprobs(c.logprobs) if with_logprobs else None,
-                             "finish_reason": c.finish_reason} for c in choices],
+                "choices": [{"index": c.index, **self._message(c),
+                             "logprobs": self.logprobs(c.logprobs) if with_logprobs else None} for c in choices],
                 "usage": usage_}
+
+    def _message(self, choice: Choice) -> dict:
+        content, calls = choice.full_text, self._calls(choice.full_text)
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if not calls:
+            return {"message": message, "finish_reason": choice.finish_reason}
+        if self.tools.forced:
+            content = None
+        else:
+            content = parse_auto(content, self.parser, self.tools.names)[0] or None
+        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return {"message": {**message, "content": content, "tool_calls": [call.body() for call in calls]},
+                "finish_reason": reason}
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        if self.tools is None:
+            return []
+        if self.tools.forced:
+            return forced_calls(text) or []
+        return parse_auto(text, self.parser, self.tools.names)[1]
 
     def logprobs(self, entries: Sequence[TokenLogprob]) -> dict:
         return {"content": [{**self._token(e.token_id, e.logprob),

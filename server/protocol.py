@@ -14,6 +14,8 @@ import orjson
 from engine.core.sampling_params import SamplingParams
 from server.config import RequestLimits
 from server.errors import APIError, bad_request
+from server.structured import OutputFormat, logit_bias, output_format
+from server.tool_calls import Tools, forced_format, parse_tools
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _KINDS = {
@@ -56,6 +58,8 @@ class ParsedRequest:
     echo: bool = False
     messages: tuple[dict, ...] = ()
     prompts: tuple[Prompt, ...] = ()
+    output: OutputFormat | None = None       # what the output must match (its grammar is compiled later)
+    tools: Tools | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -98,9 +102,16 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     sampling = _sampling(f, (top_logprobs or 0) if logprobs else None)
     model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens(max_tokens_param)
+    tools, output = parse_tools(body), output_format(body)
+    if tools is not None and tools.forced:
+        if output is not None:
+            raise bad_request(f"{output.param} cannot be combined with tool_choice {tools.choice!r}", output.param)
+        output = forced_format(tools)
+    _check_constrained(output, sampling)
     return ParsedRequest("chat", model, n, stream, include_usage, max_tokens, max_tokens_param, sampling,
                          _max_tokens_cap(n, 1, max_tokens, max_tokens_param, limits),
-                         _priority(f, limits), _cache_salt(f), messages=_messages(body.get("messages")))
+                         _priority(f, limits), _cache_salt(f), messages=_messages(body.get("messages")),
+                         output=output, tools=tools)
 
 
 def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
@@ -113,9 +124,21 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens("max_tokens")
     prompts = _prompts(body.get("prompt"))
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
+    sampling, output = _sampling(f, logprobs), output_format(body)
+    _check_constrained(output, sampling)
     return ParsedRequest("completion", model, n, stream, include_usage, max_tokens, "max_tokens",
-                         _sampling(f, logprobs), _max_tokens_cap(n, len(prompts), max_tokens, "max_tokens", limits),
-                         _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts)
+                         sampling, _max_tokens_cap(n, len(prompts), max_tokens, "max_tokens", limits),
+                         _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts, output=output)
+
+
+def _check_constrained(output: OutputFormat | None, sampling: dict[str, Any]) -> None:
+    for name in ("min_tokens", "ignore_eos"):
+        if output is not None and sampling.get(name):
+            raise bad_request(f"{name} cannot be combined with {output.param}: the grammar decides where the "
+                              "output ends", name)
 
 
 class _Fields:
@@ -176,9 +199,9 @@ def _cache_salt(f: _Fields) -> str | None:
 
 
 def _sampling(f: _Fields, logprobs: int | None) -> dict[str, Any]:
-    if f.get("logit_bias", "object"):
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     sampling = {name: value for name, kind in _SAMPLING_FIELDS if (value := f.get(name, kind)) is not None}
+    if bias := logit_bias(f.body.get("logit_bias")):
+        sampling["logit_bias"] = bias
     stop = f.body.get("stop")
     if stop is not None:
         sampling["stop"] = _stop_strings(stop)
@@ -223,7 +246,31 @@ def _message(message: Any, index: int) -> dict:
         raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
     content = _content(message.get("content"), f"{param}.content", role)
     name = message.get("name")
-    return {"role": role, "content": content, **({"name": name} if isinstance(name, str) else {})}
+    extra = {"name": name} if isinstance(name, str) else {}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        extra["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad_request(f"{param}.tool_call_id must be a string", f"{param}.tool_call_id")
+        extra["tool_call_id"] = call_id
+    return {"role": role, "content": content, **extra}
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    error = bad_request(f"{param} must be an array of {{'id', 'type': 'function', 'function': {{'name', "
+                        "'arguments': JSON text}}}}", param)
+    if not isinstance(calls, list):
+        raise error
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
+            raise error
+        checked.append({"id": call.get("id", ""), "type": "function",
+                        "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return checked
 
 
 def _content(content: Any, param: str, role: str) -> str:

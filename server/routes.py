@@ -5,6 +5,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import jinja2
 import orjson
@@ -21,7 +22,8 @@ from server.protocol import (
     parse_chat,
     parse_completion,
 )
-from server.state import ACCESS, STATE, AccessRecord
+from server.state import ACCESS, STATE, AccessRecord, ServerState
+from server.tool_calls import choose_parser, template_messages
 
 OFF_LOOP_TOKENIZE_CHARS = 64 * 1024     # longer prompts are tokenized in a worker thread
 
@@ -39,9 +41,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tokenizer = state.running_engine().tokenizer
     parsed = parse_chat(load_json_object(await request.read()), state.config.limits)
     model = state.check_model(parsed.model)
+    parser = choose_parser(tokenizer.chat_template, state.tool_call_parser)
     size = sum(len(m["content"]) for m in parsed.messages)
-    prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed)
-    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
+    prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed, parser)
+    parsed = await _with_grammar(state, parsed)
+    fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer),
+                     parsed.tools, parser)
     return await _generate(request, parsed, [prompt], [""], fmt)
 
 
@@ -52,6 +57,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(parsed.model)
     size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
     prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)
+    parsed = await _with_grammar(state, parsed)
     echoes = [_echo(tokenizer, p) if parsed.echo else "" for p in parsed.prompts]
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
     return await _generate(request, parsed, prompts, echoes, fmt)
@@ -76,9 +82,21 @@ async def _off_loop_if(size: int, fn: Callable, *args):
     return fn(*args)
 
 
-def _encode_chat(tokenizer: Tokenizer, parsed: ParsedRequest) -> tuple[int, ...]:
+async def _with_grammar(state: ServerState, parsed: ParsedRequest) -> ParsedRequest:
+    """`parsed` with its output format's grammar (compiled off the loop, cached) in its sampling parameters."""
+    grammar = await state.grammars.grammar(parsed.output) if parsed.output is not None else None
+    if parsed.sampling.get("logit_bias"):
+        state.metrics.structured.labels("logit_bias").inc()
+    if grammar is None:
+        return parsed
+    state.metrics.structured.labels("tools" if parsed.output.param == "tools" else parsed.output.kind).inc()
+    return replace(parsed, sampling={**parsed.sampling, "grammar": grammar})
+
+
+def _encode_chat(tokenizer: Tokenizer, parsed: ParsedRequest, parser: str) -> tuple[int, ...]:
+    messages, tools = template_messages(parsed.messages, parsed.tools, tokenizer.chat_template, parser)
     try:
-        return tuple(tokenizer.encode_chat(list(parsed.messages)))
+        return tuple(tokenizer.encode_chat(messages, tools=tools))
     except (jinja2.TemplateError, ValueError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 

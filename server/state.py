@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
+from llguidance import LLTokenizer
 
 from engine.core.messages import EngineStats
 from engine.engine import Engine
+from engine.text.grammar import grammar_tokenizer
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics
+from server.structured import GrammarCompiler
 
 
 class Abortable(Protocol):
@@ -40,7 +43,9 @@ class ServerState:
         self.generations: set[Abortable] = set()
         self.idle = asyncio.Event()
         self.idle.set()
-        self.metrics = Metrics(self._stats, self._transfer_times)
+        self.metrics = Metrics(self._stats, self._transfer_times, self._mask_times)
+        self.grammars = GrammarCompiler(self._grammar_tokenizer, self.metrics.grammar_compile.observe)
+        self.tool_call_parser: str | None = config.tool_call_parser
 
     def running_engine(self) -> Engine:
         """The engine, or APIError(503) while loading or draining."""
@@ -88,6 +93,14 @@ class ServerState:
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    def _mask_times(self) -> list[float]:
+        return self.engine.take_mask_times() if self.engine is not None else []
+
+    def _grammar_tokenizer(self) -> LLTokenizer:
+        engine = self.running_engine()
+        vocab = engine.model_config.vocab_size
+        return grammar_tokenizer(engine.model_dir, vocab, tuple(sorted(t for t in engine.eos_token_ids if t < vocab)))
 
     def _transfer_times(self) -> list[float]:
         return self.engine.take_kv_transfer_times() if self.engine is not None else []

@@ -81,6 +81,18 @@ def test_greedy_tokens_identical_with_and_without_speculation(mode):
     assert counters.num_accepted_tokens < counters.num_draft_tokens      # rejections happened too
 
 
+def test_rows_with_a_mask_or_bias_do_not_draft():
+    """Verification applies no grammar mask or logit_bias, so such rows decode one token a step."""
+    biased = replace(GREEDY, logit_bias=((7, 3.0), (11, 2.0)))
+    requests = [Request(f"r{i}", p, biased) for i, p in enumerate(echo_prompts([20, 40], seed=4))]
+    plain, engine = generate("colocated", requests)
+    engine.close()
+    spec, engine = generate("colocated", requests, SPEC)
+    counters = speculator(engine).counters
+    engine.close()
+    assert spec == plain and counters.num_drafts == 0
+
+
 def test_process_workers_give_the_same_greedy_tokens():
     requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(echo_prompts([20, 40], seed=2))]
     plain, engine = generate("disaggregated", requests)

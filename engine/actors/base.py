@@ -69,6 +69,7 @@ class Actor(abc.ABC):
         self.steps = 0
         self.last_step_time = 0.0
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
+        self.mask_seconds: deque[float] = deque(maxlen=10_000)   # token-mask time of steps that had masks
         self.completed_step = -1
         self.lent_steps = 0              # steps run with cores borrowed from the other actor
         self.local_prefills = self.remote_prefills = 0     # placement decisions (adaptive mode)
@@ -182,6 +183,8 @@ class Actor(abc.ABC):
         self._step_done(step)
         started = time.perf_counter()
         self.observe_step(step.batch, outcome.seconds, outcome.threads)
+        if outcome.mask_seconds:
+            self.mask_seconds.append(outcome.mask_seconds)
         self.cache_landed(step.batch)
         output = self.record(step.batch, outcome)
         self.steps += 1

@@ -32,8 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: str | None = None               # an llguidance grammar (JSON text): the output must match it
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
@@ -51,10 +54,21 @@ class SamplingParams:
         _check(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
                f"must be between 0 and {self.MAX_LOGPROBS}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(len(self.logit_bias) <= self.MAX_LOGIT_BIAS, "logit_bias",
+               f"must hold at most {self.MAX_LOGIT_BIAS} tokens")
+        _check(all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+               "logit_bias", "must map non-negative token ids to biases in [-100, 100]")
+        _check(self.grammar is None or not (self.min_tokens or self.ignore_eos), "grammar",
+               "must not be combined with min_tokens or ignore_eos (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether sampling needs this row's mask or bias (a grammar or logit_bias)."""
+        return self.grammar is not None or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

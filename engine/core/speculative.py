@@ -129,7 +129,8 @@ class Speculator:
 
     def drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
         """At most `room` draft tokens for `seq`'s next step (its output so far recorded, nothing in flight)."""
-        # NOTE: the one place where "a structured-output grammar is active -> no drafts" belongs
+        if seq.params.constrained:     # NOTE: verification applies no grammar mask or logit_bias yet
+            return ()
         state = self._state(seq)
         if state.pause > 0:
             state.pause -= 1

@@ -78,6 +78,11 @@ class Tokenizer:
         return ids
 
     @property
+    def chat_template(self) -> str | None:
+        """The template's source (None when the model directory has none)."""
+        return self._chat_template
+
+    @property
     def backend(self) -> HFTokenizer:
         """The `tokenizers.Tokenizer` underneath (for its streaming decoder)."""
         return self._backend

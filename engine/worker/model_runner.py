@@ -12,6 +12,7 @@ from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
 from engine.model.weights import load_weights
+from engine.worker.constraints import RowConstraints
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.memory import kv_layout
@@ -65,6 +66,8 @@ class ModelRunner:
         self.rows = RowState(self.max_blocks_per_seq, self.device)
         self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
+        self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids)
+        self.mask_seconds = 0.0          # host time of the newest step's token masks (0 without any)
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
         self.graphs = None
         if graph_max_batch and self.device.type == "cuda":
@@ -76,21 +79,26 @@ class ModelRunner:
         self.apply(step)
         if not step.num_tokens:
             return StepResult()
-        started = self._clock()
+        started, self.mask_seconds = self._clock(), 0.0
+        masks = self.constraints.start(step.sampled_rows)      # filled while the forward runs
         logits, buffers = self._logits(step)
         num_sampled = len(step.sampled_rows)
-        tokens, logprobs = self._sample(logits[:num_sampled], buffers, step) if num_sampled else ((), None)
+        tokens, logprobs = self._sample(logits[:num_sampled], buffers, step, masks) if num_sampled else ((), None)
         verified, verified_logprobs = self._verify(logits[num_sampled:], step) if step.verify else ((), None)
         self._add_forward_time(started)
         return StepResult(tokens, logprobs, verified, verified_logprobs)
 
-    def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput):
+    def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput, masks):
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
         batch = self.sampling.batch(sampled_rows)
-        output = self.sampler.sample(logits, batch)
+        constraints = masks.result().to(self.device) if masks is not None else None
+        output = self.sampler.sample(logits, batch, constraints)
         self.rows.remember_sampled(buffers.dev["sampled_rows"][:len(sampled_rows)], output.tokens)
         self.sampling.record(sampled_rows, output.tokens)
-        return read_back(output, batch)
+        tokens, logprobs = read_back(output, batch)
+        self.constraints.advance(step.sampled_rows, tokens)
+        self.mask_seconds = constraints.mask_seconds if constraints is not None else 0.0
+        return tokens, logprobs
 
     def _verify(self, logits: torch.Tensor, step: StepInput):
         """Kept drafts and one more token per verifying row, and their logprobs where asked; the rows'
@@ -110,10 +118,12 @@ class ModelRunner:
         """Free, add and extend rows as `step` says (execute does this first)."""
         for row in step.freed_rows:
             self.sampling.free(row)
+            self.constraints.free(row)
         self.rows.apply(step)
         for new in step.new_rows:
             self.sampling.add(new.row, new.params, new.token_ids[:new.num_prompt_tokens],
                               new.token_ids[new.num_prompt_tokens:])
+            self.constraints.add(new.row, new.params, new.token_ids[new.num_prompt_tokens:])
 
     def prepare(self, step: StepInput) -> ForwardBatch:
         """The model's inputs for an applied `step` (eager buffers; every token's hidden state is computed)."""

@@ -14,6 +14,7 @@ import torch
 
 from engine.core.messages import TokenLogprob
 from engine.worker.categorical import sample_categorical
+from engine.worker.constraints import StepConstraints
 from engine.worker.penalties import apply_penalties, mask_stop_tokens
 from engine.worker.sampling_filters import min_p_filter, top_k_only, top_k_top_p
 from engine.worker.sampling_state import SamplingState
@@ -36,22 +37,29 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch,
+               constraints: StepConstraints | None = None) -> SampleOutput:
         """Sample one token per row of `logits` ([B, V'], V' >= vocab_size, any float dtype).
 
-        Columns at or beyond `vocab_size` are never chosen; `logits` is not modified.
+        Columns at or beyond `vocab_size` are never chosen; `logits` is not modified. `constraints`
+        (logit biases, grammar masks) apply after the penalties, before temperature and the filters.
         """
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, "one logits row per sequence"
         assert logits.shape[1] >= self.vocab_size, "logits narrower than the vocabulary"
         logits = logits[:, : self.vocab_size]  # [B, V]
-        if batch.plain_greedy:  # fast path: every decode step of greedy requests
+        if batch.plain_greedy and constraints is None:  # fast path: every decode step of greedy requests
             return SampleOutput(logits.argmax(dim=-1))
-        tokens = self._choose(self.processed(logits, batch), batch)  # [B]
+        processed = self.processed(logits, batch)
+        if constraints is not None:
+            constraints.apply(processed)
+        tokens = self._choose(processed, batch)  # [B]
         return _with_logprobs(logits, tokens, batch)
 
     def __call__(self, logits: torch.Tensor,
                  seqs: Sequence[SamplingState]) -> list[tuple[int, TokenLogprob | None]]:
         """Sample for `seqs` without a runner's row table: per row, the token and its logprobs or None."""
+        if any(seq.params.constrained for seq in seqs):
+            raise ValueError("grammars and logit_bias need a runner's rows (ModelRunner.execute)")
         table = SamplingTable(self.vocab_size, self.eos_token_ids, logits.device)
         for row, seq in enumerate(seqs):
             table.add(row, seq.params, seq.prompt_token_ids, seq.output_token_ids)

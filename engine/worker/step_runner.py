@@ -17,6 +17,7 @@ class StepOutcome:
     copies: tuple[tuple[str, TransferHandle], ...]   # (BlockCopy.key, its handle), in order
     seconds: float                                    # wall time of the step's compute
     threads: int                                      # CPU threads it ran with
+    mask_seconds: float = 0.0                         # host time of its token masks (grammars, logit_bias)
 
 
 class StepRunner:
@@ -33,4 +34,5 @@ class StepRunner:
         result = self.runner.execute(work.step)
         copies = tuple((copy.key, self.transfer.copy_blocks(self.runner.kv_pool, self.peer_pool, copy.src_blocks,
                                                             copy.dst_blocks)) for copy in work.copies)
-        return StepOutcome(result, copies, time.perf_counter() - started, torch.get_num_threads())
+        return StepOutcome(result, copies, time.perf_counter() - started, torch.get_num_threads(),
+                           self.runner.mask_seconds)
