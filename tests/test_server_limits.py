@@ -42,11 +42,13 @@ def test_stop_takes_at_most_16_strings_of_at_most_256_characters():
     assert "at most 16 strings, got 17" in too_many.message and "at most 256 characters, got 257" in too_long.message
 
 
-def test_logit_bias_is_refused_not_ignored():
-    for body in (CHAT | {"logit_bias": {"50": 5}}, CHAT | {"logit_bias": [1]}):
-        assert _error(parse_chat, body).param == "logit_bias"
-    assert parse_chat(CHAT | {"logit_bias": {}}, LIMITS).sampling.get("logit_bias") is None   # no bias: nothing lost
-    assert "not supported" in _error(parse_completion, {"prompt": "p", "logit_bias": {"1": -100}}).message
+def test_logit_bias_within_openais_limits_is_parsed_and_anything_else_refused():
+    parsed = parse_chat(CHAT | {"logit_bias": {"50": 5, "7": -100}}, LIMITS).sampling["logit_bias"]
+    assert parsed == ((7, -100.0), (50, 5.0))
+    assert parse_chat(CHAT | {"logit_bias": {}}, LIMITS).sampling.get("logit_bias") in (None, ())   # no bias: nothing lost
+    for bad in ([1], {"50": 100.5}, {"-1": 1}, {"x": 1}, {str(i): 1 for i in range(301)}):
+        assert _error(parse_chat, CHAT | {"logit_bias": bad}).param == "logit_bias"
+        assert _error(parse_completion, {"prompt": "p", "logit_bias": bad}).param == "logit_bias"
 
 
 def test_cache_salt_is_a_short_non_empty_string():
