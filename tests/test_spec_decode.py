@@ -17,8 +17,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.speculative import SpeculativeConfig, propose_ngram
 from engine.engine import Engine
 from engine.llm import LLM
-from engine.worker.sampler import Sampler
-from engine.worker.sampling_table import SamplingTable
+from engine.worker.sampling.sampler import Sampler
+from engine.worker.sampling.sampling_table import SamplingTable
 from engine.worker.spec_verify import verify
 from engine.worker.step import VerifyInput
 from tests.models import demo_checkpoint, engine_config

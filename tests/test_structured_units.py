@@ -12,7 +12,7 @@ import transformers
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from engine.text.tokenizer import Tokenizer
-from engine.worker.constraints import unpack_bitmask
+from engine.worker.sampling.constraints import unpack_bitmask
 from server.tool_calls import ToolCallStream, Tools, choose_parser, parse_auto, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -121,7 +121,7 @@ def test_bitmask_unpacking_matches_llguidance():
 def test_grammar_and_logit_bias_cross_the_process_boundary_once_per_row():
     from engine.core.sampling_params import SamplingParams
     from engine.text.grammar import regex_grammar
-    from engine.worker import wire
+    from engine.worker.processes import wire
     from engine.worker.step import NewRow, StepInput, StepResult, StepWork
     from engine.worker.step_runner import StepOutcome
 

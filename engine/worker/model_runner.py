@@ -12,13 +12,13 @@ from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import CausalLM
 from engine.model.weights import load_weights
-from engine.worker.constraints import RowConstraints
+from engine.worker.sampling.constraints import RowConstraints
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.memory import kv_layout
 from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
-from engine.worker.sampler import Sampler, read_back
-from engine.worker.sampling_table import SamplingTable
+from engine.worker.sampling.sampler import Sampler, read_back
+from engine.worker.sampling.sampling_table import SamplingTable
 from engine.worker.spec_verify import emitted_logprobs, verify
 from engine.worker.step import StepInput, StepResult
 
