@@ -235,7 +235,8 @@ class Actor(abc.ABC):
         for seq, landed in batch.landed():
             full = landed // size
             if not seq.done and full > seq.num_registered_blocks:
-                self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size), seq.num_registered_blocks)
+                hashes = extend_hashes(seq, full * size, size)[:full]     # NOTE: admission may have hashed more
+                self.blocks.register(seq.request_id, hashes, seq.num_registered_blocks)
                 seq.num_registered_blocks = full
 
     def record_tokens(self, seqs: Seq[Sequence], outcome: StepOutcome) -> tuple[StepOutput, Recorded]:
