@@ -1,6 +1,6 @@
 """engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
 
-    front (engine/*.py)  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+    front (engine/*.py)  ->  coordinator/  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
 
 worker/ sits above core/ because a model runner runs what the schedulers built (core's plain
 batches and sampling parameters); core/ never touches a tensor. model/, transfer/ and text/ are
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = {"kernels": 0, "engine.model": 1, "engine.transfer": 1, "engine.text": 1, "engine.core": 2,
-         "engine.worker": 3, "engine.actors": 4, "engine": 5}
+         "engine.worker": 3, "engine.actors": 4, "engine.coordinator": 5, "engine": 6}
 
 
 def module_name(path: Path) -> str:
