@@ -117,16 +117,27 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
     engine.close()
 
 
-def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_serves_again(monkeypatch, llama3):
-    monkeypatch.setenv(faults.ENV, "decode1:raise@4")
-    engine = four_units("disaggregated")
+@pytest.mark.parametrize("workers,fault", [("thread", "raise"), ("process", "exit")])
+def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_serves_again(workers, fault,
+                                                                                           monkeypatch, llama3):
+    monkeypatch.setenv(faults.ENV, f"decode1:{fault}@4")
+    engine = four_units("disaggregated", workers=workers)
     monkeypatch.delenv(faults.ENV)
     batch = prompts([12, 40, 7, 25, 60, 18, 33, 9], seed=17)
+    health_while_down = []
+    restart_unit = engine.restart_unit
+
+    async def observed_restart(actor, recover_stuck):
+        health_while_down.append(engine.units_up())
+        await restart_unit(actor, recover_stuck)
+
+    engine.restart_unit = observed_restart
 
     async def scenario():
         first = await asyncio.gather(*(collect_events(engine.submit(Request(f"f{i}", p, GREEDY)))
                                        for i, p in enumerate(batch)))
         await asyncio.gather(*engine.supervisor.units_down.values())        # decode1's restart
+        assert all(unit["up"] for unit in engine.units_up())
         again = await burst(engine, [Request(f"g{i}", p, GREEDY) for i, p in enumerate(batch)])
         return first, again
 
@@ -140,6 +151,8 @@ def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_se
     assert all([t for e in events for t in e.token_ids] == expected[i] for i, events in finished)
     assert again == expected
     assert engine.supervisor.restarts == 1 and engine.dead is None
+    assert health_while_down == [[{"unit": u, "role": u[:-1], "up": u != "decode1"}
+                                  for u in ("prefill0", "prefill1", "decode0", "decode1")]]
     assert {a.unit for a in engine.stats().actors if a.routed_decode} == {"decode0", "decode1"}  # fresh decode1 too
     assert_pools_free(engine)
     engine.close()

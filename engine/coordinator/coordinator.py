@@ -176,7 +176,7 @@ class Coordinator:
             return True
         prefill = self.prefill[index]
         policy = actor.policy
-        policy.prefill_cost = prefill.cost
+        policy.prefill_cost = prefill.cost      # NOTE: the remote side of this decision is that unit's cost model
         decision = policy.place(uncached_tokens(actor.blocks, seq), uncached_tokens(prefill.blocks, seq),
                                 self._load(actor, prefill))
         if decision.local != self._last_placement:
