@@ -62,7 +62,7 @@ def test_greedy_tokens_are_transformers_on_two_and_two_units_and_every_unit_work
     engine.close()
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "adaptive"])
+@pytest.mark.parametrize("mode", MODES)
 def test_random_aborts_at_every_stage_across_four_units_leave_every_pool_free(mode):
     engine = four_units(mode)
     rng = random.Random(5)
@@ -84,12 +84,12 @@ def test_random_aborts_at_every_stage_across_four_units_leave_every_pool_free(mo
     engine.close()
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_served_it(mode):
     engine = four_units(mode)
     first = prompts([70, 70], seed=13)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    entry = "colocated" if mode == "colocated" else "prefill"
+    entry = {"colocated": "colocated", "disaggregated": "prefill", "adaptive": "decode"}[mode]
 
     def routed() -> list[int]:
         return [a.routed_prefill for a in engine.stats().actors if a.name == entry]
