@@ -21,7 +21,7 @@ import orjson
 from bench.documents import machine_description
 from engine.core.sampling_params import SamplingParams
 from engine.llm import new_event_loop
-from engine.worker import wire
+from engine.worker.processes import wire
 from engine.worker.step import NewRow, StepInput, StepResult, StepWork
 from engine.worker.step_runner import StepOutcome
 

@@ -5,7 +5,7 @@ import argparse
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.model.quant import SCHEMES
-from engine.worker.cpu_kernels import CPU_KERNELS
+from engine.worker.startup.cpu_kernels import CPU_KERNELS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

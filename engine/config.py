@@ -23,7 +23,7 @@ __all__ = ["CacheConfig", "ConfigError", "DTYPES", "EngineConfig", "ModelConfig"
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None          # None: SmolLM2 when installed, else the demo (engine.model.resolve)
-    dtype: str | None = None          # None: chosen from the machine (engine.worker.defaults)
+    dtype: str | None = None          # None: chosen from the machine (engine.worker.startup.defaults)
     mode: str | None = None           # adaptive | disaggregated | colocated; None: adaptive (colocated on one core)
     prefill_device: str | None = None  # None: chosen from the machine (cuda:0 with a GPU, else cpu)
     decode_device: str | None = None   # None: cuda:1 with two GPUs, cuda:0 with one, else cpu
@@ -33,7 +33,7 @@ class EngineConfig:
     cuda_graph: bool = True
     async_scheduling: bool | None = None   # schedule step N+1 while N runs; None: on for CUDA, off on CPU
     quantization: str = "auto"        # none | int8 | gguf | auto (engine.model.quant)
-    cpu_kernels: str = "auto"         # auto | native | torch (engine.worker.cpu_kernels)
+    cpu_kernels: str = "auto"         # auto | native | torch (engine.worker.startup.cpu_kernels)
     seed: int = 0
     workers: str = "thread"           # thread | process: where each actor's runner steps (engine.worker.compute)
     on_worker_failure: str = "restart"  # restart | exit (engine.supervisor)

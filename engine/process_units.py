@@ -13,11 +13,11 @@ from dataclasses import replace
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
 from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, unit_cores, unit_names
-from engine.worker.cpu_kernels import prepare_cpu_kernels
+from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from engine.worker.memory import kv_layout, num_kv_blocks
-from engine.worker.process import ProcessCompute, SpawnTracker
-from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.worker_process import WorkerSpec
+from engine.worker.processes.process import ProcessCompute, SpawnTracker
+from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from engine.worker.processes.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from engine.model.quant import gguf_source, quantize_model
 from engine.model.resolve import resolve_model
 from engine.transfer.select import select_transfer
 from engine.worker.compute import Compute, ThreadCompute
-from engine.worker.cpu_kernels import prepare_cpu_kernels
-from engine.worker.defaults import Choice, choose_devices, choose_dtype, visible_gpus
+from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
+from engine.worker.startup.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from engine.worker.device import with_index
 from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.sizing import PoolSizer
+from engine.worker.startup.sizing import PoolSizer
 from engine.worker.step_runner import Peer, StepRunner
-from engine.worker.warmup import warm_up_for_serving
+from engine.worker.startup.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 

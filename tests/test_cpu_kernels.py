@@ -13,9 +13,9 @@ from engine.args import add_engine_args, engine_config_from_args
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.config import ModelConfig
-from engine.worker import cpu_kernels
-from engine.worker.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
-from engine.worker.defaults import ProbeResult
+from engine.worker.startup import cpu_kernels
+from engine.worker.startup.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
+from engine.worker.startup.defaults import ProbeResult
 from kernels import native
 from kernels.rms_norm import rms_norm_ref
 from tests.models import demo_checkpoint, engine_config

@@ -10,8 +10,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.topology import make_plan
-from engine.worker import defaults
-from engine.worker.defaults import CpuInfo, GpuInfo, ProbeResult, choose_cpu_dtype, choose_cuda_dtype, choose_devices
+from engine.worker.startup import defaults
+from engine.worker.startup.defaults import CpuInfo, GpuInfo, ProbeResult, choose_cpu_dtype, choose_cuda_dtype, choose_devices
 from tests.models import demo_checkpoint
 
 AVX2 = CpuInfo("AMD EPYC 7B13", "AVX2", frozenset({"avx", "avx2", "fma"}))

@@ -18,7 +18,7 @@ from engine.llm import LLM
 from engine.worker import cuda_graph
 from engine.worker.cuda_graph import DecodeGraphs, batch_buckets
 from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.warmup import warm_up, warmup_shapes
+from engine.worker.startup.warmup import warm_up, warmup_shapes
 from tests.fake_cuda import fake_cuda
 from tests.models import demo_checkpoint, engine_config
 

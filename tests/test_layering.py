@@ -2,6 +2,9 @@
 
     front (engine/*.py)  ->  coordinator/  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
 
+worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
+->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
+
 worker/ sits above core/ because a model runner runs what the schedulers built (core's plain
 batches and sampling parameters); core/ never touches a tensor. model/, transfer/ and text/ are
 peers: none imports another. Every import counts, including those inside functions and under
@@ -16,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = {"kernels": 0, "engine.model": 1, "engine.transfer": 1, "engine.text": 1, "engine.core": 2,
-         "engine.worker": 3, "engine.actors": 4, "engine.coordinator": 5, "engine": 6}
+         "engine.worker.sampling": 3, "engine.worker": 4, "engine.worker.startup": 5, "engine.worker.processes": 6,
+         "engine.actors": 7, "engine.coordinator": 8, "engine": 9}
 
 
 def module_name(path: Path) -> str:

@@ -9,9 +9,10 @@ import torch
 from engine.config import ModelConfig, SchedulerConfig
 from engine.core.config import CacheConfig
 from engine.llm import LLM
-from engine.worker import memory_profile, sampling_filters
+from engine.worker.sampling import sampling_filters
+from engine.worker.startup import memory_profile
 from engine.worker.memory import kv_block_bytes, num_kv_blocks
-from engine.worker.memory_profile import (
+from engine.worker.startup.memory_profile import (
     Demand,
     DeviceBudget,
     InsufficientMemory,
@@ -21,7 +22,7 @@ from engine.worker.memory_profile import (
     weights_bytes,
 )
 from engine.worker.model_runner import load_model
-from engine.worker.sizing import PoolSizer, largest_steps
+from engine.worker.startup.sizing import PoolSizer, largest_steps
 from tests.fake_cuda import fake_cuda
 from tests.models import demo_checkpoint, engine_config
 

@@ -17,7 +17,7 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.worker.cuda_graph import batch_buckets
-from engine.worker.warmup import warm_up, warmup_shapes
+from engine.worker.startup.warmup import warm_up, warmup_shapes
 from tests.models import demo_checkpoint, engine_config
 from tests.triton_keys import KeyRecorder
 

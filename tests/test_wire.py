@@ -8,8 +8,8 @@ import torch
 from engine.core.messages import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.transfer.base import TransferHandle
-from engine.worker import wire
-from engine.worker.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from engine.worker.processes import wire
+from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
 from engine.worker.step import BlockAppend, BlockCopy, ChunkInput, NewRow, StepInput, StepResult, StepWork
 from engine.worker.step_runner import StepOutcome
 from kernels.kv_layout import KVLayout

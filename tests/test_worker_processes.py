@@ -12,7 +12,7 @@ import torch
 
 from engine.core.messages import FinishReason, Request
 from engine.engine import Engine
-from engine.worker.process import ProcessCompute
+from engine.worker.processes.process import ProcessCompute
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine, transformers_model  # noqa: F401
 from tests.test_supervisor import LONG, SHORT, assert_failed_then_served, build, reference_tokens, until

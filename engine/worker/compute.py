@@ -1,5 +1,5 @@
 """Where an actor's steps run: `ThreadCompute` (a thread of this process) or a worker process
-(`engine.worker.process.ProcessCompute`). Both take a StepWork and give back a future StepOutcome,
+(`engine.worker.processes.process.ProcessCompute`). Both take a StepWork and give back a future StepOutcome,
 and describe the pool they step against, so actors do not know which one they have.
 """
 from __future__ import annotations

@@ -15,8 +15,8 @@ from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.input_buffers import InputBuffers
 from engine.worker.memory import kv_layout
 from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, step_shape
-from engine.worker.sampler import Sampler, read_back
-from engine.worker.sampling_table import SamplingTable
+from engine.worker.sampling.sampler import Sampler, read_back
+from engine.worker.sampling.sampling_table import SamplingTable
 from engine.worker.step import StepInput, StepResult
 
 

@@ -28,7 +28,7 @@ from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.device import on_device, side_stream
 from engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, parse_memory
 from engine.worker.model_runner import ModelRunner
-from engine.worker.warmup import StepShape, run_synthetic, synthetic_step
+from engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
 
 logger = logging.getLogger(__name__)
 GiB = 2**30

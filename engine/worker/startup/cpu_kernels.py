@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine.model.config import ModelConfig
-from engine.worker.defaults import Choice, ProbeResult, probe
+from engine.worker.startup.defaults import Choice, ProbeResult, probe
 from kernels import native
 from kernels.activation import silu_and_mul_ref
 from kernels.decode_attention import decode_attention_ref

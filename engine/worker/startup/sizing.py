@@ -11,14 +11,14 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.model.config import ModelConfig
 from engine.model.llama import CausalLM
 from engine.worker.memory import num_kv_blocks
-from engine.worker.memory_profile import (
+from engine.worker.startup.memory_profile import (
     CudaMemory,
     Demand,
     DeviceBudget,
     kv_blocks,
     weights_bytes,
 )
-from engine.worker.warmup import StepShape
+from engine.worker.startup.warmup import StepShape
 
 
 def largest_steps(role: str, sched: SchedulerConfig, max_model_len: int) -> tuple[tuple[StepShape, ...], int]:

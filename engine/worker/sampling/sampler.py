@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from engine.core.messages import TokenLogprob
-from engine.worker.categorical import sample_categorical
-from engine.worker.penalties import apply_penalties, mask_stop_tokens
-from engine.worker.sampling_filters import min_p_filter, top_k_only, top_k_top_p
-from engine.worker.sampling_state import SamplingState
-from engine.worker.sampling_table import SamplingBatch, SamplingTable
-from engine.worker.seeded_noise import seeded_exponential, seeded_uniforms
+from engine.worker.sampling.categorical import sample_categorical
+from engine.worker.sampling.penalties import apply_penalties, mask_stop_tokens
+from engine.worker.sampling.sampling_filters import min_p_filter, top_k_only, top_k_top_p
+from engine.worker.sampling.sampling_state import SamplingState
+from engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
+from engine.worker.sampling.seeded_noise import seeded_exponential, seeded_uniforms
 
 
 @dataclass(frozen=True, slots=True)

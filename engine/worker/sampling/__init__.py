@@ -1,0 +1,1 @@
+"""Sampling: the per-row parameter table, filters, penalties, seeded draws and the sampler."""

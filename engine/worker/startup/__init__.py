@@ -1,0 +1,1 @@
+"""Start-up: devices and dtype from the machine, CPU kernel choice, pool sizing and warm-up."""
