@@ -33,11 +33,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "carries more prefill tokens than this (default: 1000, NVIDIA Dynamo's; at most "
                         "--max-prefill-tokens)")
     g.add_argument("--prefill-device", default=None,
-                   help="cpu, cuda:0, ... (default: cuda:0 when a GPU is visible, else cpu)")
+                   help="cpu, cuda:0, ...; a comma-separated list runs one prefill unit per entry (cuda:0,cuda:1; "
+                        "cpu,cpu splits the prefill cores between two units; colocated mode: one colocated unit "
+                        "per entry) (default: cuda:0 when a GPU is visible, else cpu)")
     g.add_argument("--decode-device", default=None,
-                   help="cpu, cuda:1, ... (default: cuda:1 with two GPUs, cuda:0 with one, else cpu)")
-    g.add_argument("--prefill-threads", type=int, default=None, help="CPU cores for the prefill actor")
-    g.add_argument("--decode-threads", type=int, default=None, help="CPU cores for the decode actor")
+                   help="cpu, cuda:1, ...; a comma-separated list runs one decode unit per entry (default: cuda:1 "
+                        "with two GPUs, cuda:0 with one, else cpu)")
+    g.add_argument("--prefill-threads", type=int, default=None,
+                   help="CPU cores for the prefill units (split between the CPU units of a list)")
+    g.add_argument("--decode-threads", type=int, default=None,
+                   help="CPU cores for the decode units (split between the CPU units of a list)")
     g.add_argument("--kv-transfer", choices=("torch", "cupy-p2p", "staged"), default=None,
                    help="force a KV transfer backend (default: chosen automatically; GPUs that are not "
                         "peers copy through pinned host memory, 'staged')")

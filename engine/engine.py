@@ -12,8 +12,8 @@ import torch
 
 from engine.actors.base import Actor
 from engine.config import EngineConfig, ModelConfig
+from engine.coordinator.coordinator import Coordinator, NoUnitUp
 from engine.core.messages import (
-    Abort,
     EngineStats,
     FinishReason,
     Request,
@@ -27,7 +27,7 @@ from engine.supervisor import Supervisor
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer
-from engine.topology import load_units, make_plan, wire_actors
+from engine.topology import load_units, make_plan, unit_names, wire_actor, wire_actors
 from engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -96,12 +96,12 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
         self.plan = make_plan(config, self.model_config)
-        if "cpu" in (self.plan.prefill_device.type, self.plan.decode_device.type):
+        if any(device.type == "cpu" for device in self.plan.devices):
             keep_freed_memory_in_process()
         load = load_process_units if config.workers == "process" else load_units
         self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
         self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
-        self.actors: list[Actor] = self._wire()
+        self.coordinator = self._wire()
         pool_tokens = min(unit.num_blocks * unit.block_size for unit in self.units.all())
         self.max_model_len = min(self.plan.max_model_len, pool_tokens)
         self._streams: dict[str, _Stream] = {}
@@ -112,15 +112,18 @@ class Engine:
         return self.plan.mode
 
     @property
-    def entry(self) -> Actor:
-        """The actor new requests go to: the decode actor places them in adaptive mode."""
-        return self.actors[-1] if self.mode == "adaptive" else self.actors[0]
+    def actors(self) -> list[Actor]:
+        """Every actor: the prefill units' in unit order, then the decode (or colocated) units'."""
+        return self.coordinator.actors
 
-    def _wire(self) -> list[Actor]:
-        actors = wire_actors(self.config, self.plan, self.units, self._on_step)
-        for actor in actors:
-            actor.on_failure = self.supervisor.actor_failed
-        return actors
+    def _wire(self) -> Coordinator:
+        prefill, decode = wire_actors(self.config, self.plan, self.units, self._on_step)
+        coordinator = Coordinator(self.mode, prefill, decode)
+        for role, actors in (("prefill", prefill), ("colocated" if self.mode == "colocated" else "decode", decode)):
+            for index, (actor, name) in enumerate(zip(actors, unit_names(role, len(actors)))):
+                actor.index, actor.unit_name = index, name
+                actor.on_failure = self.supervisor.actor_failed
+        return coordinator
 
     async def start(self) -> None:
         for actor in self.actors:
@@ -159,13 +162,14 @@ class Engine:
         (default: --step-timeout, or never when that is 0)."""
         stall = stall_seconds or self.supervisor.step_timeout or float("inf")
         return (self._running and not self.supervisor.recovering and self.dead is None
-                and all(actor.stepping(stall) for actor in self.actors))
+                and all(actor.stepping(stall) for actor in self.actors if self.coordinator.up(actor)))
 
     # failures (engine.supervisor decides when)
     def fail_unfinished(self, error: str) -> None:
         """End every unfinished request with an error event; nothing new is accepted until restarted."""
         self._running = False
         streams, self._streams = self._streams, {}
+        self.coordinator.forget_all()
         for stream in streams.values():
             stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, error))
         if streams:
@@ -183,10 +187,38 @@ class Engine:
         """Fresh actors over the same units (a worker process that died or hangs is spawned again)."""
         for unit in self.units.all():
             await unit.recover(force=recover_stuck)
-        self.actors = self._wire()
+        self.coordinator = self._wire()
         for actor in self.actors:
             actor.start()
         self._running = True
+
+    # one unit's failure (engine.supervisor decides when): only its requests end
+    def can_fail_alone(self, actor: Actor) -> bool:
+        """Another unit of `actor`'s role can serve meanwhile: its failure stays local."""
+        role = self.coordinator.prefill if actor in self.coordinator.prefill else self.coordinator.decode
+        return len(role) > 1
+
+    def fail_unit(self, actor: Actor, error: str) -> None:
+        """End the requests `actor`'s unit holds with an error event (their other units free them)."""
+        failed = [self._streams.pop(rid) for rid in self.coordinator.fail_unit(actor) if rid in self._streams]
+        for stream in failed:
+            stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, error))
+        if failed:
+            logger.error("%d requests on unit %s ended with an error: %s", len(failed), actor.unit_name, error)
+
+    async def restart_unit(self, actor: Actor, recover_stuck: bool) -> None:
+        """A fresh actor over `actor`'s unit (a worker process that died or hangs is spawned again)."""
+        await self.coordinator.quiesce(actor)
+        await actor.unit.recover(force=recover_stuck)
+        role = "prefill" if actor in self.coordinator.prefill else "decode"
+        fresh = wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
+        fresh.on_failure = self.supervisor.actor_failed
+        self.coordinator.unit_up(actor, fresh)
+        fresh.start()
+
+    def units_up(self) -> list[dict]:
+        """Every unit: its name, role and whether it serves now (for /health)."""
+        return [{"unit": name, "role": role, "up": up} for name, role, up in self.coordinator.units()]
 
     def submit(self, request: Request) -> RequestStream:
         """Queue `request`; returns its event stream.
@@ -210,10 +242,13 @@ class Engine:
                                                          request.params.skip_special_tokens),
                          StopStringMatcher(request.params.stop) if request.params.stop else None,
                          num_prompt_tokens=len(request.prompt_token_ids))
-        self._streams[request.request_id] = stream
         if request.arrival_time == 0.0:
             request = _with_arrival_time(request)
-        self.entry.send(request)
+        try:
+            self.coordinator.submit(request)
+        except NoUnitUp as e:
+            raise EngineStopped(str(e)) from None
+        self._streams[request.request_id] = stream
         return RequestStream(self, stream)
 
     def _validate(self, request: Request) -> None:
@@ -257,6 +292,7 @@ class Engine:
                                                    stream.num_cached_tokens))
             elif reason is FinishReason.ERROR:
                 del streams[request_id]
+                self.coordinator.finished(request_id)
                 stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, output.error))
             else:
                 self._deliver(stream, token_id, logprob, reason)
@@ -287,6 +323,8 @@ class Engine:
             del self._streams[request_id]
             if actor_reason is None:               # a stop string: the actors still hold the sequence
                 self._abort_in_actors(request_id)
+            else:
+                self.coordinator.finished(request_id)
 
     @staticmethod
     def _final_text(stream: _Stream, text: str, reason: FinishReason) -> tuple[str, FinishReason]:
@@ -298,8 +336,7 @@ class Engine:
         return text + (tail if stopped else tail + stream.stops.flush()), FinishReason.STOP if stopped else reason
 
     def _abort_in_actors(self, request_id: str) -> None:
-        for actor in self.actors:
-            actor.send(Abort(request_id))
+        self.coordinator.abort(request_id)
 
     @staticmethod
     def _final_event(stream: _Stream, reason: FinishReason, error: str | None = None) -> TokenEvent:
@@ -308,13 +345,15 @@ class Engine:
                           num_output_tokens=stream.num_output_tokens)
 
     def stats(self) -> EngineStats:
-        actors = tuple(actor.stats() for actor in self.actors)
+        prefill = [actor.stats() for actor in self.coordinator.prefill]
+        decode = [actor.stats() for actor in self.coordinator.decode]
+        actors = (*prefill, *decode)
         if self.mode == "colocated":
-            running, waiting = actors[0].running, actors[0].waiting
+            running, waiting = sum(a.running for a in decode), sum(a.waiting for a in decode)
         elif self.mode == "adaptive":               # decode: (decoding and landing, queued for local prefill)
-            running, waiting = actors[1].running, actors[1].waiting + actors[0].waiting
+            running, waiting = sum(a.running for a in decode), sum(a.waiting for a in (*decode, *prefill))
         else:
-            running, waiting = actors[1].running + actors[1].waiting, actors[0].waiting
+            running, waiting = sum(a.running + a.waiting for a in decode), sum(a.waiting for a in prefill)
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams),
                            restarts=self.supervisor.restarts, dead=self.dead is not None)
 
@@ -327,11 +366,10 @@ class Engine:
 
     def take_kv_transfer_times(self) -> list[float]:
         """Durations (seconds) of KV copies finished since the last call."""
-        times = getattr(self.actors[0], "transfer_seconds", None)
-        if not times:
-            return []
-        drained = list(times)
-        times.clear()
+        drained = []
+        for actor in self.coordinator.prefill:
+            drained += actor.transfer_seconds
+            actor.transfer_seconds.clear()
         return drained
 
 

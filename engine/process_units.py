@@ -1,9 +1,9 @@
-"""Compute units for `--workers process`: one spawned worker per runner, the decode pool shared.
+"""Compute units for `--workers process`: one spawned worker per runner, the decode pools shared.
 
-Each worker loads its own copy of the weights (the thread mode's two CPU actors share one) and
-builds its runner from a WorkerSpec. The decode pool is a shared-memory segment the coordinator
-creates: the decode worker steps over it and the prefill worker copies finished blocks straight
-into it. CPU only: sharing a CUDA pool between processes needs CUDA IPC handles, not built yet.
+Each worker loads its own copy of the weights (the thread mode's CPU units share one) and builds
+its runner from a WorkerSpec. Each decode pool is a shared-memory segment the engine creates: its
+decode worker steps over it and every prefill worker copies finished blocks straight into it.
+CPU only: sharing a CUDA pool between processes needs CUDA IPC handles, not built yet.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import blocks_for
-from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, lending_cores, step_thread_counts
+from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, step_thread_counts, unit_cores, unit_names
 from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from engine.worker.memory import kv_layout, num_kv_blocks
 from engine.worker.processes.process import ProcessCompute, SpawnTracker
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Plan,
                        eos: frozenset[int]) -> Units:
-    if "cuda" in (plan.prefill_device.type, plan.decode_device.type):
+    if any(device.type == "cuda" for device in plan.devices):
         raise ValueError("--workers process runs CPU actors only: sharing a CUDA KV pool between processes "
                          "(CUDA IPC handles) is not built yet; use --workers thread on GPUs")
     sched, cache = config.scheduler, config.cache
@@ -43,27 +43,37 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                       plan.prefill_cores, config.quantization, "colocated", sched,
                       log_level=logging.getLogger().getEffectiveLevel(),
                       cpu_kernels=prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
-                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value,
-                      thread_counts=step_thread_counts(plan))
+                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value)
     if plan.mode == "colocated":
-        return _started(Units(ProcessCompute(base), shared=(SpawnTracker(),)))
-    prefill_cores, decode_cores = lending_cores(plan) if plan.mode == "adaptive" else (plan.prefill_cores,
-                                                                                       plan.decode_cores)
-    decode_pool = pool(1.0 - PREFILL_SHARE_OF_SHARED_DEVICE, per_seq * sched.max_num_seqs)
-    prefill_pool = pool(PREFILL_SHARE_OF_SHARED_DEVICE, per_seq * 4)
+        n = len(plan.prefill_devices)
+        spec = replace(base, pool=pool(1.0 / n, per_seq * sched.max_num_seqs))
+        return _started(Units(tuple(ProcessCompute(replace(spec, name=name, cores=cores,
+                                                           thread_counts=step_thread_counts(plan, cores)))
+                                    for name, cores in
+                                    zip(unit_names("colocated", n), plan.prefill_unit_cores)),
+                              shared=(SpawnTracker(),)))
+    prefill_cores, decode_cores = unit_cores(plan)
+    n_prefill, n_decode = len(plan.prefill_devices), len(plan.decode_devices)
+    decode_pool = pool((1.0 - PREFILL_SHARE_OF_SHARED_DEVICE) / n_decode, per_seq * sched.max_num_seqs)
+    prefill_pool = pool(PREFILL_SHARE_OF_SHARED_DEVICE / n_prefill, per_seq * 4)
     check_pools_agree(prefill_pool, decode_pool)
-    shared = SharedPool.create(decode_pool, "decode")
-    decode = replace(base, name="decode", pool=decode_pool, cores=decode_cores,
-                     warmup_role="colocated" if plan.mode == "adaptive" else "decode",
-                     thread_counts=step_thread_counts(plan, decode_cores))
-    prefill = replace(base, name="prefill", pool=prefill_pool, cores=prefill_cores, warmup_role="prefill",
-                      thread_counts=step_thread_counts(plan, prefill_cores),
-                      peer_pool=decode_pool, kv_transfer=config.kv_transfer)
-    try:                               # NOTE: the segment stays open here, for workers spawned again later
-        return _started(Units(ProcessCompute(decode, own_pool=shared.fd),
-                              ProcessCompute(prefill, peer_pool=shared.fd), shared=(shared, SpawnTracker())))
+    shared = []
+    try:                               # NOTE: the segments stay open here, for workers spawned again later
+        shared = [SharedPool.create(decode_pool, name) for name in unit_names("decode", n_decode)]
+        decode_role = "colocated" if plan.mode == "adaptive" else "decode"
+        decodes = tuple(ProcessCompute(replace(base, name=name, pool=decode_pool, cores=cores, warmup_role=decode_role,
+                                               thread_counts=step_thread_counts(plan, cores)),
+                                       own_pool=pool_.fd)
+                        for name, cores, pool_ in zip(unit_names("decode", n_decode), decode_cores, shared))
+        prefills = tuple(ProcessCompute(replace(base, name=name, pool=prefill_pool, cores=cores, warmup_role="prefill",
+                                                peer_pools=(decode_pool,) * n_decode, kv_transfer=config.kv_transfer,
+                                                thread_counts=step_thread_counts(plan, cores)),
+                                        peer_pools=tuple(p.fd for p in shared))
+                         for name, cores in zip(unit_names("prefill", n_prefill), prefill_cores))
+        return _started(Units(decodes, prefills, shared=(*shared, SpawnTracker())))
     except BaseException:
-        shared.close()
+        for segment in shared:
+            segment.close()
         raise
 
 

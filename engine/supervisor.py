@@ -1,7 +1,10 @@
 """What happens when an actor fails, so that no request ever hangs.
 
 An exception escaping an actor (a step's or its bookkeeping's) or a step running past
-`--step-timeout` ends every unfinished request with an error event. Then, with
+`--step-timeout` fails its unit. Where another unit of the same role can serve meanwhile (units
+given as lists), the failure stays local: the unit's own requests end with an error event, routing
+skips it, and it is restarted alone while the others keep serving. Otherwise it ends every
+unfinished request with an error event. Then, with
 `--on-worker-failure restart`, fresh actors (empty schedulers and block managers) are wired over
 the same compute units (a dead worker process is spawned again); with `exit`, or when the units
 cannot be recovered (a thread stuck in a step cannot be reclaimed) or after too many restarts in
@@ -40,6 +43,12 @@ class Supervised(Protocol):
 
     def can_recover_stuck(self) -> bool: ...
 
+    def can_fail_alone(self, actor: Actor) -> bool: ...
+
+    def fail_unit(self, actor: Actor, error: str) -> None: ...
+
+    async def restart_unit(self, actor: Actor, recover_stuck: bool) -> None: ...
+
 
 class Supervisor:
     def __init__(self, engine: Supervised, policy: str, step_timeout: float) -> None:
@@ -54,6 +63,7 @@ class Supervisor:
         self._restart_times: deque[float] = deque()
         self._watch: asyncio.Task | None = None
         self._recovery: asyncio.Task | None = None
+        self.units_down: dict[str, asyncio.Task] = {}     # unit name -> its restart under way
         self.died = asyncio.Event()
 
     def start(self) -> None:
@@ -70,11 +80,17 @@ class Supervisor:
                 await self._watch
         if self._recovery is not None:
             await asyncio.shield(self._recovery)
+        for task in list(self.units_down.values()):
+            await asyncio.shield(task)
         self._watch = self._recovery = None
 
     def actor_failed(self, actor: Actor, error: str, stuck: bool = False) -> None:
         """Called by a failing actor (on the loop); the first failure of a round is the one acted on."""
-        if self.recovering or self.dead is not None:
+        if self.recovering or self.dead is not None or actor.unit_name in self.units_down:
+            return
+        if self.engine.can_fail_alone(actor):
+            self.units_down[actor.unit_name] = asyncio.get_running_loop().create_task(
+                self._recover_unit(actor, error, stuck), name=f"pdserve-recovery-{actor.unit_name}")
             return
         self.recovering = True
         self._recovery = asyncio.get_running_loop().create_task(self._recover(actor.name, error, stuck),
@@ -86,6 +102,8 @@ class Supervisor:
             await asyncio.sleep(period)
             now = time.monotonic()
             for actor in self.engine.actors:
+                if actor.unit_name in self.units_down:
+                    continue
                 started = actor.step_started_at
                 if started is not None and now - started > self.step_timeout:
                     logger.error("%s actor: a step has run for %.1f s, past --step-timeout %g s",
@@ -115,6 +133,28 @@ class Supervisor:
             logger.warning("actors restarted after: %s (%d restarts in the last %g s)",
                            reason, len(self._restart_times), RESTART_WINDOW_S)
         self.recovering = False
+
+    async def _recover_unit(self, actor: Actor, error: str, stuck: bool) -> None:
+        """One unit failed while others of its role serve: end its requests, restart it alone."""
+        reason = f"the {actor.unit_name} unit failed: {error}"
+        self.engine.fail_unit(actor, reason)
+        await actor.abandon()
+        why_not = self._why_not_restart(stuck)
+        if why_not is None:
+            try:
+                await self.engine.restart_unit(actor, recover_stuck=stuck)
+            except Exception as e:                # NOTE: a unit that cannot come back is as bad as a dead one
+                logger.exception("restarting unit %s failed", actor.unit_name)
+                why_not = f"restarting failed: {type(e).__name__}: {e}"
+        if why_not is not None:
+            self.dead = f"{reason} ({why_not})"
+            logger.critical("engine dead: %s", self.dead)
+            self.engine.fail_unfinished(self.dead)
+            self.died.set()
+        else:
+            self.restarts += 1
+            logger.warning("unit %s restarted after: %s", actor.unit_name, reason)
+        del self.units_down[actor.unit_name]
 
     def _why_not_restart(self, stuck: bool) -> str | None:
         if self.policy == "exit":

@@ -41,29 +41,31 @@ class EngineCollector(Collector):
 
     @staticmethod
     def _per_actor(stats: EngineStats) -> Iterator[GaugeMetricFamily]:
+        labels = ["actor", "unit"]
         families = {
-            "kv_blocks_used": GaugeMetricFamily("pdserve_kv_blocks_used", "KV cache blocks in use", labels=["actor"]),
+            "kv_blocks_used": GaugeMetricFamily("pdserve_kv_blocks_used", "KV cache blocks in use", labels=labels),
             "kv_blocks_total": GaugeMetricFamily("pdserve_kv_blocks_total", "KV cache blocks in the pool",
-                                                 labels=["actor"]),
-            "steps": GaugeMetricFamily("pdserve_actor_steps", "Steps the actor has run", labels=["actor"]),
-            "alive": GaugeMetricFamily("pdserve_actor_alive", "1 while the actor's loop runs", labels=["actor"]),
+                                                 labels=labels),
+            "steps": GaugeMetricFamily("pdserve_actor_steps", "Steps the actor has run", labels=labels),
+            "alive": GaugeMetricFamily("pdserve_actor_alive", "1 while the actor's loop runs", labels=labels),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily("pdserve_prefix_cache_queries", "Prompt tokens looked up "
-                                                        "in the prefix cache", labels=["actor"]),
+                                                        "in the prefix cache", labels=labels),
             "prefix_cache_hits": CounterMetricFamily("pdserve_prefix_cache_hits", "Prompt tokens found in the "
-                                                     "prefix cache", labels=["actor"]),
+                                                     "prefix cache", labels=labels),
         }
         counters["lent_steps"] = CounterMetricFamily("pdserve_lent_steps", "Steps an actor ran with cores "
-                                                     "borrowed from the other actor", labels=["actor"])
+                                                     "borrowed from the other actor", labels=labels)
         for actor in stats.actors:
             for name, family in {**families, **counters}.items():
-                family.add_metric([actor.name], float(getattr(actor, name)))
+                family.add_metric([actor.name, actor.unit or actor.name], float(getattr(actor, name)))
         yield from families.values()
         yield from counters.values()
         yield from EngineCollector._placement(stats)
         if any(a.spec_accepted_per_position for a in stats.actors):
             yield from EngineCollector._speculative(stats)
+        yield from EngineCollector._routing(stats)
 
     @staticmethod
     def _placement(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -71,11 +73,22 @@ class EngineCollector(Collector):
         prefills.add_metric(["local"], float(sum(a.local_prefills for a in stats.actors)))
         prefills.add_metric(["remote"], float(sum(a.remote_prefills for a in stats.actors)))
         roles = GaugeMetricFamily("pdserve_actor_role", "1 for what each actor's compute does now",
-                                  labels=["actor", "role"])
+                                  labels=["actor", "unit", "role"])
         for actor in stats.actors:
-            roles.add_metric([actor.name, actor.role], 1.0)
+            roles.add_metric([actor.name, actor.unit or actor.name, actor.role], 1.0)
         yield prefills
         yield roles
+
+    @staticmethod
+    def _routing(stats: EngineStats) -> Iterator[CounterMetricFamily]:
+        """What the coordinator sent to each unit: prompts (phase prefill), prefilled sequences (decode)."""
+        routed = CounterMetricFamily("pdserve_routed", "Requests the coordinator routed to each unit, by phase",
+                                     labels=["unit", "phase"])
+        for actor in stats.actors:
+            unit = actor.unit or actor.name
+            routed.add_metric([unit, "prefill"], float(actor.routed_prefill))
+            routed.add_metric([unit, "decode"], float(actor.routed_decode))
+        yield routed
 
 
     @staticmethod

@@ -128,7 +128,7 @@ async def health(request: web.Request) -> web.Response:
     if engine is None or not engine.healthy():
         reason = "restarting its actors after a failure" if engine and engine.supervisor.recovering else "not running"
         raise APIError(503, f"the engine is {reason}", retry_after=state.config.retry_after)
-    return _json({"status": "ok", "mode": state.engine.mode})
+    return _json({"status": "ok", "mode": state.engine.mode, "units": state.engine.units_up()})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -158,8 +158,8 @@ def test_the_prefill_backlog_counts_a_burst_still_in_its_mailbox():
     requests = mixed_requests(seed=5)
     expected = 0
     for request in requests:                          # placed one after the other, before the loop runs
-        assert decode._load().remote_backlog_tokens == expected
-        decode.send_to_prefill(request)
+        assert engine.coordinator.load(decode).remote_backlog_tokens == expected
+        prefill.send(request)
         expected += len(request.prompt_token_ids)
     assert prefill.backlog_tokens() == expected
     prefill.drain()                                   # now in its scheduler, and counted once

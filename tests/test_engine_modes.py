@@ -277,7 +277,7 @@ def test_copies_in_flight_delay_admission_and_aborts_during_them_free_both_pools
 
     engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=32))
     copier = engine.actors[0].unit.step_runner
-    copier.transfer = SlowTransfer(copier.transfer, polls=3)
+    copier.peers = tuple(peer._replace(transfer=SlowTransfer(peer.transfer, polls=3)) for peer in copier.peers)
     assert asyncio.run(run_engine(engine, staggered(engine, greedy))) == expected
     assert_pools_free(engine)
 

@@ -1,6 +1,9 @@
 """engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
 
-    front (engine/*.py)  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+    front (engine/*.py)  ->  coordinator/  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+
+worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
+->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
 
 worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
 ->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
@@ -20,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = {"kernels": 0, "engine.model": 1, "engine.transfer": 1, "engine.text": 1, "engine.core": 2,
          "engine.worker.sampling": 3, "engine.worker": 4, "engine.worker.startup": 5, "engine.worker.processes": 6,
-         "engine.actors": 7, "engine": 8}
+         "engine.actors": 7, "engine.coordinator": 8, "engine": 9}
 
 
 def module_name(path: Path) -> str:

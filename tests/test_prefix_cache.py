@@ -5,6 +5,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from engine.core.block_manager import BlockManager
 from engine.core.messages import Request
@@ -18,6 +19,7 @@ from tests.test_engine_modes import (
     collect,
     prompts,
     run_engine,
+    transformers_model,  # noqa: F401
     wait_idle,
 )
 
@@ -185,3 +187,29 @@ def test_shared_blocks_survive_preemption_aborts_and_eviction_under_a_tight_pool
     assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
     assert_pools_free(tight)
     tight.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompt_aborted_mid_prefill_leaves_only_computed_blocks_cached(mode, transformers_model):  # noqa: F811
+    """A chunk that ends inside a prompt registers only the blocks it completed: with every full block of
+    the prompt registered after its first chunk, the same prompt sent again read KV never computed."""
+    short, long = prompts([5, 40], seed=31)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=16))
+
+    async def abort_then_again():
+        first = engine.submit(Request("short", short, greedy))
+        doomed = engine.submit(Request("doomed", long, greedy))    # its first chunk: 11 tokens, beside short's 5
+        await first.__anext__()                                     # that chunk has run; the next is in flight
+        engine.abort("doomed")
+        await collect(first)
+        await collect(doomed)
+        await wait_idle(engine)
+        return await collect(engine.submit(Request("again", long, greedy)))
+
+    tokens, _ = asyncio.run(run_engine(engine, abort_then_again()))
+    expected = transformers_model.generate(torch.tensor([long]), max_new_tokens=8, min_new_tokens=8,
+                                           do_sample=False, pad_token_id=0)[0, len(long):].tolist()
+    assert tokens == expected
+    assert_pools_free(engine)
+    engine.close()

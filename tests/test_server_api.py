@@ -230,7 +230,9 @@ async def test_models_and_health(engines, serve, tiny_model_dir):
     assert [m.id for m in models.data] == ["tiny-test"] and reply.model == "tiny-test"
     assert e.value.code == "model_not_found"
     async with aiohttp.ClientSession() as session, session.get(base + "/health") as response:
-        assert response.status == 200 and (await response.json())["mode"] == "colocated"
+        body = await response.json()
+        assert response.status == 200 and body["mode"] == "colocated"
+        assert body["units"] == [{"unit": "colocated", "role": "colocated", "up": True}]
 
 
 async def test_every_served_model_name_is_accepted_and_the_first_reported(engines, serve, tiny_model_dir):

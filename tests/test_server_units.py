@@ -88,8 +88,9 @@ def test_metrics_text_parses_and_reads_the_engine_at_scrape_time():
     metrics.ttft.observe(0.05)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     value = {(s.name, tuple(s.labels.items())): s.value for f in families.values() for s in f.samples}
-    assert value[("pdserve_kv_blocks_used", (("actor", "colocated"),))] == 17
-    assert value[("pdserve_kv_blocks_total", (("actor", "colocated"),))] == 64
+    unit = (("actor", "colocated"), ("unit", "colocated"))      # a role's only unit is named after it
+    assert value[("pdserve_kv_blocks_used", unit)] == 17
+    assert value[("pdserve_kv_blocks_total", unit)] == 64
     assert value[("pdserve_requests_running", ())] == 3 and value[("pdserve_requests_waiting", ())] == 2
     assert value[("pdserve_kv_transfer_seconds_count", ())] == 2
     assert value[("pdserve_kv_transfer_seconds_sum", ())] == pytest.approx(0.006)
@@ -254,12 +255,26 @@ def test_serve_does_not_import_the_benchmark_stack():
 def test_adaptive_placement_and_lending_are_exported():
     from server.metrics import Metrics
 
-    stats = EngineStats((ActorStats("prefill", 0, 1, 2, 10, 3, 0.0, role="lent", lent_steps=4),
+    stats = EngineStats((ActorStats("prefill", 0, 1, 2, 10, 3, 0.0, role="lent", lent_steps=4, unit="prefill"),
                          ActorStats("decode", 1, 0, 2, 10, 3, 0.0, role="decode", local_prefills=5,
-                                    remote_prefills=2)), 1, 1)
+                                    remote_prefills=2, unit="decode")), 1, 1)
     text = Metrics(lambda: stats, lambda: []).render().decode()
     for line in ('pdserve_prefills_total{placement="local"} 5.0', 'pdserve_prefills_total{placement="remote"} 2.0',
-                 'pdserve_lent_steps_total{actor="prefill"} 4.0', 'pdserve_actor_role{actor="prefill",role="lent"} 1.0',
-                 'pdserve_actor_role{actor="decode",role="decode"} 1.0',
-                 'pdserve_prefix_cache_hits_total{actor="decode"} 0.0'):
+                 'pdserve_lent_steps_total{actor="prefill",unit="prefill"} 4.0',
+                 'pdserve_actor_role{actor="prefill",role="lent",unit="prefill"} 1.0',
+                 'pdserve_actor_role{actor="decode",role="decode",unit="decode"} 1.0',
+                 'pdserve_prefix_cache_hits_total{actor="decode",unit="decode"} 0.0'):
+        assert line in text
+
+
+def test_each_unit_is_labelled_and_its_routing_counted():
+    from server.metrics import Metrics
+
+    stats = EngineStats(tuple(ActorStats(role, 0, 0, 0, 10, 1, 0.0, unit=f"{role}{i}", routed_prefill=3 * i + 1,
+                                         routed_decode=2 * i) for role in ("prefill", "decode") for i in (0, 1)), 0, 0)
+    text = Metrics(lambda: stats, lambda: []).render().decode()
+    for line in ('pdserve_routed_total{phase="prefill",unit="prefill1"} 4.0',
+                 'pdserve_routed_total{phase="decode",unit="decode1"} 2.0',
+                 'pdserve_kv_blocks_total{actor="decode",unit="decode0"} 10.0',
+                 'pdserve_actor_steps{actor="prefill",unit="prefill1"} 1.0'):
         assert line in text

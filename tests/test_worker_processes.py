@@ -127,6 +127,6 @@ def test_process_workers_refuse_cuda_with_a_reason():
     from engine.process_units import load_process_units
     from engine.topology import Plan
 
-    plan = Plan("disaggregated", torch.device("cuda:0"), torch.device("cuda:1"), torch.float16, 256, (), ())
+    plan = Plan("disaggregated", (torch.device("cuda:0"),), (torch.device("cuda:1"),), torch.float16, 256, ((),), ((),))
     with pytest.raises(ValueError, match="CPU actors only"):
         load_process_units(EngineConfig(workers="process"), None, plan, frozenset())

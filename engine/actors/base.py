@@ -14,14 +14,15 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from engine.actors.planner import StepPlanner
 from engine.core.batch import Batch
 from engine.core.block_manager import BlockManager
-from engine.core.messages import ActorStats, FinishReason, StepOutput
+from engine.core.messages import ActorStats, FinishReason, Preempted, Request, Reservation, StepOutput
 from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
 from engine.core.speculative import Speculator
@@ -34,6 +35,57 @@ logger = logging.getLogger(__name__)
 Emit = Callable[[StepOutput], None]
 OnFailure = Callable[["Actor", str], None]
 Recorded = list[tuple[Sequence, FinishReason | None]]
+
+
+class Port(Protocol):
+    """What an actor asks of the coordinator (engine.coordinator); no actor holds another actor."""
+
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Decode blocks for `seq` on a decode unit the coordinator picks, or None (back-pressure)."""
+
+    def post(self, message) -> None:
+        """A KVHandoff, Release or Preempted, for the coordinator to deliver."""
+
+    def blocks_freed(self, actor: "Actor") -> None:
+        """`actor` freed blocks: a prefill unit held back for room may go on."""
+
+    def place(self, actor: "Actor", seq: Sequence) -> bool:
+        """Adaptive mode: True to prefill `seq` on `actor`'s unit; False: the coordinator sent it elsewhere."""
+
+    def load(self, actor: "Actor", decode_rows: int | None = None):
+        """Adaptive mode: the LoadState a decode unit's placement policy reads."""
+
+    def partner_busy(self, actor: "Actor") -> bool:
+        """Whether the unit `actor` would borrow cores from is busy (CPU core lending)."""
+
+
+class NoPort:
+    """An actor not wired to a coordinator: it reserves nothing and delivers nothing."""
+
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        return None
+
+    def post(self, message) -> None:
+        pass
+
+    def blocks_freed(self, actor: "Actor") -> None:
+        pass
+
+    def place(self, actor: "Actor", seq: Sequence) -> bool:
+        return True
+
+    def load(self, actor: "Actor", decode_rows: int | None = None):
+        raise RuntimeError(f"the {actor.unit_name} actor is not wired to a coordinator")
+
+    def partner_busy(self, actor: "Actor") -> bool:
+        return True
+
+
+def first_pending(transfers: Iterable):
+    """The copy an idle actor waits for: the first not landed, else the first landed one (it landed after
+    schedule() and still needs acting on), else None."""
+    tracked = list(transfers)
+    return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +110,10 @@ class Actor(abc.ABC):
                  prefix_caching: bool = False) -> None:
         self.unit = unit
         self.device = unit.device
+        self.index = 0                   # its unit's position among the units of its role
+        self.unit_name = self.name       # prefill, decode1, colocated0, ... (set when wired)
+        self.port: Port = NoPort()
+        self.routed_prefill = self.routed_decode = 0     # what the coordinator routed here
         self.max_model_len = max_model_len
         self.blocks = BlockManager(unit.num_blocks, unit.block_size, enable_caching=prefix_caching)
         self.emit = emit
@@ -76,6 +132,7 @@ class Actor(abc.ABC):
         self._next_step = 0
         self._in_flight: deque[InFlight] = deque()
         self._mailbox: deque = deque()
+        self._inbound: dict[str, int] = {}      # prompts sent here and not yet handled: id -> tokens to compute
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -112,7 +169,10 @@ class Actor(abc.ABC):
         """Apply the messages left in the mailbox (a stopped actor); True if there were any."""
         had_mail = bool(self._mailbox)
         while self._mailbox:
-            self.handle(self._mailbox.popleft())
+            message = self._mailbox.popleft()
+            if self._inbound and (prompt := _prompt_of(message)) is not None:
+                self._inbound.pop(prompt[0], None)
+            self.handle(message)
         return had_mail
 
     @property
@@ -124,14 +184,33 @@ class Actor(abc.ABC):
         oldest = self._in_flight[0].started if self._in_flight else None
         return self.alive and (oldest is None or time.monotonic() - oldest < stall_seconds)
 
+    async def steps_done(self) -> None:
+        """Until the steps in flight now have finished (their copies are started), whatever their outcome."""
+        futures = [step.future for step in self._in_flight]
+        if futures:
+            await asyncio.wait(futures)
+
     @property
     def step_started_at(self) -> float | None:
         return self._in_flight[0].started if self._in_flight else None
 
     # messages
     def send(self, message) -> None:
+        prompt = _prompt_of(message)
+        if prompt is not None:
+            self._inbound[prompt[0]] = prompt[1]
         self._mailbox.append(message)
         self._wakeup.set()
+
+    def backlog_tokens(self) -> int:
+        """Prompt tokens queued here for prefill, those still in the mailbox included (a burst is routed
+        before this actor's loop has handled any of it)."""
+        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.prefill_queue())
+        return queued + sum(self._inbound.values())
+
+    def prefill_queue(self) -> Iterator[Sequence]:
+        """The sequences waiting here for (more of) their prefill."""
+        return iter(())
 
     def poke(self) -> None:
         self._wakeup.set()
@@ -216,7 +295,7 @@ class Actor(abc.ABC):
             await self._wakeup.wait()
 
     def pending_transfer(self):
-        """A copy whose landing this actor still has to act on, or None."""
+        """A copy whose landing this actor still has to act on, or None (see `first_pending`)."""
         return None
 
     # compute thread
@@ -240,7 +319,8 @@ class Actor(abc.ABC):
         for seq, landed in batch.landed():
             full = landed // size
             if not seq.done and full > seq.num_registered_blocks:
-                self.blocks.register(seq.request_id, extend_hashes(seq, full * size, size), seq.num_registered_blocks)
+                hashes = extend_hashes(seq, full * size, size)[:full]     # NOTE: admission may have hashed more
+                self.blocks.register(seq.request_id, hashes, seq.num_registered_blocks)
                 seq.num_registered_blocks = full
 
     def record_tokens(self, seqs: Seq[Sequence], outcome: StepOutcome) -> tuple[StepOutput, Recorded]:
@@ -307,7 +387,9 @@ class Actor(abc.ABC):
                           kv_blocks_total=b.num_blocks, steps=self.steps, last_step_time=self.last_step_time,
                           alive=self.alive, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
                           role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
-                          remote_prefills=self.remote_prefills, **self._spec_stats())
+                          remote_prefills=self.remote_prefills, unit=self.unit_name,
+                          routed_prefill=self.routed_prefill, routed_decode=self.routed_decode,
+                          **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:
@@ -360,3 +442,12 @@ class Actor(abc.ABC):
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) sequences, for stats()."""
 
+
+
+def _prompt_of(message) -> tuple[str, int] | None:
+    """(request id, tokens to compute) of a prompt sent to an actor; None for any other message."""
+    if isinstance(message, Preempted):
+        return message.request.request_id, len(message.request.prompt_token_ids) + len(message.output_token_ids)
+    if isinstance(message, Request):
+        return message.request_id, len(message.prompt_token_ids)
+    return None

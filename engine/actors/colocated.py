@@ -53,5 +53,8 @@ class ColocatedActor(Actor):
         self.decode.remove(seq)
         self.leave(seq)
 
+    def prefill_queue(self):
+        return self.prefill.sequences()
+
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.decode), len(self.prefill)

@@ -1,14 +1,11 @@
-"""The decode actor: continuous batching over sequences whose KV arrived from the prefill actor."""
+"""The decode actor: continuous batching over sequences whose KV arrived from a prefill unit."""
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from engine.actors.base import Actor, Emit
-from engine.core.admission import can_admit
+from engine.actors.base import Actor, Emit, first_pending
+from engine.core.admission import cached_prefix, can_admit
 from engine.core.batch import Batch
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted
+from engine.core.messages import Abort, KVHandoff, Preempted, Reservation
 from engine.core.prefix_cache import extend_hashes
 from engine.core.scheduler import DecodeScheduler
 from engine.core.sequence import Sequence
@@ -16,16 +13,8 @@ from engine.core.speculative import SpeculativeConfig, Speculator
 from engine.worker.compute import Compute
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Decode blocks reserved for a sequence being prefilled; the first `num_cached` were cached here."""
-
-    blocks: tuple[int, ...]
-    num_cached: int
-
-
 class DecodeActor(Actor):
-    """Owns the decode pool. `reserve`/`release` are called by the prefill actor on the same loop."""
+    """Owns the decode pool. `reserve`/`release` are called by the coordinator on the same loop."""
 
     name = "decode"
 
@@ -39,8 +28,6 @@ class DecodeActor(Actor):
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,
                                          max_model_len=max_model_len, speculator=self.speculator)
         self.landing: list[tuple[Sequence, tuple]] = []
-        self.send_to_prefill: Callable[[object], None] = lambda message: None
-        self.on_blocks_freed: Callable[[], None] = lambda: None
 
     def reserve(self, seq: Sequence) -> Reservation | None:
         """Blocks for a sequence about to be prefilled elsewhere, or None (back-pressure) above the watermark.
@@ -48,17 +35,16 @@ class DecodeActor(Actor):
         Its prefix already cached here is shared, and only the blocks after it need to be copied in.
         """
         size, held = self.blocks.block_size, seq.num_tokens
-        hashes = extend_hashes(seq, held, size) if self.blocks.enable_caching else []
-        hits = self.blocks.match(hashes)
+        hits = cached_prefix(self.blocks, seq, held)      # NOTE: copied KV: no last token to compute here
         if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits):
             return None
         self.blocks.count_lookup(held, len(hits) * size)
-        return Reservation(tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits)), len(hits))
+        return Reservation(tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits)), len(hits), self.index)
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that was never handed off (no step of this actor has used it)."""
         if self.blocks.free(request_id):
-            self.on_blocks_freed()
+            self.port.blocks_freed(self)
 
     def handle(self, message) -> None:
         if isinstance(message, KVHandoff):
@@ -104,15 +90,15 @@ class DecodeActor(Actor):
     def drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.leave(seq)
-        self.on_blocks_freed()
+        self.port.blocks_freed(self)
 
     def blocks_released(self) -> None:
-        self.on_blocks_freed()
+        self.port.blocks_freed(self)
 
     def _send_back(self, seq: Sequence) -> None:
         self.leave(seq)
-        self.send_to_prefill(Preempted(seq.request, tuple(seq.output_token_ids)))
-        self.on_blocks_freed()
+        self.port.post(Preempted(seq.request, tuple(seq.output_token_ids)))
+        self.port.blocks_freed(self)
 
     def settle(self) -> None:
         for seq, transfers in self.landing:
@@ -125,9 +111,7 @@ class DecodeActor(Actor):
         self.blocks.release_through(self.completed_step)
 
     def pending_transfer(self):
-        tracked = [t for _, transfers in self.landing for t in transfers]
-        # NOTE: a done one too when nothing else is left: it landed after schedule() and still needs admitting
-        return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
+        return first_pending(t for _, transfers in self.landing for t in transfers)
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.scheduler), len(self.landing)

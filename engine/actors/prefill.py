@@ -1,15 +1,19 @@
-"""The prefill actor: chunked prefill, first token, and the KV hand-off to the decode actor."""
+"""The prefill actor: chunked prefill, first token, and the KV hand-off to a decode unit.
+
+Decode blocks are reserved through the coordinator (its port) before a prompt is admitted: no room on
+any decode unit holds the prompt back. Each chunk's finished blocks are copied into the reserved
+blocks of that decode unit's pool, and the hand-off goes to the coordinator, which delivers it.
+"""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.actors.base import Actor, Emit
-from engine.actors.decode import DecodeActor
+from engine.actors.base import Actor, Emit, first_pending
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import blocks_for
 from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted, Request, StepOutput
+from engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, StepOutput
 from engine.core.scheduler import PrefillScheduler
 from engine.core.sequence import Sequence
 from engine.worker.compute import Compute
@@ -24,8 +28,9 @@ class Outgoing:
     seq: Sequence
     decode_blocks: tuple[int, ...]
     decode_cached: int              # leading decode blocks the decode pool already held: not copied
+    decode_unit: int                # which decode unit holds the reservation
     transfers: list = field(default_factory=list)
-    handed_off: bool = False        # the decode actor owns the reservation now
+    handed_off: bool = False        # the decode unit owns the reservation now
 
     def landed(self) -> bool:
         return all(t.done() for t in self.transfers)
@@ -34,11 +39,10 @@ class Outgoing:
 class PrefillActor(Actor):
     name = "prefill"
 
-    def __init__(self, unit: Compute, decode: DecodeActor, config: SchedulerConfig, max_model_len: int,
+    def __init__(self, unit: Compute, config: SchedulerConfig, max_model_len: int,
                  emit: Emit, overlap: bool = False, prefix_caching: bool = False) -> None:
-        """`unit` runs the steps and copies each chunk's finished blocks into `decode`'s pool."""
+        """`unit` runs the steps and copies each chunk's finished blocks into a decode unit's pool."""
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
-        self.decode = decode
         self.scheduler = PrefillScheduler(self.blocks, config.max_prefill_tokens, config.max_num_seqs,
                                           reserve=self._reserve_decode_blocks)
         self.outgoing: dict[str, Outgoing] = {}
@@ -62,10 +66,10 @@ class PrefillActor(Actor):
         return self.scheduler.find(request_id)
 
     def _reserve_decode_blocks(self, seq: Sequence) -> bool:
-        reservation = self.decode.reserve(seq)
+        reservation = self.port.reserve(seq)
         if reservation is None:
             return False
-        self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached)
+        self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit)
         return True
 
     def schedule(self) -> Batch | None:
@@ -87,7 +91,8 @@ class PrefillActor(Actor):
         last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
         if last <= first:
             return None
-        return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last])
+        return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last],
+                         out.decode_unit)
 
     def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
         for request_id, handle in outcome.copies:
@@ -96,8 +101,9 @@ class PrefillActor(Actor):
         for seq, reason in recorded:
             out = self.outgoing[seq.request_id]
             if reason is None:
-                self.decode.send(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
-                                           tuple(out.transfers), tuple(seq.block_hashes), seq.num_cached_tokens))
+                self.port.post(KVHandoff(seq.request, seq.num_tokens - 1, tuple(seq.output_token_ids),
+                                         tuple(out.transfers), tuple(seq.block_hashes), seq.num_cached_tokens,
+                                         out.decode_unit))
                 out.handed_off = True
             self._finish(seq)
         self._retire_landed()
@@ -123,15 +129,20 @@ class PrefillActor(Actor):
                 continue
             self.blocks.free(out.seq.request_id)
             if not out.handed_off:
-                self.decode.release(out.seq.request_id)
+                self.port.post(Release(out.seq.request_id, out.decode_unit))
             del self.outgoing[out.seq.request_id]
             self.transfer_seconds.extend(t.seconds for t in out.transfers if t.seconds is not None)
         self.retiring = still_copying
 
     def pending_transfer(self):
-        tracked = [t for out in self.retiring for t in out.transfers]
-        # NOTE: a done one too when nothing else is left: it landed after schedule() and still needs retiring
-        return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
+        return first_pending(t for out in self.retiring for t in out.transfers)
+
+    def prefill_queue(self):
+        return self.scheduler.sequences()
+
+    def copies_to(self, decode_unit: int) -> list:
+        """The copies started or landed into `decode_unit`'s pool that this actor still tracks."""
+        return [t for out in self.outgoing.values() if out.decode_unit == decode_unit for t in out.transfers]
 
     def settle(self) -> None:
         for seq in list(self.scheduler.sequences()):

@@ -1,9 +1,11 @@
-"""The admission rule: may a sequence take blocks of a pool now?"""
+"""The admission rules: may a sequence take blocks of a pool now, and which of its prefix is cached there?"""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import extend_hashes
+from engine.core.sequence import Sequence as SequenceState
 
 
 def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: int | None = None,
@@ -23,3 +25,26 @@ def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: 
     if max_num_seqs is not None and not blocks.holds(seq_id) and blocks.num_sequences >= max_num_seqs:
         return False
     return blocks.usage_after(needed) <= watermark
+
+
+def cached_prefix(blocks: BlockManager, seq: SequenceState, num_tokens: int) -> list[int]:
+    """The blocks of `blocks`' prefix cache that hold the KV of `seq`'s first `num_tokens` tokens
+    (whole blocks from the start); none without prefix caching."""
+    if not blocks.enable_caching:
+        return []
+    size = blocks.block_size
+    return blocks.match(extend_hashes(seq, seq.num_tokens, size)[:num_tokens // size])
+
+
+def computable_prefix(blocks: BlockManager, seq: SequenceState) -> list[int]:
+    """The cached prefix a pool that computes `seq`'s next token may share: at most `(n - 1) // block_size`
+    blocks of its n tokens.
+
+    NOTE: the last token is always computed, for its logits. A decode pool receiving copied KV has no
+    such token to compute and shares `cached_prefix(blocks, seq, n)`."""
+    return cached_prefix(blocks, seq, seq.num_tokens - 1)
+
+
+def uncached_tokens(blocks: BlockManager, seq: SequenceState) -> int:
+    """Prompt tokens a pool would have to compute for `seq` (its prefix-cache hits are free)."""
+    return seq.num_tokens - len(computable_prefix(blocks, seq)) * blocks.block_size

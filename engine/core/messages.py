@@ -97,11 +97,30 @@ class KVHandoff:
     transfers: tuple = ()          # engine.transfer.base.TransferHandle, one per started copy
     block_hashes: tuple[bytes, ...] = ()   # prefix-cache hashes of its full blocks
     num_cached_tokens: int = 0     # prompt tokens the prefill actor found in its prefix cache
+    decode_unit: int = 0           # the decode unit holding its reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Decode blocks reserved on decode unit `unit` for a sequence being prefilled elsewhere;
+    the first `num_cached` of them were cached there (not copied)."""
+
+    blocks: tuple[int, ...]
+    num_cached: int
+    unit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Prefill -> coordinator: give back a reservation on `decode_unit` that was never handed off."""
+
+    request_id: str
+    decode_unit: int
 
 
 @dataclass(frozen=True, slots=True)
 class Preempted:
-    """Decode -> prefill: a sequence whose decode blocks were taken back; prefill it again."""
+    """Decode -> coordinator -> a prefill unit: a sequence whose decode blocks were taken back; prefill it again."""
 
     request: Request
     output_token_ids: tuple[int, ...]
@@ -127,6 +146,9 @@ class ActorStats:
     spec_draft_tokens: int = 0      # draft tokens verified,
     spec_accepted_tokens: int = 0   # of which accepted,
     spec_accepted_per_position: tuple[int, ...] = ()   # accepted at draft position 0, 1, ..; () when off
+    unit: str = ""                  # the unit it steps on: prefill, decode1, colocated0, ...
+    routed_prefill: int = 0         # prompts the coordinator routed to this unit (to prefill)
+    routed_decode: int = 0          # prefilled sequences it routed here (decode blocks reserved)
 
 
 @dataclass(frozen=True, slots=True)

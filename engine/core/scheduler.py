@@ -9,10 +9,9 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from engine.core.admission import can_admit
+from engine.core.admission import can_admit, computable_prefix
 from engine.core.batch import Batch, ScheduledChunk
 from engine.core.block_manager import BlockManager
-from engine.core.prefix_cache import extend_hashes
 from engine.core.sequence import Sequence
 from engine.core.speculative import Speculator
 
@@ -100,8 +99,7 @@ class PrefillScheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Take blocks for `seq` (its cached prefix shared): its KV starts after the prefix."""
         blocks, size = self.blocks, self.blocks.block_size
-        hashes = extend_hashes(seq, seq.num_tokens, size) if blocks.enable_caching else []
-        hits = blocks.match(hashes[:(seq.num_tokens - 1) // size])     # NOTE: the last token is always computed
+        hits = computable_prefix(blocks, seq)
         if not can_admit(blocks, seq.request_id, seq.num_tokens + 1, self.pool_max_seqs, self.watermark, hits):
             return False
         if self.reserve is not None and not self.reserve(seq):

@@ -1,6 +1,7 @@
 """A test-only fault hook for the supervisor's tests: `PDSERVE_FAULT="<unit>:<kind>@<step>"`.
 
-The compute unit named `<unit>` (prefill, decode, colocated) misbehaves at its `<step>`-th step
+The compute unit named `<unit>` (prefill, decode, colocated; with several units of a role, one of
+them: prefill0, decode1, colocated1, ...) misbehaves at its `<step>`-th step
 (counting from 1 after warm-up): `raise` raises InjectedFault, `hang` never returns, `exit` ends
 the process at once (a worker process dies as if killed). Unset, it costs one None check per step.
 """

@@ -79,6 +79,7 @@ class BlockCopy:
     key: str                         # whose blocks (a request id): the copy's handle comes back under it
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
+    peer: int = 0                    # which peer pool (decode unit) of the step runner's
 
 
 @dataclass(frozen=True, slots=True)

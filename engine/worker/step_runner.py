@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,19 +21,28 @@ class StepOutcome:
     mask_seconds: float = 0.0                         # host time of its token masks (grammars, logit_bias)
 
 
-class StepRunner:
-    """A runner, and where its KV hand-offs go (`peer_pool` through `transfer`; None when it hands off nothing)."""
+class Peer(NamedTuple):
+    """A pool this runner's KV hand-offs go to, and how they are copied there."""
 
-    def __init__(self, runner: ModelRunner, transfer: KVTransfer | None = None,
-                 peer_pool: torch.Tensor | None = None) -> None:
-        self.runner, self.transfer, self.peer_pool = runner, transfer, peer_pool
+    transfer: KVTransfer
+    pool: torch.Tensor
+
+
+class StepRunner:
+    """A runner, and where its KV hand-offs go (`peers[i]` for BlockCopy.peer i; none when it hands off nothing)."""
+
+    def __init__(self, runner: ModelRunner, peers: tuple[Peer, ...] = ()) -> None:
+        self.runner, self.peers = runner, peers
 
     def run(self, work: StepWork) -> StepOutcome:
         if work.threads is not None and work.threads != torch.get_num_threads():
             torch.set_num_threads(work.threads)
         started = time.perf_counter()
         result = self.runner.execute(work.step)
-        copies = tuple((copy.key, self.transfer.copy_blocks(self.runner.kv_pool, self.peer_pool, copy.src_blocks,
-                                                            copy.dst_blocks)) for copy in work.copies)
+        copies = tuple((copy.key, self._copy(copy.peer, copy.src_blocks, copy.dst_blocks)) for copy in work.copies)
         return StepOutcome(result, copies, time.perf_counter() - started, torch.get_num_threads(),
                            self.runner.mask_seconds)
+
+    def _copy(self, peer: int, src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...]) -> TransferHandle:
+        transfer, pool = self.peers[peer]
+        return transfer.copy_blocks(self.runner.kv_pool, pool, src_blocks, dst_blocks)

@@ -51,8 +51,9 @@ class SpawnTracker:
 class ProcessCompute:
     kind = "process"
 
-    def __init__(self, spec: WorkerSpec, own_pool: SharedFd | None = None, peer_pool: SharedFd | None = None) -> None:
-        self.spec, self.own_pool, self.peer_pool = spec, own_pool, peer_pool
+    def __init__(self, spec: WorkerSpec, own_pool: SharedFd | None = None,
+                 peer_pools: tuple[SharedFd, ...] = ()) -> None:
+        self.spec, self.own_pool, self.peer_pools = spec, own_pool, peer_pools
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
         self.eos_token_ids = spec.eos_token_ids
@@ -68,7 +69,7 @@ class ProcessCompute:
         """Start the worker; returns once it is spawned (`wait_ready` waits for its runner)."""
         parent, child = self._context.Pipe(duplex=True)
         self.process = self._context.Process(target=worker_main, name=f"pdserve-{self.spec.name}", daemon=True,
-                                             args=(child, self.spec, os.getpid(), self.own_pool, self.peer_pool))
+                                             args=(child, self.spec, os.getpid(), self.own_pool, self.peer_pools))
         self.process.start()
         child.close()
         self.conn = parent

@@ -86,7 +86,8 @@ def encode_work(work: StepWork) -> bytes:
         [x for v in s.verify for x in (v.row, v.start, len(v.token_ids))],
         [t for v in s.verify for t in v.token_ids],
     ]
-    doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp]}
+    doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp],
+           "peers": [c.peer for c in cp]}
     return _frame(WORK, arrays, doc)
 
 
@@ -104,8 +105,8 @@ def decode_work(data: bytes) -> StepWork:
         appends.append(BlockAppend(row, first, tuple(ap_blocks[b:b + n].tolist())))
         b += n
     copies, b = [], 0
-    for key, n in zip(doc["keys"], cp_n.tolist()):
-        copies.append(BlockCopy(key, tuple(cp_src[b:b + n].tolist()), tuple(cp_dst[b:b + n].tolist())))
+    for key, peer, n in zip(doc["keys"], doc["peers"], cp_n.tolist()):
+        copies.append(BlockCopy(key, tuple(cp_src[b:b + n].tolist()), tuple(cp_dst[b:b + n].tolist()), peer))
         b += n
     step = StepInput(tuple(freed.tolist()), tuple(new_rows), tuple(appends), tuple(rows.tolist()),
                      tuple(positions.tolist()),

@@ -25,7 +25,7 @@ from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from engine.worker.faults import Fault
 from engine.worker.model_runner import ModelRunner, load_model
 from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.step_runner import StepRunner
+from engine.worker.step_runner import Peer, StepRunner
 from engine.worker.startup.warmup import warm_up_for_serving
 
 PARENT_POLL_S = 0.2
@@ -47,20 +47,20 @@ class WorkerSpec:
     quantization: str
     warmup_role: str
     scheduler: SchedulerConfig
-    peer_pool: PoolSpec | None = None   # the decode pool this worker copies finished blocks into
+    peer_pools: tuple[PoolSpec, ...] = ()   # the decode pools this worker copies finished blocks into
     kv_transfer: str | None = None
     log_level: int = logging.INFO
     cpu_kernels: str = "auto"        # the coordinator's --cpu-kernels decision (native | torch), applied here
     thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
 
 
-def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fd) -> None:
-    """Entry point of the spawned process; `own_fd`/`peer_fd` are the shared pools' SharedFds (or None)."""
+def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
+    """Entry point of the spawned process; `own_fd` (or None) and `peer_fds` are the shared pools' SharedFds."""
     _die_with_parent(parent)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s worker-{spec.name}: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # NOTE: the coordinator decides when a worker stops
     try:
-        step_runner = _build(spec, own_fd, peer_fd)
+        step_runner = _build(spec, own_fd, peer_fds)
     except BaseException as e:                             # noqa: BLE001  (reported, then the process ends)
         conn.send_bytes(wire.encode_error(e))
         return
@@ -92,7 +92,7 @@ def _serve(conn, step_runner: StepRunner, fault: Fault | None) -> None:
             return
 
 
-def _build(spec: WorkerSpec, own_fd, peer_fd) -> StepRunner:
+def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(len(spec.cores))
@@ -105,11 +105,11 @@ def _build(spec: WorkerSpec, own_fd, peer_fd) -> StepRunner:
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
                          kv_pool=pool, **spec.step_sizes)
     warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len, spec.thread_counts)
-    if spec.peer_pool is None:
-        return StepRunner(runner)
-    check_pools_agree(spec.pool, spec.peer_pool)
-    peer = SharedPool(spec.peer_pool, peer_fd).tensor()
-    return StepRunner(runner, select_transfer(device, device, spec.kv_transfer), peer)
+    peers = []
+    for peer_spec, peer_fd in zip(spec.peer_pools, peer_fds, strict=True):
+        check_pools_agree(spec.pool, peer_spec)
+        peers.append(Peer(select_transfer(device, device, spec.kv_transfer), SharedPool(peer_spec, peer_fd).tensor()))
+    return StepRunner(runner, tuple(peers))
 
 
 def _die_with_parent(parent: int) -> None:

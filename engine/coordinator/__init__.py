@@ -1,0 +1,1 @@
+"""The coordinator: the request table, admission, routing and the KV hand-off between units."""

@@ -1,0 +1,248 @@
+"""The coordinator: on the event loop, it owns the request table, admission, routing, placement and the
+KV hand-off protocol over N prefill and M decode units (or N colocated ones).
+
+Actors only step their unit; what one asks of another goes through here (`engine.actors.base.Port`):
+a prefill unit reserves decode blocks (None: back-pressure), posts its hand-off (delivered to the
+decode unit holding the reservation), or releases a reservation it never handed off; a decode unit
+posts a preempted sequence (routed to a prefill unit again) and says when it freed blocks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
+from engine.actors.base import Actor
+from engine.actors.placement import LoadState
+from engine.core.admission import cached_prefix, uncached_tokens
+from engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
+from engine.core.sequence import Sequence
+from engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
+
+logger = logging.getLogger(__name__)
+
+
+class NoUnitUp(RuntimeError):
+    """Every unit a new request could go to is failing or restarting."""
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a request is: the prefill unit it was last sent to, the decode (or colocated) unit holding it."""
+
+    prefill: int | None = None
+    decode: int | None = None
+
+
+class Coordinator:
+    def __init__(self, mode: str, prefill: list[Actor], decode: list[Actor]) -> None:
+        """`prefill` and `decode` actors by unit index; colocated mode: its actors in `decode`, none in `prefill`."""
+        self.mode = mode
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.table: dict[str, Route] = {}
+        self.down: set[str] = set()          # unit names failing or restarting: routing skips them
+        self._last_placement: bool | None = None
+        for actor in self.actors:
+            actor.port = self
+
+    @property
+    def actors(self) -> list[Actor]:
+        return [*self.prefill, *self.decode]
+
+    def replace(self, old: Actor, new: Actor) -> None:
+        """A restarted unit's fresh actor takes `old`'s place (same unit, same index)."""
+        role = self.prefill if old in self.prefill else self.decode
+        index = role.index(old)
+        new.index, new.unit_name, new.port = old.index, old.unit_name, self
+        role[index] = new
+
+    def up(self, actor: Actor) -> bool:
+        return actor.unit_name not in self.down
+
+    # admission
+    def submit(self, request: Request) -> None:
+        """Route a new request to the unit with the earliest predicted first token (raises NoUnitUp)."""
+        entry = self.prefill if self.mode == "disaggregated" else self.decode
+        index = self._first_token_unit(entry, request)
+        if index is None:
+            raise NoUnitUp("every unit that takes new requests is restarting after a failure; retry shortly")
+        route = Route(prefill=index) if entry is self.prefill else Route(decode=index)
+        self.table[request.request_id] = route
+        entry[index].routed_prefill += 1
+        entry[index].send(request)
+
+    def _first_token_unit(self, actors: list[Actor], seq: Sequence | Request) -> int | None:
+        if len(actors) == 1:
+            return 0 if self.up(actors[0]) else None
+        if isinstance(seq, Request):
+            seq = Sequence(seq)
+        order = first_token_order([PrefillView(i, a.backlog_tokens(), uncached_tokens(a.blocks, seq),
+                                               self._prefill_rate(a), self.up(a)) for i, a in enumerate(actors)])
+        return order[0] if order else None
+
+    @staticmethod
+    def _prefill_rate(actor: Actor) -> float | None:
+        """Measured seconds per prefill token on `actor`'s unit (adaptive mode's cost models), else None."""
+        if isinstance(actor, LendingPrefillActor):
+            return actor.cost.seconds_per_prefill_token(actor.share.prefill_own if actor.share else 1)
+        if isinstance(actor, AdaptiveDecodeActor):
+            return actor.cost.seconds_per_prefill_token(actor.share.decode_own if actor.share else 1)
+        return None
+
+    def abort(self, request_id: str) -> None:
+        """Abort on the units the table says hold the request; on every unit once it left the table."""
+        route = self.table.pop(request_id, None)
+        if route is None:
+            targets = self.actors
+        else:
+            targets = ([self.prefill[route.prefill]] if route.prefill is not None else []) + \
+                      ([self.decode[route.decode]] if route.decode is not None else [])
+        for actor in targets:
+            actor.send(Abort(request_id))
+
+    def finished(self, request_id: str) -> None:
+        """The request's stream ended (its last token, or an error): it leaves the table."""
+        self.table.pop(request_id, None)
+
+    def forget_all(self) -> None:
+        self.table.clear()
+
+    # the hand-off protocol (Port)
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Decode blocks on the live decode unit with room and the least predicted step growth; None holds
+        the prompt back until a decode unit frees blocks."""
+        route = self.table.get(seq.request_id)
+        if route is None:                       # aborted: its Abort is on the way to the prefill unit
+            return None
+        for index in self._decode_order(seq):
+            reservation = self.decode[index].reserve(seq)
+            if reservation is not None:
+                route.decode = index
+                self.decode[index].routed_decode += 1
+                return reservation
+        return None
+
+    def _decode_order(self, seq: Sequence) -> list[int]:
+        if len(self.decode) == 1:
+            return [0] if self.up(self.decode[0]) else []
+        return decode_order([DecodeView(i, d.blocks.num_sequences + 1, self._step_after(d),
+                                        len(cached_prefix(d.blocks, seq, seq.num_tokens)), self.up(d))
+                             for i, d in enumerate(self.decode)])
+
+    @staticmethod
+    def _step_after(actor: Actor) -> float | None:
+        """Its predicted step time with one more row: every sequence holding blocks there (reserved, landing,
+        decoding) will decode in its steps."""
+        if not isinstance(actor, AdaptiveDecodeActor):
+            return None
+        return actor.cost.predict(actor.share.decode_own if actor.share else 1, actor.blocks.num_sequences + 1, 0)
+
+    def post(self, message) -> None:
+        if isinstance(message, KVHandoff):
+            route = self.table.get(message.request.request_id)
+            if route is not None:
+                route.prefill = None                # prefilled: only its decode unit holds it now
+            self.decode[message.decode_unit].send(message)
+        elif isinstance(message, Release):
+            self.decode[message.decode_unit].release(message.request_id)
+        elif isinstance(message, Preempted):
+            self._prefill_again(message)
+        else:
+            raise TypeError(f"the coordinator does not take {type(message).__name__} messages")
+
+    def _prefill_again(self, message: Preempted) -> None:
+        route = self.table.get(message.request.request_id)
+        if route is None:                       # aborted or ended meanwhile
+            return
+        seq = Sequence(message.request, list(message.output_token_ids))
+        index = self._first_token_unit(self.prefill, seq)
+        if index is None:                       # NOTE: no prefill unit up: its restart fails what it held
+            index = 0
+        route.prefill, route.decode = index, None
+        self.prefill[index].routed_prefill += 1
+        self.prefill[index].send(message)
+
+    def blocks_freed(self, actor: Actor) -> None:
+        for prefill in self.prefill:
+            prefill.poke()
+
+    # adaptive placement (Port)
+    def place(self, actor: Actor, seq: Sequence) -> bool:
+        """Whether decode unit `actor` prefills `seq` itself; else it goes to the prefill unit with the
+        earliest predicted first token. The decode unit's placement policy decides, on its queue now."""
+        route = self.table.get(seq.request_id)
+        index = self._first_token_unit(self.prefill, seq)
+        if route is None or index is None:      # aborted (its Abort follows), or no prefill unit up
+            return True
+        prefill = self.prefill[index]
+        policy = actor.policy
+        policy.prefill_cost = prefill.cost      # NOTE: the remote side of this decision is that unit's cost model
+        decision = policy.place(uncached_tokens(actor.blocks, seq), uncached_tokens(prefill.blocks, seq),
+                                self._load(actor, prefill))
+        if decision.local != self._last_placement:
+            logger.debug("placement %s: %s", "local" if decision.local else "remote", decision.reason)
+            self._last_placement = decision.local
+        if decision.local:
+            route.decode = actor.index
+            return True
+        route.prefill, route.decode = index, None
+        prefill.routed_prefill += 1
+        prefill.send(Preempted(seq.request, tuple(seq.output_token_ids)) if seq.output_token_ids else seq.request)
+        return False
+
+    def load(self, actor: Actor, decode_rows: int | None = None) -> LoadState:
+        """What decode unit `actor`'s policy reads for its step budget: the least loaded live prefill unit."""
+        live = [p for p in self.prefill if self.up(p)] or self.prefill
+        return self._load(actor, min(live, key=lambda p: p.backlog_tokens()), decode_rows)
+
+    def _load(self, decode: AdaptiveDecodeActor, prefill: LendingPrefillActor,
+              decode_rows: int | None = None) -> LoadState:
+        queued = list(decode.local.sequences())
+        rows = len(decode.scheduler) if decode_rows is None else decode_rows
+        share = decode.share
+        return LoadState(rows, sum(s.num_tokens - s.num_computed_tokens for s in queued), prefill.backlog_tokens(),
+                         share.total if share and not prefill.busy else share.decode_own if share else 1,
+                         share.prefill_own if share else 1,
+                         long_queued=any(s.num_tokens > decode.policy.max_local for s in queued))
+
+    def partner_busy(self, actor: Actor) -> bool:
+        """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
+        others = self.decode if actor in self.prefill else self.prefill
+        return any(other.busy for other in others)
+
+    # faults: a unit that fails ends only its own requests
+    def fail_unit(self, actor: Actor) -> list[str]:
+        """Mark `actor`'s unit down (routing skips it) and abort, on their other units, the requests it
+        holds; returns their ids (the engine ends their streams with an error)."""
+        self.down.add(actor.unit_name)
+        prefill = actor in self.prefill
+        held = [request_id for request_id, route in self.table.items()
+                if (route.prefill if prefill else route.decode) == actor.index]
+        for request_id in held:
+            self.abort(request_id)
+        return held
+
+    async def quiesce(self, actor: Actor) -> None:
+        """Before `actor`'s unit gets a fresh actor (and free lists): no copy still reads or writes its pool,
+        and a failed prefill unit's reservations it never handed off are given back."""
+        if actor in self.decode:
+            for prefill in self.prefill:
+                if prefill is not actor and self.up(prefill):
+                    await prefill.steps_done()
+                    for transfer in prefill.copies_to(actor.index):
+                        await prefill.unit.wait(transfer)
+            return
+        for out in list(actor.outgoing.values()):
+            for transfer in out.transfers:
+                await actor.unit.wait(transfer)
+            if not out.handed_off:
+                self.decode[out.decode_unit].release(out.seq.request_id)
+
+    def unit_up(self, old: Actor, new: Actor) -> None:
+        """`new` serves `old`'s restarted unit: routing takes it again."""
+        self.replace(old, new)
+        self.down.discard(new.unit_name)
+
+    def units(self) -> list[tuple[str, str, bool]]:
+        """(unit name, role, up) of every unit."""
+        return [(a.unit_name, a.name, self.up(a) and a.alive) for a in self.actors]

@@ -1,0 +1,162 @@
+"""Two prefill and two decode units (`cpu,cpu`) behind the coordinator: transformers' greedy tokens in
+every mode with thread and process workers, the work spread over every unit, every pool free after
+random aborts at every stage, a conversation's later turns on the unit holding its prefix, and a
+failing unit that ends only its own requests."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+import transformers
+
+from engine.core.messages import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
+from engine.engine import Engine
+from engine.worker import faults
+from tests.models import engine_config, hf_checkpoint
+from tests.test_engine_modes import abort_after, assert_pools_free, collect, prompts, run_engine, wait_idle
+
+MODES = ("colocated", "disaggregated", "adaptive")
+UNITS = dict(prefill_device="cpu,cpu", decode_device="cpu,cpu")
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3"), dtype=torch.float32).eval()
+
+
+def four_units(mode: str, **overrides) -> Engine:
+    return Engine(engine_config(hf_checkpoint("llama3"), mode=mode, max_prefill_tokens=32, **UNITS, **overrides))
+
+
+async def burst(engine: Engine, requests: list[Request]) -> list[list[int]]:
+    results = await asyncio.gather(*(collect(engine.submit(r)) for r in requests))
+    return [tokens for tokens, _ in results]
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_tokens_are_transformers_on_two_and_two_units_and_every_unit_works(mode, workers, llama3):
+    batch = prompts([5, 70, 33, 140, 9, 64], seed=11)
+    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(batch)]
+    engine = four_units(mode, workers=workers)
+    outputs = asyncio.run(run_engine(engine, burst(engine, requests)))
+    for prompt, tokens in zip(batch, outputs):
+        expected = llama3.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                                   do_sample=False, pad_token_id=0)[0, len(prompt):]
+        assert tokens == expected.tolist()
+    stats = engine.stats().actors
+    assert len(stats) == (2 if mode == "colocated" else 4)
+    assert len({a.unit for a in stats}) == len(stats)
+    if mode == "colocated":
+        assert all(a.routed_prefill > 0 for a in stats)
+    elif mode == "disaggregated":
+        assert all(a.routed_prefill > 0 for a in stats if a.name == "prefill")
+        assert all(a.routed_decode > 0 for a in stats if a.name == "decode")
+    else:
+        assert all(a.routed_prefill > 0 for a in stats if a.name == "decode")
+    assert_pools_free(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_aborts_at_every_stage_across_four_units_leave_every_pool_free(mode):
+    engine = four_units(mode)
+    rng = random.Random(5)
+
+    async def scenario():
+        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)))
+                   for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(32)], seed=9))]
+        engine.abort("a0")                                          # queued
+        results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 10)) for s in streams))
+        await wait_idle(engine)
+        return results
+
+    results = asyncio.run(run_engine(engine, scenario()))
+    assert_pools_free(engine)
+    assert all(reason in (FinishReason.ABORT, FinishReason.LENGTH) for _, reason in results)
+    assert sum(reason is FinishReason.ABORT for _, reason in results) >= 16
+    assert all(len(tokens) == 24 for tokens, reason in results if reason is FinishReason.LENGTH)
+    assert not engine.coordinator.table
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_served_it(mode):
+    engine = four_units(mode)
+    first = prompts([70, 70], seed=13)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    entry = {"colocated": "colocated", "disaggregated": "prefill", "adaptive": "decode"}[mode]
+
+    def routed() -> list[int]:
+        return [a.routed_prefill for a in engine.stats().actors if a.name == entry]
+
+    async def conversations():
+        answers = await burst(engine, [Request(f"{c}-1", first[c], greedy) for c in (0, 1)])
+        served = routed()
+        assert served == [1, 1]                                     # the two first turns went to two units
+        history = [first[c] + tuple(answers[c]) for c in (0, 1)]
+        cached = {}
+        for turn in (2, 3):
+            for c in (1, 0):                                        # conversation 1 first: an idle unit 0 ties
+                before = routed()
+                prompt = history[c] + prompts([5], seed=20 + turn + c)[0]
+                events = [e async for e in engine.submit(Request(f"{c}-{turn}", prompt, greedy))]
+                after = routed()
+                assert [b - a for a, b in zip(before, after)] == [int(u == c) for u in (0, 1)]
+                cached[c, turn] = events[-1].num_cached_tokens
+                history[c] = prompt + tuple(t for e in events for t in e.token_ids)
+        return cached
+
+    cached = asyncio.run(run_engine(engine, conversations()))
+    assert all(tokens >= 64 for tokens in cached.values())
+    assert_pools_free(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("workers,fault", [("thread", "raise"), ("process", "exit")])
+def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_serves_again(workers, fault,
+                                                                                           monkeypatch, llama3):
+    monkeypatch.setenv(faults.ENV, f"decode1:{fault}@4")
+    engine = four_units("disaggregated", workers=workers)
+    monkeypatch.delenv(faults.ENV)
+    batch = prompts([12, 40, 7, 25, 60, 18, 33, 9], seed=17)
+    health_while_down = []
+    restart_unit = engine.restart_unit
+
+    async def observed_restart(actor, recover_stuck):
+        health_while_down.append(engine.units_up())
+        await restart_unit(actor, recover_stuck)
+
+    engine.restart_unit = observed_restart
+
+    async def scenario():
+        first = await asyncio.gather(*(collect_events(engine.submit(Request(f"f{i}", p, GREEDY)))
+                                       for i, p in enumerate(batch)))
+        await asyncio.gather(*engine.supervisor.units_down.values())        # decode1's restart
+        assert all(unit["up"] for unit in engine.units_up())
+        again = await burst(engine, [Request(f"g{i}", p, GREEDY) for i, p in enumerate(batch)])
+        return first, again
+
+    first, again = asyncio.run(run_engine(engine, scenario()))
+    expected = [llama3.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist() for p in batch]
+    failed = [events[-1] for events in first if events[-1].finish_reason is FinishReason.ERROR]
+    finished = [(i, events) for i, events in enumerate(first) if events[-1].finish_reason is FinishReason.LENGTH]
+    assert failed and finished and len(failed) + len(finished) == len(batch)
+    assert all("decode1" in event.error for event in failed)
+    assert all([t for e in events for t in e.token_ids] == expected[i] for i, events in finished)
+    assert again == expected
+    assert engine.supervisor.restarts == 1 and engine.dead is None
+    assert health_while_down == [[{"unit": u, "role": u[:-1], "up": u != "decode1"}
+                                  for u in ("prefill0", "prefill1", "decode0", "decode1")]]
+    assert {a.unit for a in engine.stats().actors if a.routed_decode} == {"decode0", "decode1"}  # fresh decode1 too
+    assert_pools_free(engine)
+    engine.close()
+
+
+async def collect_events(stream) -> list:
+    return [event async for event in stream]
