@@ -5,8 +5,9 @@ answer does not, in one process: tok/s of each and the ratios.
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
-Both engines are built once (same weights, same mode) and take turns request by request, so drift of the
-machine hits both alike; each figure is the median of --repeats greedy requests (after one warm-up each).
+The two engines (same weights, same mode) take turns, one engine alive at a time (an idle second engine in
+the process halves the other's speed), each round building both; each figure is the median of --repeats
+greedy requests, each after one warm-up request.
 With --llama-server and --llama-gguf (the same weights as --model, e.g. `python -m bench.reference_model`'s
 F32 pair), llama.cpp's `llama-server` runs the same token prompts after pdserve, without and with its own
 n-gram speculation (`--llama-spec`), one request at a time, stopping at EOS as pdserve's requests do.
@@ -23,7 +24,7 @@ import orjson
 
 from bench.edit_workload import edit_prompts
 from bench.llama_cpp import find_llama_server, llama_server, timed_completions
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 
@@ -51,35 +52,41 @@ def counters(llm: LLM) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    base = EngineConfig(model=args.model, mode=args.mode, dtype=args.dtype)
-    engines = {"plain": LLM(config=base), "spec": LLM(config=base, speculative_config=args.speculative_config)}
+    configs = {"plain": {}, "spec": {"speculative_config": args.speculative_config}}
+    base = EngineConfig(model=args.model, mode=args.mode, dtype=args.dtype,      # NOTE: every request prefills, as
+                        cache=CacheConfig(enable_prefix_caching=False))     # llama-server's cache_prompt: false
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    results = {"_prompts": prompts(engines["plain"], args.passage_tokens, args.seed)}
-    try:
-        for name, prompt in results["_prompts"].items():
-            for llm in engines.values():
-                tokens_per_second(llm, prompt, params)                       # warm-up
-            before = counters(engines["spec"])
-            rates = {key: [] for key in engines}
-            lengths = {}
-            for _ in range(args.repeats):
-                for key, llm in engines.items():
-                    rate, lengths[key] = tokens_per_second(llm, prompt, params)
-                    rates[key].append(rate)
-            after = counters(engines["spec"])
-            spent = {k: after[k] - before[k] for k in after}
-            medians = {key: statistics.median(values) for key, values in rates.items()}
-            results[name] = {"prompt_tokens": len(prompt), "output_tokens": lengths, "tok_s": rates,
-                             "median_tok_s": medians, "ratio": medians["spec"] / medians["plain"],
-                             "acceptance_rate": spent["accepted_tokens"] / spent["draft_tokens"]
-                             if spent["draft_tokens"] else None, **spent}
-            rate = results[name]["acceptance_rate"]
-            print(f"{name:>10}: plain {medians['plain']:.1f} tok/s, speculative {medians['spec']:.1f} tok/s, "
-                  f"ratio {results[name]['ratio']:.2f}x, acceptance {'n/a' if rate is None else f'{rate:.1%}'} "
-                  f"({args.repeats} runs, medians; outputs {lengths['plain']}/{lengths['spec']} tokens)")
-    finally:
-        for llm in engines.values():
-            llm.close()
+    rates: dict = {}
+    spent: dict = {}
+    lengths: dict = {}
+    prompt_sets = None
+    for _ in range(args.repeats):
+        for key, extra in configs.items():           # NOTE: one engine at a time: an idle second one halves the speed
+            llm = LLM(config=base, **extra)
+            try:
+                prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed)
+                for name, prompt in prompt_sets.items():
+                    tokens_per_second(llm, prompt, params)                       # warm-up
+                    before = counters(llm)
+                    rate, lengths[name, key] = tokens_per_second(llm, prompt, params)
+                    rates.setdefault(name, {}).setdefault(key, []).append(rate)
+                    after = counters(llm)
+                    for k in after:
+                        spent.setdefault(name, {}).setdefault(k, 0)
+                        spent[name][k] += after[k] - before[k]
+            finally:
+                llm.close()
+    results = {"_prompts": prompt_sets}
+    for name, prompt in prompt_sets.items():
+        medians = {key: statistics.median(values) for key, values in rates[name].items()}
+        used = spent[name]
+        rate = used["accepted_tokens"] / used["draft_tokens"] if used["draft_tokens"] else None
+        results[name] = {"prompt_tokens": len(prompt), "tok_s": rates[name], "median_tok_s": medians,
+                         "ratio": medians["spec"] / medians["plain"], "acceptance_rate": rate, **used,
+                         "output_tokens": {key: lengths[name, key] for key in configs}}
+        print(f"{name:>10}: plain {medians['plain']:.1f} tok/s, speculative {medians['spec']:.1f} tok/s, "
+              f"ratio {results[name]['ratio']:.2f}x, acceptance {'n/a' if rate is None else f'{rate:.1%}'} "
+              f"({args.repeats} runs, medians; outputs {lengths[name, 'plain']}/{lengths[name, 'spec']} tokens)")
     return results
 
 
