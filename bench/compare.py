@@ -1,4 +1,4 @@
-"""`python -m bench.compare`: pdserve adaptive vs disaggregated vs colocated vs `transformers serve`.
+"""`python -m pdserve.bench.compare`: pdserve adaptive vs disaggregated vs colocated vs `transformers serve`.
 
 Starts each server on a free local port with the same checkpoint, runs the same
 seeded workload against each in turn, stops it (SIGTERM, SIGKILL after a grace
@@ -24,12 +24,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import loadtest
-from bench.compare_report import evaluate_targets, render_report, roles_plot_path, write_report
-from bench.documents import arguments_dict, machine_description, write_json
-from bench.metrics import BenchResult, markdown_comparison
-from bench.server_metrics import PlacementSampler
-from bench.servers import (
+from pdserve.bench import loadtest
+from pdserve.bench.compare_report import evaluate_targets, render_report, roles_plot_path, write_report
+from pdserve.bench.documents import arguments_dict, machine_description, write_json
+from pdserve.bench.metrics import BenchResult, markdown_comparison
+from pdserve.bench.server_metrics import PlacementSampler
+from pdserve.bench.servers import (
     OPTIONAL_SERVERS,
     PREFIX_CACHING_AB,
     REPO,
@@ -45,9 +45,9 @@ from bench.servers import (
     server_specs,
     variant_specs,
 )
-from bench.sse_client import EndpointConfig
-from bench.turn_metrics import markdown_turns
-from bench.workloads import add_traffic_arguments, add_workload_arguments
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.turn_metrics import markdown_turns
+from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 
 OUT_DIR = REPO / "bench" / "out"  # ignored by git: a run's report, JSON, plots and server logs
 RESULTS_PAGE = REPO / "bench" / "RESULTS.md"  # the hand-kept results page, never written here
@@ -89,7 +89,7 @@ async def _benchmark(spec: ServerSpec, base_url: str, model: str, args: argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the `python -m bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
+    """Register the `python -m pdserve.bench.compare` flags (workload and traffic flags as in `pdserve bench`)."""
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo 'base' model)")
     parser.add_argument("--servers", default=None, help=f"comma list from {', '.join(SERVER_NAMES + OPTIONAL_SERVERS)} "
                                                          "(default: the first four, none with --pdserve-variant or "
@@ -149,11 +149,11 @@ def _write_outputs(args: argparse.Namespace, options: loadtest.Options, model_di
     runs = [(o.spec.title, o.records) for o in outcomes if o.records]
     timelines = [(o.spec.title, o.timeline, o.records) for o in outcomes if o.timeline]
     if runs:
-        from bench.plot import plot_runs
+        from pdserve.bench.plot import plot_runs
 
         plot_runs(runs, args.plot)
     if timelines:
-        from bench.plot import plot_roles
+        from pdserve.bench.plot import plot_roles
 
         plot_roles(timelines, roles_plot_path(args.plot))
     write_report(Path(args.report), render_report(args, options, model_dir, outcomes, command, date))
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     or SIGTERM (servers are stopped in every case).
     """
     if Path(args.report).resolve() == RESULTS_PAGE.resolve():
-        print(f"bench.compare: error: --report {args.report} is the hand-kept results page; name another file "
+        print(f"pdserve.bench.compare: error: --report {args.report} is the hand-kept results page; name another file "
               "and copy the figures that answer a question into the page", file=sys.stderr)
         return 2
     model_dir = args.model or default_model_dir()
@@ -190,15 +190,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         options = loadtest.options_from_args(args)
         specs = selected_specs(args, model_dir)
     except (ValueError, OSError) as error:
-        print(f"bench.compare: error: {error}", file=sys.stderr)
+        print(f"pdserve.bench.compare: error: {error}", file=sys.stderr)
         return 2
-    command = shlex.join(["python", "-m", "bench.compare", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "pdserve.bench.compare", *(sys.argv[1:] if argv is None else argv)])
     return run_comparison(specs, args, options, model_dir, command)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The `python -m bench.compare` flags of `argv` (default sys.argv[1:]), presets applied."""
-    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
+    """The `python -m pdserve.bench.compare` flags of `argv` (default sys.argv[1:]), presets applied."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.compare", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     _apply_presets(args)
@@ -245,7 +245,7 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
         with _sigterm_as_interrupt():
             outcomes = [run_server(spec, args, options, Path(args.log_dir)) for spec in specs]
     except KeyboardInterrupt:
-        print("bench.compare: interrupted; servers stopped", file=sys.stderr)
+        print("pdserve.bench.compare: interrupted; servers stopped", file=sys.stderr)
         return 130
     _write_outputs(args, options, model_dir, outcomes, command)
     print(markdown_comparison([(o.spec.title, o.summary, o.startup_s) for o in outcomes]))
@@ -253,12 +253,12 @@ def run_comparison(specs: list[ServerSpec], args: argparse.Namespace, options: l
     print("\n".join(f"{what}: {verdict}" for what, verdict in evaluate_targets(outcomes, options)))
     print("\n".join(f"{o.spec.title} failed: {o.error}" for o in outcomes if not o.ok))
     plot = f"; plot {args.plot}" if any(o.records for o in outcomes) else ""
-    print(f"bench.compare: report {args.report}; per-request data {args.result_json}{plot}")
+    print(f"pdserve.bench.compare: report {args.report}; per-request data {args.result_json}{plot}")
     return 0 if all(o.ok for o in outcomes) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.compare`: parse `argv` (default sys.argv[1:]) and run."""
+    """`python -m pdserve.bench.compare`: parse `argv` (default sys.argv[1:]) and run."""
     return run(parse_args(argv), argv)
 
 

@@ -1,4 +1,4 @@
-"""bench.compare's report: targets and verdicts, and the Markdown file `--report` names."""
+"""pdserve.bench.compare's report: targets and verdicts, and the Markdown file `--report` names."""
 from __future__ import annotations
 
 import argparse
@@ -6,12 +6,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import loadtest
-from bench.documents import machine_description
-from bench.metrics import markdown_comparison
-from bench.server_metrics import timeline_summary
-from bench.servers import OPTIONAL_SERVERS, PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
-from bench.turn_metrics import markdown_turns
+from pdserve.bench import loadtest
+from pdserve.bench.documents import machine_description
+from pdserve.bench.metrics import markdown_comparison
+from pdserve.bench.server_metrics import timeline_summary
+from pdserve.bench.servers import OPTIONAL_SERVERS, PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
+from pdserve.bench.turn_metrics import markdown_turns
 
 
 ADAPTIVE, DISAGG, COLOC, HF = SERVER_NAMES

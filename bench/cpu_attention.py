@@ -1,7 +1,7 @@
 """CPU paged attention, SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16):
 the native kernel that reads K/V in place against the reference that gathers them for SDPA.
 
-    python -m bench.cpu_attention --threads 2
+    python -m pdserve.bench.cpu_attention --threads 2
 
 Decode: one query per sequence, (batch, context) pairs; prints time and the K/V bandwidth achieved.
 Prefill: one causal prompt (context = chunk) and a chunk after cached context, the reference against
@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
-from kernels.decode_attention import decode_attention_ref
-from kernels.native_decode_attention import decode_attention_native
-from kernels.prefill_attention import prefill_attention_ref
-from kernels.timing import best_seconds
+from pdserve.kernels.decode_attention import decode_attention_ref
+from pdserve.kernels.native_decode_attention import decode_attention_native
+from pdserve.kernels.prefill_attention import prefill_attention_ref
+from pdserve.kernels.timing import best_seconds
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -1,6 +1,6 @@
 """The dense part of a decoder layer on CPU three ways: eager torch, torch.compile, the native kernels.
 
-    python -m bench.cpu_layers --model HF_DIR --dtype float32 --rows 1,8,32,512 --threads 2
+    python -m pdserve.bench.cpu_layers --model HF_DIR --dtype float32 --rows 1,8,32,512 --threads 2
 
 For every layer of the model, in order (so the weights stream from memory as in a real step):
 residual add + RMSNorm, the QKV projection, rotary of q and k, the output projection (of q, to
@@ -19,16 +19,16 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from engine.config import DTYPES, ModelConfig
-from engine.topology import resolve_model_dir
-from engine.worker.model_runner import load_model
-from kernels.activation import silu_and_mul_ref
-from kernels.native_linear import linear_native
-from kernels.native_rms_norm import rms_norm_native
-from kernels.native_silu_and_mul import silu_and_mul_native
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
-from kernels.timing import best_seconds
+from pdserve.engine.config import DTYPES, ModelConfig
+from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.worker.model_runner import load_model
+from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.native_linear import linear_native
+from pdserve.kernels.native_rms_norm import rms_norm_native
+from pdserve.kernels.native_silu_and_mul import silu_and_mul_native
+from pdserve.kernels.rms_norm import rms_norm_ref
+from pdserve.kernels.rotary import rotary_ref
+from pdserve.kernels.timing import best_seconds
 
 
 def dense_layers(model, h, residual, positions, ops):

@@ -1,6 +1,6 @@
 """Decode step of the `base` demo model on CUDA: captured CUDA graph against eager, per batch size.
 
-    python -m bench.decode_graph_bench [--model demo:base] [--context 1024] [--device cuda:0] [--out DIR]
+    python -m pdserve.bench.decode_graph_bench [--model demo:base] [--context 1024] [--device cuda:0] [--out DIR]
 
 Target (issues 4 and 14): at batch 1, graphs at least 3x the eager step rate. Prints a table; JSON to
 DIR/decode_graph_bench.json (DIR: --out, else $OUT, else bench/out). `--device cpu` times eager only
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from engine.actors.planner import StepPlanner
-from engine.config import ModelConfig
-from engine.core.batch import Batch
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sequence import Sequence
-from engine.topology import resolve_model_dir
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.step import StepInput
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.step import StepInput
 
 TARGET = 3.0
 

@@ -13,9 +13,9 @@ from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from bench.metrics import RequestRecord
-from bench.sse_client import EndpointConfig
-from bench.workloads import TrafficSpec, WorkloadSpec
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.workloads import TrafficSpec, WorkloadSpec
 
 
 def _json_safe(value):

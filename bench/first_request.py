@@ -1,6 +1,6 @@
 """Time to first token of the first requests after the server reports READY=1 (no compile stall).
 
-    python -m bench.first_request [--device cuda:0] [--model demo:base] [--requests 10] [--out DIR]
+    python -m pdserve.bench.first_request [--device cuda:0] [--model demo:base] [--requests 10] [--out DIR]
 
 Starts `pdserve serve` with an empty Triton cache and a NOTIFY_SOCKET of its own, waits for READY=1,
 then at once sends `--requests` streaming completions one after another, of varied prompt lengths;
@@ -24,8 +24,8 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from bench.sse_client import EndpointConfig, send_request
-from bench.workloads import SampleRequest
+from pdserve.bench.sse_client import EndpointConfig, send_request
+from pdserve.bench.workloads import SampleRequest
 
 TARGET_RATIO = 2.0
 WORDS = "the of and a to in is you that it he was for on are as with his they I at be this have from".split()
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int, notify: str, triton_cache: str) -> subprocess.Popen:
     env = {**os.environ, "NOTIFY_SOCKET": notify, "TRITON_CACHE_DIR": triton_cache}
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
+    command = [sys.executable, "-m", "pdserve.server.cli", "serve", "--model", args.model, "--port", str(port),
                "--prefill-device", args.device, "--decode-device", args.device, "--log-level", "warning",
                "--served-model-name", "pdserve"]
     return subprocess.Popen(command + (["--mode", args.mode] if args.mode else []), env=env)

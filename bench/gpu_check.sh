@@ -36,7 +36,8 @@ RAW="$(mktemp -d)"
 trap 'rm -rf "$RAW"' EXIT
 mkdir -p "$RESULTS"
 exec > >(tee "$RESULTS/gpu_check.log") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PDSERVE_CACHE="$RAW/cache"
+mkdir -p "$RAW/site" && ln -s "$PWD" "$RAW/site/pdserve"     # the checkout as the pdserve package, uninstalled
+export PYTHONPATH="$RAW/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PDSERVE_CACHE="$RAW/cache"
 unset TRITON_INTERPRET PDSERVE_KERNELS
 status=0
 
@@ -71,17 +72,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # NOTE: --continue-on-collection-errors: a module whose optional dependencies are missing must not hide the rest
 part tests "gpu tests" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
     -o addopts="" --junitxml="$RAW/gpu_tests.xml" tests/
-part kernels "kernel benchmark" python3 -m bench.kernel_bench --device "${DEVICE%%:*}" --out "$RAW"
+part kernels "kernel benchmark" python3 -m pdserve.bench.kernel_bench --device "${DEVICE%%:*}" --out "$RAW"
 if [ "$DEVICE" = cpu ]; then
-    part graphs "graph decode" python3 -m bench.decode_graph_bench --device cpu --model demo:tiny --context 64 \
+    part graphs "graph decode" python3 -m pdserve.bench.decode_graph_bench --device cpu --model demo:tiny --context 64 \
         --batch-sizes 1,4 --iters 3 --out "$RAW"
-    part parity "parity" python3 -m bench.gpu_parity --device cpu --model demo:tiny --max-tokens 8 --out "$RAW"
+    part parity "parity" python3 -m pdserve.bench.gpu_parity --device cpu --model demo:tiny --max-tokens 8 --out "$RAW"
 else
-    part graphs "graph decode" python3 -m bench.decode_graph_bench --device "$DEVICE" --out "$RAW"
-    part parity "parity" python3 -m bench.gpu_parity --device "$DEVICE" --out "$RAW"
+    part graphs "graph decode" python3 -m pdserve.bench.decode_graph_bench --device "$DEVICE" --out "$RAW"
+    part parity "parity" python3 -m pdserve.bench.gpu_parity --device "$DEVICE" --out "$RAW"
 fi
-part transfer "kv transfer" python3 -m bench.transfer_bench --out "$RAW"
-part first "first request" python3 -m bench.first_request --device "$DEVICE" \
+part transfer "kv transfer" python3 -m pdserve.bench.transfer_bench --out "$RAW"
+part first "first request" python3 -m pdserve.bench.first_request --device "$DEVICE" \
     --model "$([ "$DEVICE" = cpu ] && echo demo:tiny || echo demo:base)" --out "$RAW"
-part report "report" python3 -m bench.gpu_report --raw "$RAW" --out "$RESULTS"
+part report "report" python3 -m pdserve.bench.gpu_report --raw "$RAW" --out "$RESULTS"
 exit $status

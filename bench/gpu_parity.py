@@ -1,6 +1,6 @@
 """Two actors on one GPU, in both modes, against the CPU path: greedy tokens must be identical.
 
-    python -m bench.gpu_parity [--device cuda:0] [--model demo:base] [--max-tokens 32] [--out DIR]
+    python -m pdserve.bench.gpu_parity [--device cuda:0] [--model demo:base] [--max-tokens 32] [--out DIR]
 
 Runs the same seeded prompts greedily through `--mode colocated` and `--mode disaggregated` with
 both actors on `--device` (float32, so the two paths differ only by kernel rounding) and through
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 
 MODES = ("colocated", "disaggregated")
 
@@ -48,8 +48,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def run(model: str, device: str, max_tokens: int, seed: int) -> dict:
-    from engine.model.config import ModelConfig
-    from engine.topology import resolve_model_dir
+    from pdserve.engine.model.config import ModelConfig
+    from pdserve.engine.topology import resolve_model_dir
 
     inputs = prompts(seed, ModelConfig.from_dir(resolve_model_dir(model)).vocab_size)
     reference, _ = greedy_tokens(model, "colocated", "cpu", inputs, max_tokens)

@@ -1,6 +1,6 @@
 """The one results table of bench/gpu_check.sh, from the files its parts left in one folder.
 
-    python -m bench.gpu_report --raw DIR --out OUT
+    python -m pdserve.bench.gpu_report --raw DIR --out OUT
 
 Reads DIR/parts.tsv (part, exit status, seconds, limit), DIR/gpu_tests.xml and the JSON files of
 the benchmarks; writes OUT/gpu_check.md (the table for bench/RESULTS.md, section "GPU") and

@@ -1,6 +1,6 @@
 """Host time per decode step with a null model: schedule + prepare + sample + post-process + detokenize.
 
-    python -m bench.host_overhead --num-seqs 1,32,128,256
+    python -m pdserve.bench.host_overhead --num-seqs 1,32,128,256
 
 The model's forward is replaced by a no-op of the right shapes (hidden states of zeros, logits
 from a table of random rows), so what is left of a step is the engine's own host work. Runs the
@@ -17,11 +17,11 @@ from collections import defaultdict
 import orjson
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
-from engine.llm import new_event_loop
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.llm import new_event_loop
 
 LOGIT_ROWS = 4096
 

@@ -3,7 +3,7 @@
 Ceilings are measured in the same run: a large device-to-device copy (bandwidth) and a large
 matmul (FLOP/s). On CPU it runs tiny sizes, reference path only, as a smoke test.
 
-    python -m bench.kernel_bench [--device cuda|cpu] [--out DIR]
+    python -m pdserve.bench.kernel_bench [--device cuda|cpu] [--out DIR]
 
 Prints a table last; writes the full result to DIR/kernel_bench.json (DIR: --out, else $OUT,
 else bench/out).
@@ -22,17 +22,17 @@ from typing import Callable
 
 import torch
 
-from kernels._triton import HAS_TRITON
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import (
+from pdserve.kernels._triton import HAS_TRITON
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.decode_attention import (
     decode_attention_ref,
     decode_attention_triton,
     default_num_splits,
 )
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_ref, rotary_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from pdserve.kernels.rotary import rotary_ref, rotary_triton
+from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
 
 @dataclass(frozen=True, slots=True)

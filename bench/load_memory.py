@@ -1,6 +1,6 @@
 """Peak resident memory while loading a checkpoint, against its weight bytes plus the KV budget.
 
-    python -m bench.load_memory --model demo:base --dtype bfloat16 --kv-cache-memory 256MiB
+    python -m pdserve.bench.load_memory --model demo:base --dtype bfloat16 --kv-cache-memory 256MiB
 
 The engine is built in a fresh subprocess (so nothing else is resident) and reports its peak RSS.
 Target: peak <= 1.3 x (weights + KV) + the interpreter's own baseline (torch imported, nothing loaded).
@@ -17,9 +17,9 @@ import sys
 def _child(model: str, dtype: str, kv: str, mode: str) -> None:
     import torch
 
-    from engine.config import CacheConfig, EngineConfig
-    from engine.engine import Engine
-    from engine.topology import resolve_model_dir
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.topology import resolve_model_dir
 
     model_dir = resolve_model_dir(model)               # generated before measuring, if needed
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     if args.child:
         _child(args.model, args.dtype, args.kv_cache_memory, args.mode)
         return 0
-    out = subprocess.run([sys.executable, "-m", "bench.load_memory", "--child", "--model", args.model,
+    out = subprocess.run([sys.executable, "-m", "pdserve.bench.load_memory", "--child", "--model", args.model,
                           "--dtype", args.dtype, "--mode", args.mode, "--kv-cache-memory", args.kv_cache_memory],
                          check=True, capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """`pdserve bench`: load-test any OpenAI-compatible streaming endpoint.
 
-    python -m bench.loadtest --base-url http://127.0.0.1:8000 --dataset-name mixed \\
+    python -m pdserve.bench.loadtest --base-url http://127.0.0.1:8000 --dataset-name mixed \\
         --num-prompts 200 --request-rate 4 --slo ttft_ms=500 tpot_ms=50 \\
         --result-json out.json --plot out.png
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import aiohttp
 from tqdm import tqdm
 
-from bench.documents import arguments_dict, result_document, write_json
-from bench.metrics import (
+from pdserve.bench.documents import arguments_dict, result_document, write_json
+from pdserve.bench.metrics import (
     LATENCY_METRICS,
     BenchResult,
     RequestRecord,
@@ -29,12 +29,12 @@ from bench.metrics import (
     parse_slo,
     summarize,
 )
-from bench.multiturn import MULTITURN, benchmark_conversations, build_conversations, warmup_requests
-from bench.optional import require_plotting
-from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
-from bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
-from bench.turn_metrics import format_turns, turn_summary
-from bench.workloads import (
+from pdserve.bench.multiturn import MULTITURN, benchmark_conversations, build_conversations, warmup_requests
+from pdserve.bench.optional import require_plotting
+from pdserve.bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
+from pdserve.bench.sse_client import LENGTH_CONTROLS, EndpointConfig, send_request
+from pdserve.bench.turn_metrics import format_turns, turn_summary
+from pdserve.bench.workloads import (
     SampleRequest,
     TrafficSpec,
     WorkloadSpec,
@@ -243,8 +243,8 @@ async def run_workload(endpoint: EndpointConfig, options: Options, progress: boo
 
 
 def summarize_run(result: BenchResult, options: Options) -> dict:
-    """`bench.metrics.summarize` of a run with `options`' SLO, percentiles and metrics, and its per-turn
-    and prefix-cache figures (`bench.turn_metrics.turn_summary`)."""
+    """`pdserve.bench.metrics.summarize` of a run with `options`' SLO, percentiles and metrics, and its per-turn
+    and prefix-cache figures (`pdserve.bench.turn_metrics.turn_summary`)."""
     summary = summarize(result.records, result.duration, options.slo, options.percentiles, options.metrics)
     return summary | turn_summary(result.records, result.prefix_cache) | {"spec_decode": result.spec_decode}
 
@@ -275,7 +275,7 @@ async def _run(args: argparse.Namespace, options: Options) -> int:
                                    result.records, arguments_dict(args))
         write_json(args.result_json, document)
     if args.plot:
-        from bench.plot import plot_runs
+        from pdserve.bench.plot import plot_runs
 
         plot_runs([(label, result.records)], args.plot)
     return 0 if summary["completed"] else 1
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.loadtest`: parse `argv` (default sys.argv[1:]) and run."""
+    """`python -m pdserve.bench.loadtest`: parse `argv` (default sys.argv[1:]) and run."""
     parser = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from bench.metrics import BenchResult, RequestRecord
-from bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
-from bench.sse_client import EndpointConfig, send_request_with_text
-from bench.workloads import (
+from pdserve.bench.metrics import BenchResult, RequestRecord
+from pdserve.bench.server_metrics import prefix_cache_delta, scrape_prefix_cache, spec_decode_delta
+from pdserve.bench.sse_client import EndpointConfig, send_request_with_text
+from pdserve.bench.workloads import (
     SampleRequest,
     TrafficSpec,
     WorkloadSpec,

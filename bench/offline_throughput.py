@@ -1,7 +1,7 @@
 """Offline throughput: pdserve's engine against transformers' `generate` and llama.cpp on the same prompts.
 
-    python -m bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
-    python -m bench.offline_throughput --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
+    python -m pdserve.bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
+    python -m pdserve.bench.offline_throughput --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
         --batches 1,8,32 --prefill-len 1024          # llama.cpp too when llama-server is on PATH
 
 For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the rest; decode
@@ -24,12 +24,12 @@ from pathlib import Path
 import orjson
 import torch
 
-from bench import memory_bandwidth
-from bench.documents import machine_description, write_json
-from bench.llama_cpp import find_llama_server
-from engine.config import ModelConfig
-from engine.topology import resolve_model_dir
-from kernels.timing import best_seconds
+from pdserve.bench import memory_bandwidth
+from pdserve.bench.documents import machine_description, write_json
+from pdserve.bench.llama_cpp import find_llama_server
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.topology import resolve_model_dir
+from pdserve.kernels.timing import best_seconds
 
 RESULT_PREFIX = "offline-throughput-result: "
 ENGINES = ("pdserve", "transformers", "llama.cpp")
@@ -64,9 +64,9 @@ def measure(generate, args, prompts: list[list[int]], long_prompt: list[int] | N
 def bench_pdserve(args, prompts, long_prompt) -> dict:
     from dataclasses import replace
 
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.core.sampling_params import SamplingParams
-    from engine.llm import LLM
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
 
     config = EngineConfig(model=args.model, dtype=args.dtype, mode=args.mode, cpu_kernels=args.cpu_kernels,
                           quantization=args.quantization,
@@ -108,7 +108,7 @@ def bench_transformers(args, prompts, long_prompt) -> dict:
 
 
 def bench_llama_cpp(args, prompts, long_prompt) -> dict:
-    from bench.llama_cpp import llama_server, timed_completions
+    from pdserve.bench.llama_cpp import llama_server, timed_completions
 
     context = max(args.batches) * (args.input_len + args.output_len) + (args.prefill_len or 0) + 64
     with llama_server(args.llama_server, Path(args.llama_gguf), args.threads, context,
@@ -223,7 +223,7 @@ def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
     child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
              if value is not None and name not in skip]
     child.append("--batches=" + ",".join(map(str, args.batches)))
-    done = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *child, f"--engine={engine}"],
+    done = subprocess.run([sys.executable, "-m", "pdserve.bench.offline_throughput", *child, f"--engine={engine}"],
                           check=True, capture_output=True, text=True)
     for decision in (line for line in done.stderr.splitlines() if "cpu-kernels" in line or "quantization " in line):
         print(decision, file=sys.stderr)                  # NOTE: what the engine chose at start-up

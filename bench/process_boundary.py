@@ -1,6 +1,6 @@
 """What the process boundary of `--workers process` costs per step: encode + send + receive + decode.
 
-    python -m bench.process_boundary --num-seqs 1,32,128
+    python -m pdserve.bench.process_boundary --num-seqs 1,32,128
 
 For N decode rows (and, separately, N new rows of a 64-token prompt each, the heaviest message), a
 step message goes to an echo worker process over the same pipe and wire format the engine uses,
@@ -18,12 +18,12 @@ import time
 
 import orjson
 
-from bench.documents import machine_description
-from engine.core.sampling_params import SamplingParams
-from engine.llm import new_event_loop
-from engine.worker.processes import wire
-from engine.worker.step import NewRow, StepInput, StepResult, StepWork
-from engine.worker.step_runner import StepOutcome
+from pdserve.bench.documents import machine_description
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import new_event_loop
+from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.step import NewRow, StepInput, StepResult, StepWork
+from pdserve.engine.worker.step_runner import StepOutcome
 
 
 def decode_work(n: int) -> StepWork:

@@ -1,7 +1,7 @@
 """Time and profile one model step of the engine's runner: a decode batch or a prefill batch.
 
-    python -m bench.profile_step --phase decode --batch 32 --context 200 --threads 2
-    python -m bench.profile_step --phase prefill --batch 32 --context 128 --threads 2
+    python -m pdserve.bench.profile_step --phase decode --batch 32 --context 200 --threads 2
+    python -m pdserve.bench.profile_step --phase prefill --batch 32 --context 128 --threads 2
 
 Prints the mean step time and torch.profiler's top operators (where a CPU step's time goes).
 """
@@ -13,17 +13,17 @@ from dataclasses import replace
 
 import torch
 
-from engine.actors.planner import StepPlanner
-from engine.config import DTYPES, ModelConfig
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
-from engine.topology import resolve_model_dir
-from engine.worker.memory import keep_freed_memory_in_process
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.step import StepInput
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.config import DTYPES, ModelConfig
+from pdserve.engine.core.batch import Batch, ScheduledChunk
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.worker.memory import keep_freed_memory_in_process
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.step import StepInput
 
 GREEDY = SamplingParams(temperature=0.0)
 

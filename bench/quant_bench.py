@@ -1,7 +1,7 @@
 """Decode steps and a 1k-token prefill with dense and quantized projections, beside the memory ceiling.
 
-    python -m bench.quant_bench --prepare DIR          # SmolLM2's GGUF -> float32 HF dir (transformers), once
-    python -m bench.quant_bench --model DIR --threads 1 2
+    python -m pdserve.bench.quant_bench --prepare DIR          # SmolLM2's GGUF -> float32 HF dir (transformers), once
+    python -m pdserve.bench.quant_bench --model DIR --threads 1 2
 
 Configurations: float32 and bfloat16 dense; int8 per channel and the GGUF's own blocks (Q4_1
 layers, Q8_0 tied head) with float32 and bfloat16 activations, all loaded at once and measured in
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from bench.profile_step import make_step
-from engine.config import ModelConfig
-from engine.core.block_manager import BlockManager
-from engine.model.quant import QuantizedLinear, gguf_source, projections, quantize_model
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.step import StepInput
+from pdserve.bench.profile_step import make_step
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.model.quant import QuantizedLinear, gguf_source, projections, quantize_model
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.step import StepInput
 
 CONFIGS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
            ("float32", "gguf"), ("bfloat16", "gguf"))

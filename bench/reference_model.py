@@ -1,6 +1,6 @@
 """The llama.cpp comparison's weights: one GGUF checkpoint, dequantized to float32, in both formats.
 
-    python -m bench.reference_model --out /work/models/smollm2-f32
+    python -m pdserve.bench.reference_model --out /work/models/smollm2-f32
 
 Writes OUT/model-f32.gguf (every tensor F32, metadata copied: what llama.cpp loads) and OUT/hf/ (the
 same weights read by transformers' GGUF loader, saved as a Hugging Face directory: what pdserve

@@ -10,7 +10,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sse_client import EndpointConfig
+from pdserve.bench.sse_client import EndpointConfig
 
 QUERIES = "pdserve_prefix_cache_queries_total"
 HITS = "pdserve_prefix_cache_hits_total"

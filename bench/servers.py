@@ -15,8 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.llama_cpp import find_llama_server, llama_server_argv
-from bench.metrics import RequestRecord
+from pdserve.bench.llama_cpp import find_llama_server, llama_server_argv
+from pdserve.bench.metrics import RequestRecord
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_NAMES = ("pdserve-adaptive", "pdserve-disaggregated", "pdserve-colocated", "transformers")
@@ -122,7 +122,7 @@ def free_port() -> int:
 
 
 def default_model_dir() -> str:
-    from engine.model.demo import default_model_dir as demo_dir
+    from pdserve.engine.model.demo import default_model_dir as demo_dir
 
     return str(demo_dir("base"))
 
@@ -148,7 +148,7 @@ PREFIX_CACHING_AB = (("prefix-caching-on", "--enable-prefix-caching"),
 
 
 def pdserve_argv(model_dir: str) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", "{port}"]
+    return [sys.executable, "-m", "pdserve.server.cli", "serve", "--model", model_dir, "--port", "{port}"]
 
 
 def parse_variant(text: str) -> tuple[str, str]:
@@ -218,10 +218,10 @@ def server_specs(model_dir: str, names: list[str], pdserve_args: list[str],
     return [specs[name] for name in names]
 
 
-PROGRAMS = {("-m", "server.cli"): "pdserve", ("-m", "transformers.cli.transformers"): "transformers"}
+PROGRAMS = {("-m", "pdserve.server.cli"): "pdserve", ("-m", "transformers.cli.transformers"): "transformers"}
 
 
 def display_command(argv: list[str]) -> str:
-    """`argv` as a shell line, `python -m server.cli` shown as the `pdserve` command it is."""
+    """`argv` as a shell line, `python -m pdserve.server.cli` shown as the `pdserve` command it is."""
     program = PROGRAMS.get(tuple(argv[1:3]))
     return shlex.join([program, *argv[3:]] if program else argv)

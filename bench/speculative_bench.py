@@ -1,14 +1,14 @@
 """One stream with and without speculative decoding, on a prompt whose answer overlaps it and on one whose
 answer does not, in one process: tok/s of each and the ratios.
 
-    python -m bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
+    python -m pdserve.bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 The two engines (same weights, same mode) take turns, one engine alive at a time (an idle second engine in
 the process halves the other's speed), each round building both; each figure is the median of --repeats
 greedy requests, each after one warm-up request.
-With --llama-server and --llama-gguf (the same weights as --model, e.g. `python -m bench.reference_model`'s
+With --llama-server and --llama-gguf (the same weights as --model, e.g. `python -m pdserve.bench.reference_model`'s
 F32 pair), llama.cpp's `llama-server` runs the same token prompts after pdserve, without and with its own
 n-gram speculation (`--llama-spec`), one request at a time, stopping at EOS as pdserve's requests do.
 Prints one summary line per workload and writes everything as JSON to --result-json.
@@ -22,11 +22,11 @@ import time
 
 import orjson
 
-from bench.edit_workload import edit_prompts
-from bench.llama_cpp import find_llama_server, llama_server, timed_completions
-from engine.config import CacheConfig, EngineConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
+from pdserve.bench.edit_workload import edit_prompts
+from pdserve.bench.llama_cpp import find_llama_server, llama_server, timed_completions
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 
 OPEN_ENDED = "Write a long story about a lighthouse keeper who finds a map in a bottle. Use vivid detail."
 

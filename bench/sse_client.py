@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.metrics import RequestRecord
-from bench.workloads import SampleRequest
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import SampleRequest
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 LENGTH_CONTROLS = ("vllm", "generation-config", "max-tokens")

@@ -1,7 +1,7 @@
 """Structured outputs' cost: decode tok/s of JSON-schema-constrained vs unconstrained requests at batch 1 and
 32, and the first-token delay of a schema seen for the first time vs a cached one, in one process.
 
-    python -m bench.structured_bench --batches 1,32 --max-tokens 128 --mode colocated
+    python -m pdserve.bench.structured_bench --batches 1,32 --max-tokens 128 --mode colocated
 
 Both request kinds produce exactly `--max-tokens` tokens: unconstrained ones ignore EOS, constrained ones
 follow a schema (an array of at least 1000 objects) that cannot end sooner, so tok/s compare like for
@@ -17,14 +17,14 @@ import uuid
 
 import orjson
 
-from bench.documents import machine_description
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
-from engine.llm import new_event_loop
-from engine.text.grammar import grammar_tokenizer
-from server.structured import GrammarCompiler, OutputFormat
+from pdserve.bench.documents import machine_description
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.llm import new_event_loop
+from pdserve.engine.text.grammar import grammar_tokenizer
+from pdserve.server.structured import GrammarCompiler, OutputFormat
 
 PROMPT = "List some records of people as JSON."
 ENDLESS = {"type": "array", "minItems": 1000, "items": {

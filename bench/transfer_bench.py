@@ -1,6 +1,6 @@
 """KV transfer bandwidth of each backend between two devices (cuda:0 -> cuda:1 when there are two GPUs).
 
-    python -m bench.transfer_bench [--src cuda:0] [--dst cuda:1] [--mib 1024] [--out DIR]
+    python -m pdserve.bench.transfer_bench [--src cuda:0] [--dst cuda:1] [--mib 1024] [--out DIR]
 
 Copies a pool's blocks in shuffled runs of 16 with `torch`, `cupy-p2p` and `staged`, checks every
 copied byte, and prints GB/s (bytes moved / the handle's CUDA-event time, median of --iters) next to
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from engine.transfer.base import TransferUnavailable
-from engine.transfer.cupy_p2p import CupyP2PTransfer, import_cupy_runtime
-from engine.transfer.select import select_transfer
-from engine.transfer.staged import StagedTransfer
-from engine.transfer.torch_copy import TorchTransfer
+from pdserve.engine.transfer.base import TransferUnavailable
+from pdserve.engine.transfer.cupy_p2p import CupyP2PTransfer, import_cupy_runtime
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.transfer.staged import StagedTransfer
+from pdserve.engine.transfer.torch_copy import TorchTransfer
 
 BLOCK_GEOMETRY = (32, 2, 16, 8, 128)       # layers, k/v, block size, kv heads, head dim: 2 MiB in bf16
 RUN = 16

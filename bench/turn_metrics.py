@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.metrics import RequestRecord, distribution
+from pdserve.bench.metrics import RequestRecord, distribution
 
 TURN_PERCENTILES = (50, 90)
 

@@ -1,7 +1,7 @@
 """Peak resident memory of an engine with four CPU thread units against one unit: the units of one
 process share one copy of the weights, so four should cost little more than one (target: at most 1.3x).
 
-    python -m bench.unit_memory --model demo:base --dtype bfloat16 --kv-cache-memory 64MiB
+    python -m pdserve.bench.unit_memory --model demo:base --dtype bfloat16 --kv-cache-memory 64MiB
 
 Each engine is built and serves one short request in a fresh subprocess (nothing else resident);
 one unit is `--mode colocated --prefill-device cpu`, four are `--mode disaggregated --prefill-device
@@ -22,11 +22,11 @@ LAYOUTS = {"one": dict(mode="colocated", prefill_device="cpu", decode_device="cp
 
 
 def _child(model: str, dtype: str, kv: str, layout: str) -> None:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.core.messages import Request
-    from engine.core.sampling_params import SamplingParams
-    from engine.engine import Engine
-    from engine.topology import resolve_model_dir
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.core.messages import Request
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.topology import resolve_model_dir
 
     model_dir = resolve_model_dir(model)               # generated before measuring, if needed
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -50,7 +50,7 @@ def _child(model: str, dtype: str, kv: str, layout: str) -> None:
 
 
 def _measure(args, layout: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.unit_memory", "--child", layout, "--model", args.model,
+    out = subprocess.run([sys.executable, "-m", "pdserve.bench.unit_memory", "--child", layout, "--model", args.model,
                           "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

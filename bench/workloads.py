@@ -230,7 +230,7 @@ def sharegpt_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[Sample
 def edit_requests(rng: random.Random, spec: WorkloadSpec) -> Iterator[SampleRequest]:
     """Repeat or lightly edit a passage of about `random_input_len` tokens (bench.edit_workload); the
     output wanted is `random_output_len` tokens."""
-    from bench.edit_workload import edit_prompts
+    from pdserve.bench.edit_workload import edit_prompts
 
     if spec.random_output_len < 1:
         raise ValueError("the edit workload needs --random-output-len >= 1")

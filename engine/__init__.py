@@ -1,6 +1,6 @@
 """pdserve's inference engine: model, paged KV cache, schedulers, prefill and decode actors."""
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM, GenerationOutput
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM, GenerationOutput
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.model.quant import SCHEMES
-from engine.worker.startup.cpu_kernels import CPU_KERNELS
+from pdserve.engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.model.quant import SCHEMES
+from pdserve.engine.worker.startup.cpu_kernels import CPU_KERNELS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

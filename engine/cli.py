@@ -6,8 +6,8 @@ import sys
 
 import orjson
 
-from engine.args import add_engine_args, engine_config_from_args
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.core.sampling_params import SamplingParams
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +25,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from engine.transfer.base import TransferUnavailable
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.transfer.base import TransferUnavailable
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
@@ -62,7 +62,7 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.model.demo import make_model
+    from pdserve.engine.model.demo import make_model
 
     path = make_model(args.out_dir, size=args.size, arch=args.arch, seed=args.seed)
     print(path)

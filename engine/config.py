@@ -1,15 +1,15 @@
 """Configuration, split by layer. Frozen: values computed at start-up are returned, not written back.
 
-Each layer's config lives with its layer (`engine.model.config`, `engine.core.config`); this module
+Each layer's config lives with its layer (`pdserve.engine.model.config`, `pdserve.engine.core.config`); this module
 adds the engine-wide `EngineConfig` and re-exports the others for callers above the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.speculative import SpeculativeConfig
-from engine.model.config import (
+from pdserve.engine.core.config import CacheConfig, SchedulerConfig
+from pdserve.engine.core.speculative import SpeculativeConfig
+from pdserve.engine.model.config import (
     DTYPES,
     SUPPORTED_ARCHITECTURES,
     ConfigError,

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.actors.base import Actor
-from engine.config import EngineConfig, ModelConfig
-from engine.coordinator.coordinator import Coordinator, NoUnitUp
-from engine.core.messages import (
+from pdserve.engine.actors.base import Actor
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
+from pdserve.engine.core.messages import (
     EngineStats,
     FinishReason,
     Request,
@@ -21,14 +21,14 @@ from engine.core.messages import (
     TokenEvent,
     TokenLogprob,
 )
-from engine.model.resolve import resolve_model
-from engine.process_units import load_process_units
-from engine.supervisor import Supervisor
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.stop_strings import StopStringMatcher
-from engine.text.tokenizer import Tokenizer
-from engine.topology import load_units, make_plan, unit_names, wire_actor, wire_actors
-from engine.worker.memory import keep_freed_memory_in_process
+from pdserve.engine.model.resolve import resolve_model
+from pdserve.engine.process_units import load_process_units
+from pdserve.engine.supervisor import Supervisor
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.text.stop_strings import StopStringMatcher
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.engine.topology import load_units, make_plan, unit_names, wire_actor, wire_actors
+from pdserve.engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.core.messages import FinishReason, Request, TokenLogprob
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
+from pdserve.engine.config import EngineConfig, SpeculativeConfig
+from pdserve.engine.core.messages import FinishReason, Request, TokenLogprob
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from engine.config import EngineConfig, ModelConfig
-from engine.core.block_manager import blocks_for
-from engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, step_thread_counts, unit_cores, unit_names
-from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
-from engine.worker.memory import kv_layout, num_kv_blocks
-from engine.worker.processes.process import ProcessCompute, SpawnTracker
-from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.processes.worker_process import WorkerSpec
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.core.block_manager import blocks_for
+from pdserve.engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, step_thread_counts, unit_cores, unit_names
+from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
+from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
+from pdserve.engine.worker.processes.process import ProcessCompute, SpawnTracker
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from pdserve.engine.worker.processes.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.actors.base import Actor
+from pdserve.engine.actors.base import Actor
 
 logger = logging.getLogger(__name__)
 

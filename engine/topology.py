@@ -8,26 +8,26 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
-from engine.actors.base import Actor, Emit
-from engine.actors.colocated import ColocatedActor
-from engine.actors.decode import DecodeActor
-from engine.actors.placement import PlacementPolicy, StepCostModel
-from engine.actors.prefill import PrefillActor
-from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.core.block_manager import blocks_for
-from engine.model.quant import gguf_source, quantize_model
-from engine.model.resolve import resolve_model
-from engine.transfer.select import select_transfer
-from engine.worker.compute import Compute, ThreadCompute
-from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
-from engine.worker.startup.defaults import Choice, choose_devices, choose_dtype, visible_gpus
-from engine.worker.device import with_index
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.startup.sizing import PoolSizer
-from engine.worker.step_runner import Peer, StepRunner
-from engine.worker.startup.warmup import warm_up_for_serving
+from pdserve import kernels
+from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
+from pdserve.engine.actors.base import Actor, Emit
+from pdserve.engine.actors.colocated import ColocatedActor
+from pdserve.engine.actors.decode import DecodeActor
+from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.prefill import PrefillActor
+from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
+from pdserve.engine.core.block_manager import blocks_for
+from pdserve.engine.model.quant import gguf_source, quantize_model
+from pdserve.engine.model.resolve import resolve_model
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.worker.compute import Compute, ThreadCompute
+from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
+from pdserve.engine.worker.startup.defaults import Choice, choose_devices, choose_dtype, visible_gpus
+from pdserve.engine.worker.device import with_index
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.startup.sizing import PoolSizer
+from pdserve.engine.worker.step_runner import Peer, StepRunner
+from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Plan:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The checkpoint directory a --model value names (see `engine.model.resolve`)."""
+    """The checkpoint directory a --model value names (see `pdserve.engine.model.resolve`)."""
     return resolve_model(model).path
 
 

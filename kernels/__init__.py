@@ -21,23 +21,23 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels.native import cpu_kernels_enabled
-from kernels._triton import HAS_TRITON, INTERPRETED
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.native_decode_attention import decode_attention_native
-from kernels.native_decode_attention import supports as native_attention_supports
-from kernels.native_decode_layers import DecodeLayers, decode_layers_native
-from kernels.native_linear import linear_native, prefer_native
-from kernels.native_linear import supports as native_linear_supports
-from kernels.native_rms_norm import rms_norm_native
-from kernels.native_rotary_store import rotary_store_native
-from kernels.native_silu_and_mul import silu_and_mul_native
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_ref, rotary_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from pdserve.kernels.native import cpu_kernels_enabled
+from pdserve.kernels._triton import HAS_TRITON, INTERPRETED
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
+from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pdserve.kernels.native_decode_attention import decode_attention_native
+from pdserve.kernels.native_decode_attention import supports as native_attention_supports
+from pdserve.kernels.native_decode_layers import DecodeLayers, decode_layers_native
+from pdserve.kernels.native_linear import linear_native, prefer_native
+from pdserve.kernels.native_linear import supports as native_linear_supports
+from pdserve.kernels.native_rms_norm import rms_norm_native
+from pdserve.kernels.native_rotary_store import rotary_store_native
+from pdserve.kernels.native_silu_and_mul import silu_and_mul_native
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from pdserve.kernels.rotary import rotary_ref, rotary_triton
+from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
            "rotary_store_kv", "linear", "decode_layers", "Backend", "choose_backend",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl
+from pdserve.kernels._triton import jit, tl
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

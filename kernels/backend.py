@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kernels._triton import HAS_TRITON, IMPORT_ERROR, INTERPRETED
+from pdserve.kernels._triton import HAS_TRITON, IMPORT_ERROR, INTERPRETED
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import INTERPRETED, jit, next_power_of_2, tl
-from kernels.kv_layout import KVLayout
+from pdserve.kernels._triton import INTERPRETED, jit, next_power_of_2, tl
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def gather_blocks(kv_pool: torch.Tensor, layer: int,

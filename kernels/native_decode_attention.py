@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels.native import FLOAT, INT, INT64, POINTER, SUFFIXES, bind, int64_array
+from pdserve.kernels.native import FLOAT, INT, INT64, POINTER, SUFFIXES, bind, int64_array
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 16, 256, 256, 64

@@ -6,7 +6,7 @@ ctypes) costs about what its kernel does. This runs the same kernels in the same
 the same numbers, one call a step. It serves Llama-style layers without q/k norms, float32 or
 bfloat16, whose projections are dense or quantized (quant_linear.c's blocks), at decode batches
 where the per-op path would run a native kernel for every projection (the native linear where it
-beats BLAS: `kernels.native_linear.prefer_native`; the quantized kernel up to its `max_rows`);
+beats BLAS: `pdserve.kernels.native_linear.prefer_native`; the quantized kernel up to its `max_rows`);
 everything else keeps the per-op path.
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
-from kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
-from kernels.native_linear import MAX_NATIVE_ROWS, prefer_native
-from kernels.quant_formats import FORMATS
-from kernels.quant_linear import KernelWeight, quant_linear_address
-from kernels.quant_linear import native_available as quant_available
-from kernels.quant_linear import supports as quant_supports
+from pdserve.kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
+from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
+from pdserve.kernels.native_linear import MAX_NATIVE_ROWS, prefer_native
+from pdserve.kernels.quant_formats import FORMATS
+from pdserve.kernels.quant_linear import KernelWeight, quant_linear_address
+from pdserve.kernels.quant_linear import native_available as quant_available
+from pdserve.kernels.quant_linear import supports as quant_supports
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 WORDS_PER_PROJECTION = 6   # Projection.words(); LayerWeights and Projection in decode_layers.cpp

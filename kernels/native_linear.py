@@ -17,8 +17,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.native import INT, INT64, POINTER, SUFFIXES, bind
-from kernels.timing import best_seconds
+from pdserve.kernels.native import INT, INT64, POINTER, SUFFIXES, bind
+from pdserve.kernels.timing import best_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import functools
 
 import torch
 
-from kernels.native import INT, POINTER, SUFFIXES, bind, int64_array
-from kernels.rotary import rotary_ref
-from kernels.store_kv import store_kv_ref
+from pdserve.kernels.native import INT, POINTER, SUFFIXES, bind, int64_array
+from pdserve.kernels.rotary import rotary_ref
+from pdserve.kernels.store_kv import store_kv_ref
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

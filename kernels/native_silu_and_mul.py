@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from kernels.native import INT, INT64, POINTER, SUFFIXES, bind
+from pdserve.kernels.native import INT, INT64, POINTER, SUFFIXES, bind
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

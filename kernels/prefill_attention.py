@@ -6,7 +6,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import (
+from pdserve.kernels._triton import (
     INTERPRETED,
     jit,
     launch_fitting,
@@ -15,8 +15,8 @@ from kernels._triton import (
     target_arch,
     tl,
 )
-from kernels.decode_attention import decode_attention_ref, gather_blocks
-from kernels.kv_layout import KVLayout
+from pdserve.kernels.decode_attention import decode_attention_ref, gather_blocks
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,

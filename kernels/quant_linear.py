@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.native import load_native
-from kernels.quant_formats import BLOCK, FORMATS, QuantizedWeight, dequantize
+from pdserve.kernels.native import load_native
+from pdserve.kernels.quant_formats import BLOCK, FORMATS, QuantizedWeight, dequantize
 
 SOURCE = Path(__file__).with_name("quant_linear.c")
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, next_power_of_2, tl
+from pdserve.kernels._triton import jit, next_power_of_2, tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

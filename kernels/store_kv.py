@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, next_power_of_2, tl
-from kernels.kv_layout import KVLayout
+from pdserve.kernels._triton import jit, next_power_of_2, tl
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,

@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from engine.engine import Engine
-from server.config import ServerConfig
-from server.errors import APIError, from_http_exception
-from server.routes import setup_routes
-from server.state import ACCESS, STATE, AccessRecord, ServerState
+from pdserve.engine.engine import Engine
+from pdserve.server.config import ServerConfig
+from pdserve.server.errors import APIError, from_http_exception
+from pdserve.server.routes import setup_routes
+from pdserve.server.state import ACCESS, STATE, AccessRecord, ServerState
 
 logger = logging.getLogger(__name__)
-access_logger = logging.getLogger("server.access")
+access_logger = logging.getLogger("pdserve.server.access")
 
 
 def create_app(config: ServerConfig, engine: Engine | None = None) -> web.Application:

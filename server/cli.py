@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.args import add_engine_args, engine_config_from_args
-from engine.worker.memory import parse_memory
-from server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.worker.memory import parse_memory
+from pdserve.server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULTS = ServerConfig()
@@ -76,7 +76,7 @@ def _limits_from_args(args: argparse.Namespace) -> RequestLimits:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from server.serve import run
+    from pdserve.server.serve import run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -94,7 +94,7 @@ def add_unit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_systemd_unit(args: argparse.Namespace) -> int:
-    from server.systemd import render_unit
+    from pdserve.server.systemd import render_unit
 
     serve_parser = argparse.ArgumentParser(prog="pdserve systemd-unit")
     add_serve_arguments(serve_parser)
@@ -109,7 +109,7 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
 
 
 def _engine_cli():
-    from engine import cli
+    from pdserve.engine import cli
 
     return cli
 
@@ -119,7 +119,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _loadtest():
-    from bench import loadtest
+    from pdserve.bench import loadtest
 
     return loadtest
 

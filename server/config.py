@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

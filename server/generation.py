@@ -11,13 +11,13 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 
-from engine.core.messages import FinishReason, Request, TokenEvent
-from engine.engine import EngineOverloaded, EngineStopped, RequestStream
-from server.errors import APIError, from_value_error
-from server.openai_format import ChatFormat, Choice, CompletionFormat, usage
-from server.protocol import ParsedRequest
-from server.sse import SSEWriter
-from server.state import AccessRecord, ServerState
+from pdserve.engine.core.messages import FinishReason, Request, TokenEvent
+from pdserve.engine.engine import EngineOverloaded, EngineStopped, RequestStream
+from pdserve.server.errors import APIError, from_value_error
+from pdserve.server.openai_format import ChatFormat, Choice, CompletionFormat, usage
+from pdserve.server.protocol import ParsedRequest
+from pdserve.server.sse import SSEWriter
+from pdserve.server.state import AccessRecord, ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.core.messages import EngineStats, FinishReason
+from pdserve.engine.core.messages import EngineStats, FinishReason
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -19,7 +19,7 @@ TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.
 
 
 class EngineCollector(Collector):
-    """Gauges from `engine.stats()`, one sample set per scrape; nothing while no engine runs."""
+    """Gauges from `pdserve.engine.stats()`, one sample set per scrape; nothing while no engine runs."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats

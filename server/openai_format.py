@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.messages import TokenEvent, TokenLogprob
-from engine.text.tokenizer import Tokenizer
-from server.tool_calls import ToolCall, ToolCallStream, Tools, forced_calls, parse_auto
+from pdserve.engine.core.messages import TokenEvent, TokenLogprob
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.server.tool_calls import ToolCall, ToolCallStream, Tools, forced_calls, parse_auto
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,11 @@ from typing import Any
 
 import orjson
 
-from engine.core.sampling_params import SamplingParams
-from server.config import RequestLimits
-from server.errors import APIError, bad_request
-from server.structured import OutputFormat, logit_bias, output_format
-from server.tool_calls import Tools, forced_format, parse_tools
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.server.config import RequestLimits
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.structured import OutputFormat, logit_bias, output_format
+from pdserve.server.tool_calls import Tools, forced_format, parse_tools
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _KINDS = {

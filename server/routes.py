@@ -11,19 +11,19 @@ import jinja2
 import orjson
 from aiohttp import web
 
-from engine.text.tokenizer import Tokenizer
-from server.errors import APIError, bad_request
-from server.generation import Generation
-from server.metrics import CONTENT_TYPE
-from server.openai_format import ChatFormat, CompletionFormat, TokenText
-from server.protocol import (
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.generation import Generation
+from pdserve.server.metrics import CONTENT_TYPE
+from pdserve.server.openai_format import ChatFormat, CompletionFormat, TokenText
+from pdserve.server.protocol import (
     ParsedRequest,
     load_json_object,
     parse_chat,
     parse_completion,
 )
-from server.state import ACCESS, STATE, AccessRecord, ServerState
-from server.tool_calls import choose_parser, template_messages
+from pdserve.server.state import ACCESS, STATE, AccessRecord, ServerState
+from pdserve.server.tool_calls import choose_parser, template_messages
 
 OFF_LOOP_TOKENIZE_CHARS = 64 * 1024     # longer prompts are tokenized in a worker thread
 

@@ -9,11 +9,11 @@ import threading
 
 from aiohttp import web
 
-from engine.llm import new_event_loop
-from server.app import create_app
-from server.config import ServerConfig
-from server.state import STATE
-from server.systemd import sd_notify, watchdog, watchdog_interval
+from pdserve.engine.llm import new_event_loop
+from pdserve.server.app import create_app
+from pdserve.server.config import ServerConfig
+from pdserve.server.state import STATE
+from pdserve.server.systemd import sd_notify, watchdog, watchdog_interval
 
 logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -8,13 +8,13 @@ from typing import Protocol
 from aiohttp import web
 from llguidance import LLTokenizer
 
-from engine.core.messages import EngineStats
-from engine.engine import Engine
-from engine.text.grammar import grammar_tokenizer
-from server.config import ServerConfig
-from server.errors import APIError
-from server.metrics import Metrics
-from server.structured import GrammarCompiler
+from pdserve.engine.core.messages import EngineStats
+from pdserve.engine.engine import Engine
+from pdserve.engine.text.grammar import grammar_tokenizer
+from pdserve.server.config import ServerConfig
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import Metrics
+from pdserve.server.structured import GrammarCompiler
 
 
 class Abortable(Protocol):

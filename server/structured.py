@@ -14,8 +14,8 @@ import orjson
 from llguidance import LLTokenizer
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from engine.text.grammar import choice_grammar, grammar_error, json_schema_grammar, lark_grammar, regex_grammar
-from server.errors import bad_request
+from pdserve.engine.text.grammar import choice_grammar, grammar_error, json_schema_grammar, lark_grammar, regex_grammar
+from pdserve.server.errors import bad_request
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -64,8 +64,8 @@ async def watchdog(interval: float, env: Mapping[str, str] = os.environ, alive=l
 
 def render_unit(serve_args: Sequence[str], *, user: str | None = None, description: str | None = None,
                 shutdown_timeout: float = 30.0, watchdog_sec: int = 30) -> str:
-    """A systemd unit running `python -m server.cli serve <serve_args>` with this interpreter."""
-    command = [sys.executable, "-m", "server.cli", "serve", *serve_args]
+    """A systemd unit running `python -m pdserve.server.cli serve <serve_args>` with this interpreter."""
+    command = [sys.executable, "-m", "pdserve.server.cli", "serve", *serve_args]
     package_root = Path(__file__).resolve().parent.parent
     return Template(UNIT_TEMPLATE.read_text()).substitute(
         description=description or "pdserve: disaggregated LLM inference server (OpenAI-compatible API)",

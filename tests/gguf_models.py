@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from engine.model.demo_corpus import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, tokenizer_json
+from pdserve.engine.model.demo_corpus import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, tokenizer_json
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 1024
@@ -168,13 +168,13 @@ def _gguf_layout(hf_name: str, w: np.ndarray, c) -> np.ndarray:
 
 def model_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Every position's float32 logits from pdserve's model, each prompt prefilled in one step."""
-    from engine.actors.planner import StepPlanner
-    from engine.config import ModelConfig
-    from engine.core.batch import Batch, ScheduledChunk
-    from engine.core.block_manager import BlockManager
-    from engine.core.messages import Request
-    from engine.core.sequence import Sequence
-    from engine.worker.model_runner import ModelRunner, load_model
+    from pdserve.engine.actors.planner import StepPlanner
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.core.batch import Batch, ScheduledChunk
+    from pdserve.engine.core.block_manager import BlockManager
+    from pdserve.engine.core.messages import Request
+    from pdserve.engine.core.sequence import Sequence
+    from pdserve.engine.worker.model_runner import ModelRunner, load_model
 
     longest = max(map(len, prompts))
     blocks = -(-longest // 16) * len(prompts)

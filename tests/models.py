@@ -7,8 +7,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.model.demo import make_model
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.model.demo import make_model
 from tests.hf_models import make_hf_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="pdserve-tests-"))

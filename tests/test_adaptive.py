@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
-from engine.args import add_engine_args, engine_config_from_args
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
+from pdserve.engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 from tests.test_async_scheduling import joining_every_step
 from tests.test_engine_modes import (

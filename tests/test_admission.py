@@ -1,8 +1,8 @@
 """The one admission rule, on a real block manager."""
 from __future__ import annotations
 
-from engine.core.admission import can_admit
-from engine.core.block_manager import BlockManager
+from pdserve.engine.core.admission import can_admit
+from pdserve.engine.core.block_manager import BlockManager
 
 
 def test_a_sequence_must_fit_in_the_free_blocks():

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, prompts, run_engine, wait_idle
 

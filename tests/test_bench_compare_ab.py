@@ -1,4 +1,4 @@
-"""bench.compare with pdserve variants: the --prefix-caching-ab preset's commands and defaults, and an
+"""pdserve.bench.compare with pdserve variants: the --prefix-caching-ab preset's commands and defaults, and an
 A/B run on the multi-turn workload against stub servers (one serves, one fails fast on its option)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from bench import compare, loadtest, servers
-from bench.compare_report import TARGETS
+from pdserve.bench import compare, loadtest, servers
+from pdserve.bench.compare_report import TARGETS
 from tests.test_bench_loadtest import _fake_spec
 
 AB_TARGET = TARGETS[-1].what
@@ -84,7 +84,7 @@ def test_ab_run_on_the_multiturn_workload(tmp_path):
     args, options = _ab_args(tmp_path)
     on = _fake_spec("prefix-caching-on", "pdserve prefix-caching-on", "ok")
     failing = servers.ServerSpec("prefix-caching-off", "pdserve prefix-caching-off", (sys.executable, "-c", FAILS_FAST))
-    assert compare.run_comparison([on, failing], args, options, "MODEL", "python -m bench.compare --ab") == 1
+    assert compare.run_comparison([on, failing], args, options, "MODEL", "python -m pdserve.bench.compare --ab") == 1
     document = json.loads((tmp_path / "ab.json").read_text())
     served, refused = document["servers"]
     assert served["ok"] and served["summary"]["completed"] == 9
@@ -99,6 +99,6 @@ def test_ab_run_on_the_multiturn_workload(tmp_path):
     assert "transformers serve never sends" not in section
 
     off = _fake_spec("prefix-caching-off", "pdserve prefix-caching-off", "ok")
-    assert compare.run_comparison([on, off], args, options, "MODEL", "python -m bench.compare --ab") == 0
+    assert compare.run_comparison([on, off], args, options, "MODEL", "python -m pdserve.bench.compare --ab") == 0
     verdict = json.loads((tmp_path / "ab.json").read_text())["targets"][AB_TARGET]
     assert " vs " in verdict and verdict.endswith("met")

@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-from bench.edit_workload import REPO
-from bench.loadtest import workload_endpoint
-from bench.sse_client import EndpointConfig
-from bench.workloads import WorkloadSpec, build_workload
+from pdserve.bench.edit_workload import REPO
+from pdserve.bench.loadtest import workload_endpoint
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.workloads import WorkloadSpec, build_workload
 
 
 def take(spec: WorkloadSpec, n: int):

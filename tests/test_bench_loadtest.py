@@ -20,10 +20,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench import compare, compare_report, loadtest, servers
-from bench.metrics import summarize
-from bench.sse_client import EndpointConfig
-from bench.workloads import (
+from pdserve.bench import compare, compare_report, loadtest, servers
+from pdserve.bench.metrics import summarize
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.workloads import (
     WORDS,
     SampleRequest,
     TrafficSpec,
@@ -313,7 +313,7 @@ def test_random_workload_lengths_within_range():
 def test_prompts_sized_in_a_real_tokenizers_tokens():
     from tokenizers import Tokenizer
 
-    from engine.model.demo import default_model_dir
+    from pdserve.engine.model.demo import default_model_dir
 
     model_dir = default_model_dir("tiny")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -394,7 +394,7 @@ def test_compare_runs_each_server_and_writes_its_report(tmp_path, capsys):
     specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"),
              _fake_spec("pdserve-colocated", "pdserve colocated", "ok"),
              _fake_spec("transformers", "transformers serve", "hf", **hf)]
-    assert compare.run_comparison(specs, args, options, "MODEL", "python -m bench.compare --first") == 0
+    assert compare.run_comparison(specs, args, options, "MODEL", "python -m pdserve.bench.compare --first") == 0
     document = json.loads((tmp_path / "c.json").read_text())
     for server in document["servers"]:
         assert server["ok"] and server["summary"]["completed"] == 6 and server["summary"]["completed_long"] == 2
@@ -407,13 +407,13 @@ def test_compare_runs_each_server_and_writes_its_report(tmp_path, capsys):
     first = md.read_text()
     assert first.startswith("# Serving comparison (default): pdserve disaggregated vs")  # replaced, not appended
     assert "| status | ok | ok | ok |" in first and "--first" in first and "an earlier run" not in first
-    assert f"bench.compare: report {md}; per-request data {tmp_path / 'c.json'}; plot {tmp_path / 'c.png'}" \
+    assert f"pdserve.bench.compare: report {md}; per-request data {tmp_path / 'c.json'}; plot {tmp_path / 'c.png'}" \
         in capsys.readouterr().out
 
     broken = servers.ServerSpec("transformers", "transformers serve",
                                 (sys.executable, "-c", "import sys; print('no fastapi here'); sys.exit(3)"), **hf)
     specs = [_fake_spec("pdserve-disaggregated", "pdserve disaggregated", "ok"), broken]
-    assert compare.run_comparison(specs, args, options, "MODEL", "python -m bench.compare --second") == 1
+    assert compare.run_comparison(specs, args, options, "MODEL", "python -m pdserve.bench.compare --second") == 1
     document = json.loads((tmp_path / "c.json").read_text())
     error = document["servers"][1]["error"]
     assert "exited with code 3" in error and "no fastapi here" in error
@@ -500,17 +500,17 @@ def test_server_specs_commands():
 def pdserve_tiny(tmp_path_factory):
     """Base URL of a real `pdserve` serving the tiny demo model (`--model demo:tiny`) on a free port."""
     port = servers.free_port()
-    serve = [sys.executable, "-m", "server.cli", "serve", "--model", "demo:tiny", "--port", str(port)]
-    log = tmp_path_factory.mktemp("pdserve-tiny") / "server.log"
+    serve = [sys.executable, "-m", "pdserve.server.cli", "serve", "--model", "demo:tiny", "--port", str(port)]
+    log = tmp_path_factory.mktemp("pdserve-tiny") / "pdserve.server.log"
     with servers.ManagedServer(serve, log, {}, grace=30) as server:
         server.wait_ready(f"http://127.0.0.1:{port}", timeout=240)
         yield f"http://127.0.0.1:{port}"
 
 
 def test_pdserve_bench_against_real_server(tmp_path, pdserve_tiny):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "pdserve.bench.json"
     bench = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "--base-url", pdserve_tiny,
+        [sys.executable, "-m", "pdserve.server.cli", "bench", "--base-url", pdserve_tiny,
          "--dataset-name", "mixed", "--num-prompts", "6", "--short-input-len", "8", "--long-input-len", "64",
          "--output-len", "4", "--long-fraction", "0.34", "--request-rate", "inf", "--temperature", "0",
          "--result-json", str(out), "--disable-tqdm"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.metrics import (
+from pdserve.bench.metrics import (
     RequestRecord,
     distribution,
     format_summary,
@@ -139,7 +139,7 @@ def test_record_json_round_trip_and_summary_table():
 
 
 def test_token_emission_times_for_the_itl_strip():
-    from bench.plot import token_times
+    from pdserve.bench.plot import token_times
 
     record = _record(0, ttft=0.5, itl=(0.1, 0.2, 0.05), send=1.0)
     times = token_times(record)

@@ -11,12 +11,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from bench.metrics import RequestRecord
-from bench.multiturn import benchmark_conversations, build_conversations, converse, warmup_requests
-from bench.server_metrics import HITS, QUERIES, parse_prefix_cache, prefix_cache_delta
-from bench.sse_client import EndpointConfig
-from bench.turn_metrics import format_turns, markdown_turns, turn_summary
-from bench.workloads import TrafficSpec, WorkloadSpec
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.multiturn import benchmark_conversations, build_conversations, converse, warmup_requests
+from pdserve.bench.server_metrics import HITS, QUERIES, parse_prefix_cache, prefix_cache_delta
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.turn_metrics import format_turns, markdown_turns, turn_summary
+from pdserve.bench.workloads import TrafficSpec, WorkloadSpec
 
 SPEC = WorkloadSpec(name="multiturn", seed=3, num_conversations=5, num_turns=4, system_prompt_len=40,
                     user_message_len=6, output_len=3)

@@ -1,4 +1,4 @@
-"""bench.compare's view of adaptive placement: the /metrics parser on pages the server's own exporter
+"""pdserve.bench.compare's view of adaptive placement: the /metrics parser on pages the server's own exporter
 renders, the sampler against a live aiohttp server, the timeline summary and plot, and the issue-13
 targets (which load each is stated for, the better of the two fixed modes as reference)."""
 from __future__ import annotations
@@ -10,16 +10,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench import compare_report, loadtest
-from bench.compare_report import ADAPTIVE, COLOC, DISAGG, evaluate_targets
-from bench.metrics import RequestRecord
-from bench.plot import plot_roles
-from bench.server_metrics import PlacementSampler, parse_placement, timeline_summary
-from bench.servers import ServerOutcome, ServerSpec
-from bench.sse_client import EndpointConfig
-from bench.workloads import TrafficSpec, WorkloadSpec
-from engine.core.messages import ActorStats, EngineStats
-from server.metrics import Metrics
+from pdserve.bench import compare_report, loadtest
+from pdserve.bench.compare_report import ADAPTIVE, COLOC, DISAGG, evaluate_targets
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.plot import plot_roles
+from pdserve.bench.server_metrics import PlacementSampler, parse_placement, timeline_summary
+from pdserve.bench.servers import ServerOutcome, ServerSpec
+from pdserve.bench.sse_client import EndpointConfig
+from pdserve.bench.workloads import TrafficSpec, WorkloadSpec
+from pdserve.engine.core.messages import ActorStats, EngineStats
+from pdserve.server.metrics import Metrics
 
 
 def _page(prefill_role: str, decode_role: str, lent: tuple[int, int], local: int, remote: int) -> str:

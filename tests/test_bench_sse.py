@@ -7,14 +7,14 @@ import random
 import pytest
 from openai._streaming import SSEDecoder
 
-from bench.sse_client import (
+from pdserve.bench.sse_client import (
     EndpointConfig,
     SSEParser,
     StreamError,
     _Stream,
     build_payload,
 )
-from bench.workloads import SampleRequest
+from pdserve.bench.workloads import SampleRequest
 
 
 def _chunk(text: str, finish: str | None = None) -> str:

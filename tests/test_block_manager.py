@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
+from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 from tests.models import demo_checkpoint, engine_config
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine.worker.sampling.categorical import BLOCK, sample_categorical
+from pdserve.engine.worker.sampling.categorical import BLOCK, sample_categorical
 
 
 def running_sum(probs: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,12 @@ import json
 import subprocess
 import sys
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
 
 
 def pdserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.server.cli", *args], capture_output=True, text=True,
                           timeout=300, **kwargs)
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from engine.core.messages import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
-from engine.worker import faults
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.worker import faults
 from tests.models import engine_config, hf_checkpoint
 from tests.test_engine_modes import abort_after, assert_pools_free, collect, prompts, run_engine, wait_idle
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
+from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
 
 def random_prefill_views(rng: random.Random, n: int, measured: bool) -> list[PrefillView]:

@@ -8,16 +8,16 @@ import subprocess
 import pytest
 import torch
 
-import kernels
-from engine.args import add_engine_args, engine_config_from_args
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.model.config import ModelConfig
-from engine.worker.startup import cpu_kernels
-from engine.worker.startup.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
-from engine.worker.startup.defaults import ProbeResult
-from kernels import native, native_linear
-from kernels.rms_norm import rms_norm_ref
+from pdserve import kernels
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.worker.startup import cpu_kernels
+from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels, probe_layer_ops
+from pdserve.engine.worker.startup.defaults import ProbeResult
+from pdserve.kernels import native, native_linear
+from pdserve.kernels.rms_norm import rms_norm_ref
 from tests.models import demo_checkpoint, engine_config
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -36,7 +36,7 @@ def fresh_native(monkeypatch, tmp_path):
 
 def test_without_a_compiler_the_references_serve(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("CXX", str(fresh_native / "no-such-c++"))
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
         assert prepare_cpu_kernels("native").value == "torch"
     assert [r.message for r in caplog.records] == [
         f"native kernels cpu_kernels: no working compiler ({fresh_native / 'no-such-c++'}); using the torch path"]
@@ -50,7 +50,7 @@ def test_a_failing_build_falls_back(fresh_native, monkeypatch, caplog):
     compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo broken 1.0 && exit 0\necho "no such luck" >&2\nexit 1\n')
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
         assert native.cpu_kernels() is None
     assert len(caplog.records) == 1
     assert caplog.records[0].message.endswith("exited 1: no such luck); using the torch path")
@@ -59,7 +59,7 @@ def test_a_failing_build_falls_back(fresh_native, monkeypatch, caplog):
 
 @needs_native
 def test_one_build_path_for_both_libraries_cached(fresh_native, monkeypatch):
-    from kernels.quant_linear import SOURCE
+    from pdserve.kernels.quant_linear import SOURCE
 
     assert native.cpu_kernels() is not None and native.load_native("quant_linear", (SOURCE,)) is not None
     names = sorted(p.name.rsplit("-", 1)[0] for p in (fresh_native / "kernels").iterdir())

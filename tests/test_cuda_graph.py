@@ -4,17 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.actors.planner import StepPlanner
-from engine.config import ModelConfig
-from engine.core.batch import Batch
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
-from engine.llm import LLM
-from engine.worker.cuda_graph import batch_buckets
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.step import StepInput
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.cuda_graph import batch_buckets
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.step import StepInput
 from tests.models import demo_checkpoint, engine_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.topology import make_plan
-from engine.worker.startup import defaults
-from engine.worker.startup.defaults import CpuInfo, GpuInfo, ProbeResult, choose_cpu_dtype, choose_cuda_dtype, choose_devices
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.topology import make_plan
+from pdserve.engine.worker.startup import defaults
+from pdserve.engine.worker.startup.defaults import CpuInfo, GpuInfo, ProbeResult, choose_cpu_dtype, choose_cuda_dtype, choose_devices
 from tests.models import demo_checkpoint
 
 AVX2 = CpuInfo("AMD EPYC 7B13", "AVX2", frozenset({"avx", "avx2", "fma"}))
@@ -104,12 +104,12 @@ def test_cpuinfo_flags_are_read(tmp_path: Path):
 
 def test_options_override_the_defaults_and_each_default_is_logged(caplog):
     model_config = ModelConfig.from_dir(demo_checkpoint())
-    with caplog.at_level(logging.INFO, logger="engine.topology"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.topology"):
         chosen = make_plan(EngineConfig(), model_config)
     assert chosen.prefill_device == torch.device("cpu") and chosen.dtype in (torch.float32, torch.bfloat16)
     assert any(r.message.startswith("devices prefill cpu, decode cpu: no GPU visible") for r in caplog.records)
     assert any(r.message.startswith("dtype ") and ": CPU has " in r.message for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.topology"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.topology"):
         forced = make_plan(EngineConfig(dtype="float16", prefill_device="cpu", decode_device="cpu"), model_config)
     assert forced.dtype == torch.float16 and not caplog.records

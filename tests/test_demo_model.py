@@ -12,15 +12,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from engine.model.demo import (
+from pdserve.engine.model.demo import (
     SIZES,
     default_model_dir,
     make_model,
     model_config,
     num_parameters,
 )
-from engine.model.demo_corpus import ENDOFTEXT, IM_END
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.model.demo_corpus import ENDOFTEXT, IM_END
+from pdserve.engine.text.tokenizer import Tokenizer
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -104,7 +104,7 @@ def test_same_seed_same_bytes_different_seed_differs(tmp_path):
 
 def test_deterministic_across_processes(tmp_path):
     """Hash seeds differ between processes; the BPE training and the weights must not care."""
-    code = f"from engine.model.demo import make_model; make_model({str(tmp_path / 'x')!r}, 'tiny', 'llama')"
+    code = f"from pdserve.engine.model.demo import make_model; make_model({str(tmp_path / 'x')!r}, 'tiny', 'llama')"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
     here = make_model(tmp_path / "y", "tiny", "llama")
     for name in FILES:

@@ -7,10 +7,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.model.demo import make_model
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.stop_strings import StopStringMatcher
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.model.demo import make_model
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.text.stop_strings import StopStringMatcher
+from pdserve.engine.text.tokenizer import Tokenizer
 
 MULTIBYTE = "Größe 😀 你好，世界！🚀 👨‍👩‍👧‍👦 こんにちは 🇫🇷 ∑∫ done"
 

@@ -12,13 +12,13 @@ import threading
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.worker import cuda_graph
-from engine.worker.cuda_graph import DecodeGraphs, batch_buckets
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.startup.warmup import warm_up, warmup_shapes
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker import cuda_graph
+from pdserve.engine.worker.cuda_graph import DecodeGraphs, batch_buckets
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.startup.warmup import warm_up, warmup_shapes
 from tests.fake_cuda import fake_cuda
 from tests.models import demo_checkpoint, engine_config
 
@@ -75,7 +75,7 @@ def test_the_check_catches_a_capture_without_its_own_stream(monkeypatch):
 
 
 def test_a_runner_steps_on_its_device_on_the_actor_thread_and_replays_there(monkeypatch):
-    from engine.worker.compute import ThreadCompute
+    from pdserve.engine.worker.compute import ThreadCompute
     from tests.test_cuda_graph import decode_step
 
     with fake_cuda(monkeypatch) as cuda:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from engine.core.messages import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 
 MODES = ("disaggregated", "colocated")

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.model.gguf import GGUFError, converted_dir
+from pdserve.engine.model.gguf import GGUFError, converted_dir
 from tests.gguf_models import Q, corrupt_tensor, make_transformers_model, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_metadata_that_disagrees_with_the_tensors(tmp_path, cache, metadata, pat
 
 def pdserve(cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PDSERVE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.server.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env, cwd=REPO)
 
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 import transformers
 
-from engine.config import ModelConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.model import gguf as gguf_model
-from engine.model.gguf import converted_dir, find_gguf
-from engine.model.gguf_config import llama3_factors
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model import gguf as gguf_model
+from pdserve.engine.model.gguf import converted_dir, find_gguf
+from pdserve.engine.model.gguf_config import llama3_factors
+from pdserve.engine.text.tokenizer import Tokenizer
 from tests.gguf_models import Q, make_transformers_model, model_logits, write_gguf
 from tests.tolerance import assert_float32_close, reference_logits
 from tests.models import engine_config

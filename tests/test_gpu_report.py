@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from bench.gpu_report import report
+from pdserve.bench.gpu_report import report
 
 
 def test_a_timed_out_part_is_marked_and_the_others_still_report(tmp_path):

@@ -9,13 +9,13 @@ import sys
 import pytest
 import torch
 
-import kernels
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from kernels import _triton, backend
-from kernels._triton import launch_fitting
-from kernels.backend import KernelBackendError, check_backend
-from kernels.prefill_attention import INTERPRETER_TILE, tile_configs
+from pdserve import kernels
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.kernels import _triton, backend
+from pdserve.kernels._triton import launch_fitting
+from pdserve.kernels.backend import KernelBackendError, check_backend
+from pdserve.kernels.prefill_attention import INTERPRETER_TILE, tile_configs
 from tests.fake_cuda import fake_cuda
 from tests.models import demo_checkpoint, engine_config
 
@@ -41,7 +41,7 @@ def test_forced_triton_without_triton_fails_at_start_up_and_at_use(monkeypatch, 
 
 def test_cuda_without_triton_warns_once_and_uses_the_references(monkeypatch, without_triton, caplog):
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
-    with caplog.at_level(logging.WARNING, logger="kernels.backend"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.backend"):
         assert check_backend(CUDA0) == "torch"
         assert check_backend(CUDA0) == "torch"
     assert len(caplog.records) == 1
@@ -77,7 +77,7 @@ def test_generate_without_triton_and_forced_triton_says_so_in_one_line(tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}", "PDSERVE_KERNELS": "triton",
            "PDSERVE_CACHE": str(tmp_path / "cache")}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", "demo:tiny", "hi"],
+    result = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "generate", "--model", "demo:tiny", "hi"],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2
     assert "PDSERVE_KERNELS=triton: Triton is not importable (ImportError: triton is not built" in result.stderr
@@ -99,7 +99,7 @@ def test_a_tile_that_does_not_fit_falls_back_to_the_next_and_is_remembered(monke
             raise FakeOutOfResources("out of resource: shared memory, Required: 180000, Hardware limit: 101376")
 
     configs = tile_configs(128, 2, 86)
-    with caplog.at_level(logging.WARNING, logger="kernels._triton"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels._triton"):
         launch_fitting(launch, configs, "key")
         launch_fitting(launch, configs, "key")
     assert tried == [128, 64, 64] and caplog.text.count("falling back") == 1

@@ -24,8 +24,8 @@ TARGETS = (80, 86, 89, 90)
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in, per block
 KERNELS = {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
-MODULES = ["kernels.decode_attention", "kernels.prefill_attention", "kernels.store_kv", "kernels.rms_norm",
-           "kernels.rotary", "kernels.activation"]
+MODULES = ["pdserve.kernels.decode_attention", "pdserve.kernels.prefill_attention", "pdserve.kernels.store_kv", "pdserve.kernels.rms_norm",
+           "pdserve.kernels.rotary", "pdserve.kernels.activation"]
 # (dtype, q heads, kv heads, head_dim, block size, targets): every 2-byte row of the prefill tile table
 # and its fp32 head_dim 128 row (kernels/prefill_attention.py says why the other fp32 rows need no more).
 # NOTE: fp32 (no tensor cores) compiles to the same code and shared memory on every target, so it is
@@ -44,13 +44,13 @@ class _Capture:
 
 def _launch_wrappers(arch: int) -> list:
     """Run each wrapper on small CPU tensors, as it would launch for `arch`, with its kernels recorded."""
-    import kernels  # noqa: F401
-    from kernels.activation import silu_and_mul_triton
-    from kernels.decode_attention import decode_attention_triton
-    from kernels.prefill_attention import prefill_attention_triton
-    from kernels.rms_norm import rms_norm_triton
-    from kernels.rotary import rotary_triton
-    from kernels.store_kv import store_kv_triton
+    from pdserve import kernels  # noqa: F401
+    from pdserve.kernels.activation import silu_and_mul_triton
+    from pdserve.kernels.decode_attention import decode_attention_triton
+    from pdserve.kernels.prefill_attention import prefill_attention_triton
+    from pdserve.kernels.rms_norm import rms_norm_triton
+    from pdserve.kernels.rotary import rotary_triton
+    from pdserve.kernels.store_kv import store_kv_triton
 
     launches = []
     for module in map(sys.modules.get, MODULES):
@@ -148,13 +148,13 @@ def test_shared_memory_fits_the_target(compiled, arch):
 
 
 def test_the_limits_are_the_ones_the_kernels_choose_tiles_by():
-    from kernels._triton import shared_memory_limit
+    from pdserve.kernels._triton import shared_memory_limit
 
     assert {arch: shared_memory_limit(arch) for arch in TARGETS} == SHARED_MEMORY_LIMITS
 
 
 def test_the_99kb_targets_get_smaller_fp32_tiles():
-    from kernels.prefill_attention import tile_configs
+    from pdserve.kernels.prefill_attention import tile_configs
 
     def area(arch):
         best = tile_configs(128, 4, arch)[0]

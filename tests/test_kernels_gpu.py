@@ -8,13 +8,13 @@ from tests.conftest_kernels import request_triton_interpreter
 
 request_triton_interpreter()  # NOTE: a no-op with CUDA; without, it keeps test_kernels_triton.py in-process
 
-from kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton  # noqa: E402
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
-from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+from pdserve.kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton  # noqa: E402
+from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from pdserve.kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
+from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
 from tests.conftest_kernels import (  # noqa: E402
     LAYER,
     cu_seqlens_of,

@@ -20,13 +20,13 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
     apply_rotary_pos_emb,
 )
 
-import kernels  # noqa: E402
-from kernels.activation import silu_and_mul_ref  # noqa: E402
-from kernels.decode_attention import decode_attention_ref  # noqa: E402
-from kernels.prefill_attention import prefill_attention_ref  # noqa: E402
-from kernels.rms_norm import rms_norm_ref  # noqa: E402
-from kernels.rotary import rotary_ref  # noqa: E402
-from kernels.store_kv import store_kv_ref  # noqa: E402
+from pdserve import kernels  # noqa: E402
+from pdserve.kernels.activation import silu_and_mul_ref  # noqa: E402
+from pdserve.kernels.decode_attention import decode_attention_ref  # noqa: E402
+from pdserve.kernels.prefill_attention import prefill_attention_ref  # noqa: E402
+from pdserve.kernels.rms_norm import rms_norm_ref  # noqa: E402
+from pdserve.kernels.rotary import rotary_ref  # noqa: E402
+from pdserve.kernels.store_kv import store_kv_ref  # noqa: E402
 from tests.conftest_kernels import (  # noqa: E402
     LAYER,
     cu_seqlens_of,

@@ -19,13 +19,13 @@ from tests.conftest_kernels import request_triton_interpreter
 
 request_triton_interpreter()
 
-from kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_ref, rotary_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from pdserve.kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from pdserve.kernels.rotary import rotary_ref, rotary_triton
+from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.conftest_kernels import (  # noqa: E402
     LAYER,
     cu_seqlens_of,

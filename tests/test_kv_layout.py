@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.transfer.base import block_nbytes
-from engine.worker.memory import kv_block_bytes, kv_layout
-from kernels.kv_layout import KVLayout
-from kernels.store_kv import store_kv_ref
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.transfer.base import block_nbytes
+from pdserve.engine.worker.memory import kv_block_bytes, kv_layout
+from pdserve.kernels.kv_layout import KVLayout
+from pdserve.kernels.store_kv import store_kv_ref
 from tests.models import demo_checkpoint
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)

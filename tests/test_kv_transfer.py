@@ -5,15 +5,15 @@ import types
 import pytest
 import torch
 
-from engine.transfer import cupy_p2p as kv_transfer_cupy
-from engine.transfer.base import TransferUnavailable, coalesce_runs
-from engine.transfer.cupy_p2p import (
+from pdserve.engine.transfer import cupy_p2p as kv_transfer_cupy
+from pdserve.engine.transfer.base import TransferUnavailable, coalesce_runs
+from pdserve.engine.transfer.cupy_p2p import (
     CupyP2PTransfer,
     enable_peer_access,
     import_cupy_runtime,
 )
-from engine.transfer.select import select_transfer
-from engine.transfer.torch_copy import TorchTransfer
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.transfer.torch_copy import TorchTransfer
 
 BLOCK_GEOMETRY = (3, 2, 4, 2, 8)   # layers, k/v, block_size, kv_heads, head_dim
 

@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RANKS = {"kernels": 0, "engine.model": 1, "engine.transfer": 1, "engine.text": 1, "engine.core": 2,
-         "engine.worker.sampling": 3, "engine.worker": 4, "engine.worker.startup": 5, "engine.worker.processes": 6,
-         "engine.actors": 7, "engine.coordinator": 8, "engine": 9}
+RANKS = {"pdserve.kernels": 0, "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
+         "pdserve.engine.core": 2, "pdserve.engine.worker.sampling": 3, "pdserve.engine.worker": 4,
+         "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6, "pdserve.engine.actors": 7,
+         "pdserve.engine.coordinator": 8, "pdserve.engine": 9}
 
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["pdserve", *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def group_of(module: str) -> str:
@@ -44,7 +45,7 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules.add(node.module)
             modules.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {m for m in modules if m.split(".")[0] in ("engine", "kernels")}
+    return {m for m in modules if m.split(".")[:2] in (["pdserve", "engine"], ["pdserve", "kernels"])}
 
 
 def project_modules() -> dict[str, Path]:
@@ -90,10 +91,10 @@ def test_no_modules_import_each_other_in_a_circle():
 
 
 @pytest.mark.parametrize("source, target, ok", [
-    ("engine.actors.base", "engine.worker.model_runner", True),
-    ("engine.worker.model_runner", "engine.actors.base", False),
-    ("engine.model.llama", "engine.text.tokenizer", False),
-    ("kernels.store_kv", "engine.core.batch", False),
+    ("pdserve.engine.actors.base", "pdserve.engine.worker.model_runner", True),
+    ("pdserve.engine.worker.model_runner", "pdserve.engine.actors.base", False),
+    ("pdserve.engine.model.llama", "pdserve.engine.text.tokenizer", False),
+    ("pdserve.kernels.store_kv", "pdserve.engine.core.batch", False),
 ])
 def test_the_rule_itself(source, target, ok):
     upward = RANKS[group_of(target)] >= RANKS[group_of(source)] and group_of(target) != group_of(source)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, ModelConfig
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine
-from engine.model.weights import WeightError
-from engine.worker.model_runner import load_model
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.model.weights import WeightError
+from pdserve.engine.worker.model_runner import load_model
 from tests.models import demo_checkpoint, engine_config
 
 

@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.core.config import CacheConfig
-from engine.llm import LLM
-from engine.worker.sampling import sampling_filters
-from engine.worker.startup import memory_profile
-from engine.worker.memory import kv_block_bytes, num_kv_blocks
-from engine.worker.startup.memory_profile import (
+from pdserve.engine.config import ModelConfig, SchedulerConfig
+from pdserve.engine.core.config import CacheConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.sampling import sampling_filters
+from pdserve.engine.worker.startup import memory_profile
+from pdserve.engine.worker.memory import kv_block_bytes, num_kv_blocks
+from pdserve.engine.worker.startup.memory_profile import (
     Demand,
     DeviceBudget,
     InsufficientMemory,
@@ -21,8 +21,8 @@ from engine.worker.startup.memory_profile import (
     measure_reserve,
     weights_bytes,
 )
-from engine.worker.model_runner import load_model
-from engine.worker.startup.sizing import PoolSizer, largest_steps
+from pdserve.engine.worker.model_runner import load_model
+from pdserve.engine.worker.startup.sizing import PoolSizer, largest_steps
 from tests.fake_cuda import fake_cuda
 from tests.models import demo_checkpoint, engine_config
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 import transformers
 
-from engine.actors.planner import StepPlanner
-from engine.config import ModelConfig
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
-from engine.llm import LLM
-from engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.batch import Batch, ScheduledChunk
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from kernels._triton import HAS_TRITON
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.kernels._triton import HAS_TRITON
 from tests.models import demo_checkpoint, engine_config
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -11,15 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.model.config import ModelConfig
-from engine.model.quant_probe import ProbeResult
-from engine.model import quant
-from engine.worker.model_runner import load_model
-from kernels import native
-from kernels.native_decode_layers import DecodeLayers
+from pdserve import kernels
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.quant_probe import ProbeResult
+from pdserve.engine.model import quant
+from pdserve.engine.worker.model_runner import load_model
+from pdserve.kernels import native
+from pdserve.kernels.native_decode_layers import DecodeLayers
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.test_quant_model import write_gguf_model
 
@@ -115,18 +115,18 @@ def test_the_step_goes_native_where_every_projection_prefers_the_native_linear(m
         asked.append(x.shape[0])
         return weight.shape[0] != gate_up_rows
 
-    monkeypatch.setattr("kernels.native_decode_layers.prefer_native", prefer)
+    monkeypatch.setattr("pdserve.kernels.native_decode_layers.prefer_native", prefer)
     assert not layers.serves(0) and not layers.serves(65)              # above the native linear's rows
     assert not layers.serves(3)                                        # gate-up prefers BLAS at 3 rows
     assert set(asked) == {3}
     before = len(asked)
     assert not layers.serves(3) and len(asked) == before               # remembered per row count
-    monkeypatch.setattr("kernels.native_decode_layers.prefer_native", lambda x, weight: True)
+    monkeypatch.setattr("pdserve.kernels.native_decode_layers.prefer_native", lambda x, weight: True)
     assert layers.serves(5)                                            # another row count: asked afresh
 
 
 def test_the_pointer_table_has_the_layout_the_native_step_reads():
-    from kernels.native_decode_layers import WORDS_PER_LAYER
+    from pdserve.kernels.native_decode_layers import WORDS_PER_LAYER
 
     model = cpu_model("qwen2")                                            # q/k/v bias: non-null words
     layers = model._build_decode_layers()

@@ -5,17 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import native
-from kernels.activation import silu_and_mul_ref
-from kernels.decode_attention import decode_attention_ref
-from kernels.native_decode_attention import decode_attention_native
-from kernels.native_linear import linear_native
-from kernels.native_rms_norm import rms_norm_native
-from kernels.native_rotary_store import rotary_store_native, rotary_store_ref
-from kernels.native_silu_and_mul import silu_and_mul_native
-from kernels.prefill_attention import prefill_attention_ref
-from kernels.rms_norm import rms_norm_ref
+from pdserve import kernels
+from pdserve.kernels import native
+from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.decode_attention import decode_attention_ref
+from pdserve.kernels.native_decode_attention import decode_attention_native
+from pdserve.kernels.native_linear import linear_native
+from pdserve.kernels.native_rms_norm import rms_norm_native
+from pdserve.kernels.native_rotary_store import rotary_store_native, rotary_store_ref
+from pdserve.kernels.native_silu_and_mul import silu_and_mul_native
+from pdserve.kernels.prefill_attention import prefill_attention_ref
+from pdserve.kernels.rms_norm import rms_norm_ref
 from tests.conftest_kernels import (
     LAYER,
     cu_seqlens_of,

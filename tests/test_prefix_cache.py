@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.prefix_cache import extend_hashes
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
-from engine.engine import Engine
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.prefix_cache import extend_hashes
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import (
     assert_pools_free,

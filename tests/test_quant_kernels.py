@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.quant_formats import (
+from pdserve.kernels import native
+from pdserve.kernels.quant_formats import (
     QuantizedWeight,
     concat_rows,
     dequantize,
     from_gguf_blocks,
     quantize_int8,
 )
-from kernels.quant_linear import kernel_layout, native_available, quant_linear_native, quant_linear_ref
+from pdserve.kernels.quant_linear import kernel_layout, native_available, quant_linear_native, quant_linear_ref
 
 gguf = pytest.importorskip("gguf")
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -113,7 +113,7 @@ def test_native_kernel_same_result_on_any_thread_count():
 def test_loader_without_compiler_returns_none(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
-    from kernels.quant_linear import SOURCE
+    from pdserve.kernels.quant_linear import SOURCE
 
     assert native.load_native("quant_linear", (SOURCE,)) is None
 
@@ -121,7 +121,7 @@ def test_loader_without_compiler_returns_none(monkeypatch, tmp_path):
 @needs_native
 def test_loader_builds_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
-    from kernels.quant_linear import SOURCE
+    from pdserve.kernels.quant_linear import SOURCE
 
     assert native.load_native("quant_linear", (SOURCE,)) is not None
     built = list((tmp_path / "kernels").iterdir())

@@ -18,18 +18,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import kernels
-from engine.config import ModelConfig
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.model import gguf_block_cache, quant
-from engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
-from engine.model.quant import QuantizedLinear, quantize_model
-from engine.model.quant_probe import ProbeResult
-from engine.worker.model_runner import load_model
-from kernels import native
-from kernels.quant_formats import dequantize, quantize_int8
-from kernels.quant_linear import kernel_layout, native_available
+from pdserve import kernels
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model import gguf_block_cache, quant
+from pdserve.engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
+from pdserve.engine.model.quant import QuantizedLinear, quantize_model
+from pdserve.engine.model.quant_probe import ProbeResult
+from pdserve.engine.worker.model_runner import load_model
+from pdserve.kernels import native
+from pdserve.kernels.quant_formats import dequantize, quantize_int8
+from pdserve.kernels.quant_linear import kernel_layout, native_available
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 
 gguf = pytest.importorskip("gguf")
@@ -221,7 +221,7 @@ def test_gguf_of_another_model_is_refused(tmp_path):
 
 
 def make_other_checkpoint(out: Path) -> Path:
-    from engine.model.demo import make_model
+    from pdserve.engine.model.demo import make_model
 
     return make_model(out, size="tiny", arch="llama", seed=1)
 
@@ -280,7 +280,7 @@ def test_gguf_source_is_the_converted_file_or_the_one_in_the_directory(tmp_path)
 def test_cli_option_reaches_the_engine_config():
     import argparse
 
-    from engine.args import add_engine_args, engine_config_from_args
+    from pdserve.engine.args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -18,18 +18,18 @@ SAMPLES = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), r
 
 
 class Server:
-    """`python -m server.cli --port N` (what `pdserve` runs), ready once it sends systemd's READY=1."""
+    """`python -m pdserve.server.cli --port N` (what `pdserve` runs), ready once it sends systemd's READY=1."""
 
     def __init__(self, tmp_path: Path, cache: Path) -> None:
         self.base = f"http://127.0.0.1:{unused_port()}"
-        self.log = tmp_path / "server.log"
+        self.log = tmp_path / "pdserve.server.log"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(tmp_path / "notify"))
         notify.settimeout(300)
         env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify"), "PDSERVE_CACHE": str(cache),
                "PYTHONPATH": str(REPO)}
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", self.base.rsplit(":", 1)[1]],
+            self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.server.cli", "--port", self.base.rsplit(":", 1)[1]],
                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             while b"READY=1" not in notify.recv(4096).split(b"\n"):

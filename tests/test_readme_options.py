@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import COMMANDS
+from pdserve.server.cli import COMMANDS
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 MAX_ROW = 250

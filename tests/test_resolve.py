@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from engine.model import resolve
-from engine.model.resolve import SMOLLM2_INSTALL, resolve_model, smollm2_gguf
+from pdserve.engine.model import resolve
+from pdserve.engine.model.resolve import SMOLLM2_INSTALL, resolve_model, smollm2_gguf
 
 
 def test_the_default_model_is_smollm2_from_its_wheel_found_without_importing_it(smollm2, monkeypatch):
@@ -20,7 +20,7 @@ def test_the_default_model_is_smollm2_from_its_wheel_found_without_importing_it(
 def test_without_the_wheel_one_line_says_how_to_get_it_and_the_demo_is_served(monkeypatch, caplog, tiny_model_dir):
     monkeypatch.setattr(resolve, "smollm2_gguf", lambda: None)
     monkeypatch.setattr(resolve, "default_model_dir", lambda size, arch: tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="engine.model.resolve"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.model.resolve"):
         fallback = resolve_model(None)
     assert fallback == resolve.ResolvedModel(tiny_model_dir, tiny_model_dir.name)
     assert [r.getMessage().count("\n") for r in caplog.records] == [0]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
-from engine.worker.sampling.penalties import apply_penalties
-from engine.worker.sampling.sampler import Sampler
-from engine.worker.sampling.sampling_table import SamplingTable
-from engine.worker.sampling.seeded_noise import seeded_exponential, seeded_uniforms
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.worker.sampling.penalties import apply_penalties
+from pdserve.engine.worker.sampling.sampler import Sampler
+from pdserve.engine.worker.sampling.sampling_table import SamplingTable
+from pdserve.engine.worker.sampling.seeded_noise import seeded_exponential, seeded_uniforms
 
 VOCAB = 1000
 PADDED = 1024
@@ -338,7 +338,7 @@ def test_cuda_matches_cpu_for_greedy_and_is_seed_stable():
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])
 def test_candidate_nucleus_equals_the_full_sort(scale):
-    from engine.worker.sampling.sampling_filters import top_k_top_p, top_k_top_p_sorted
+    from pdserve.engine.worker.sampling.sampling_filters import top_k_top_p, top_k_top_p_sorted
 
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(12, 3000, generator=generator) * scale

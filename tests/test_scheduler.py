@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import random
 
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import DecodeScheduler, PrefillScheduler
-from engine.core.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler
+from pdserve.engine.core.sequence import Sequence
 
 
 def seq(name: str, prompt_len: int, priority: int = 0, max_tokens: int = 16) -> Sequence:

@@ -12,10 +12,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import Engine
-from server.app import create_app
-from server.config import ServerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.server.app import create_app
+from pdserve.server.config import ServerConfig
 
 MAX_MODEL_LEN = 256
 USER = [{"role": "user", "content": "Say something about disaggregated inference."}]

@@ -7,8 +7,8 @@ import openai
 import orjson
 import pytest
 
-from engine.engine import Engine
-from server.state import STATE
+from pdserve.engine.engine import Engine
+from pdserve.server.state import STATE
 from tests.test_server_api import (
     MAX_MODEL_LEN,
     USER,

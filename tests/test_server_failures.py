@@ -10,8 +10,8 @@ import aiohttp
 import openai
 import orjson
 
-from engine.engine import Engine
-from engine.worker import faults
+from pdserve.engine.engine import Engine
+from pdserve.engine.worker import faults
 from tests.test_server_api import client, engine_config, serve  # noqa: F401  (fixtures)
 from tests.test_server_shutdown import server_process, stream_body  # noqa: F401  (fixtures)
 

@@ -8,9 +8,9 @@ import uuid
 import openai
 import pytest
 
-from server.config import RequestLimits
-from server.errors import APIError
-from server.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, parse_chat, parse_completion
+from pdserve.server.config import RequestLimits
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, parse_chat, parse_completion
 from tests.test_server_api import (
     USER,
     client,

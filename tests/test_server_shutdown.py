@@ -1,4 +1,4 @@
-"""SIGTERM on a real `python -m server.cli serve` process: running streams end cleanly, new requests
+"""SIGTERM on a real `python -m pdserve.server.cli serve` process: running streams end cleanly, new requests
 get 503, the process exits 0. Readiness and draining are observed through systemd's notify socket."""
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ class ServerProcess:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(tmp_path / "notify"))
         self.notify.setblocking(False)
-        self.log = tmp_path / "server.log"
+        self.log = tmp_path / "pdserve.server.log"
         env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000",
                "PYTHONPATH": str(REPO)}
-        command = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+        command = [sys.executable, "-m", "pdserve.server.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
                    "--max-model-len", str(LONG + 64), "--kv-cache-memory", "64MiB", *options]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -14,15 +14,15 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.messages import ActorStats, EngineStats
-from engine.core.sampling_params import SamplingParams
-from server import cli
-from server.errors import APIError
-from server.config import RequestLimits
-from server.metrics import Metrics
-from server.protocol import load_json_object, parse_chat, parse_completion
-from server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.core.messages import ActorStats, EngineStats
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.server import cli
+from pdserve.server.errors import APIError
+from pdserve.server.config import RequestLimits
+from pdserve.server.metrics import Metrics
+from pdserve.server.protocol import load_json_object, parse_chat, parse_completion
+from pdserve.server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
 
 LIMITS = RequestLimits()
 
@@ -177,7 +177,7 @@ def test_systemd_unit_command(capsys):
     unit = capsys.readouterr().out
     lines = unit.splitlines()
     exec_start = next(line for line in lines if line.startswith("ExecStart="))
-    assert exec_start == (f"ExecStart={sys.executable} -m server.cli serve --model '/srv/models/my 100%%' "
+    assert exec_start == (f"ExecStart={sys.executable} -m pdserve.server.cli serve --model '/srv/models/my 100%%' "
                           "--port 9000 --mode colocated --shutdown-timeout 12")
     for line in ("Type=notify", "Restart=on-failure", "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "PrivateTmp=yes", "ProtectHome=read-only", "Environment=PDSERVE_CACHE=/var/cache/pdserve",
@@ -245,15 +245,15 @@ def test_delegated_commands(tmp_path, tiny_model_dir, capsys):
 
 
 def test_serve_does_not_import_the_benchmark_stack():
-    code = ("import sys; from server import cli; p = cli.argparse.ArgumentParser(); cli.add_serve_arguments(p); "
-            "import server.serve; print(sorted(m for m in ('matplotlib', 'bench') if m in sys.modules))")
+    code = ("import sys; from pdserve.server import cli; p = cli.argparse.ArgumentParser(); cli.add_serve_arguments(p); "
+            "import pdserve.server.serve; print(sorted(m for m in ('matplotlib', 'pdserve.bench') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(cli.__file__))).stdout
     assert out.strip() == "[]"
 
 
 def test_adaptive_placement_and_lending_are_exported():
-    from server.metrics import Metrics
+    from pdserve.server.metrics import Metrics
 
     stats = EngineStats((ActorStats("prefill", 0, 1, 2, 10, 3, 0.0, role="lent", lent_steps=4, unit="prefill"),
                          ActorStats("decode", 1, 0, 2, 10, 3, 0.0, role="decode", local_prefills=5,
@@ -268,7 +268,7 @@ def test_adaptive_placement_and_lending_are_exported():
 
 
 def test_each_unit_is_labelled_and_its_routing_counted():
-    from server.metrics import Metrics
+    from pdserve.server.metrics import Metrics
 
     stats = EngineStats(tuple(ActorStats(role, 0, 0, 0, 10, 1, 0.0, unit=f"{role}{i}", routed_prefill=3 * i + 1,
                                          routed_decode=2 * i) for role in ("prefill", "decode") for i in (0, 1)), 0, 0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.model.resolve import smollm2_gguf
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.resolve import smollm2_gguf
+from pdserve.engine.text.tokenizer import Tokenizer
 from tests.gguf_models import model_logits
 from tests.models import engine_config
 from tests.tolerance import assert_float32_close, reference_logits

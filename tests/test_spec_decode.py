@@ -12,15 +12,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.core.messages import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.speculative import SpeculativeConfig, propose_ngram
-from engine.engine import Engine
-from engine.llm import LLM
-from engine.worker.sampling.sampler import Sampler
-from engine.worker.sampling.sampling_table import SamplingTable
-from engine.worker.spec_verify import verify
-from engine.worker.step import VerifyInput
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.speculative import SpeculativeConfig, propose_ngram
+from pdserve.engine.engine import Engine
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.sampling.sampler import Sampler
+from pdserve.engine.worker.sampling.sampling_table import SamplingTable
+from pdserve.engine.worker.spec_verify import verify
+from pdserve.engine.worker.step import VerifyInput
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import abort_after, assert_pools_free, prompts, run_engine, staggered, wait_idle
 
@@ -315,9 +315,9 @@ def test_verification_logits_match_transformers_in_decode_and_mixed_steps():
     equal transformers' over the prompt and the drafts."""
     import transformers
 
-    from engine.config import ModelConfig
-    from engine.worker.model_runner import ModelRunner, load_model
-    from engine.worker.step import ChunkInput, NewRow, StepInput
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.worker.model_runner import ModelRunner, load_model
+    from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput
 
     path = demo_checkpoint()
     model = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 256)

@@ -6,16 +6,16 @@ import argparse
 
 import pytest
 
-from bench.loadtest import format_spec_decode
-from bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
-from engine.core.block_manager import BlockManager
-from engine.core.messages import ActorStats, EngineStats, Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import DecodeScheduler
-from engine.core.sequence import Sequence
-from engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
-from server.cli import add_serve_arguments, server_config_from_args
-from server.metrics import Metrics
+from pdserve.bench.loadtest import format_spec_decode
+from pdserve.bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import ActorStats, EngineStats, Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import DecodeScheduler
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
+from pdserve.server.cli import add_serve_arguments, server_config_from_args
+from pdserve.server.metrics import Metrics
 
 REPEATING = (1, 2, 3, 4, 5, 6, 7, 8) * 4
 

@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from engine.transfer import cupy_p2p
-from engine.transfer.base import TransferUnavailable, coalesce_runs
-from engine.transfer.cupy_p2p import CupyP2PTransfer
-from engine.transfer.select import select_transfer
-from engine.transfer.staged import StagedTransfer, staging_pieces
+from pdserve.engine.transfer import cupy_p2p
+from pdserve.engine.transfer.base import TransferUnavailable, coalesce_runs
+from pdserve.engine.transfer.cupy_p2p import CupyP2PTransfer
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.transfer.staged import StagedTransfer, staging_pieces
 from tests.fake_cuda import fake_cuda, races
 from tests.test_kv_transfer import BLOCK_GEOMETRY, fake_runtime, random_pairs, reference_copy
 
@@ -97,7 +97,7 @@ def test_staged_checks_pools_and_ids(monkeypatch):
 def test_without_peer_access_automatic_choice_is_staged_with_a_warning(monkeypatch, caplog):
     with fake_cuda(monkeypatch):
         monkeypatch.setattr(cupy_p2p, "import_cupy_runtime", lambda: fake_runtime(can_access_peer=False))
-        with caplog.at_level(logging.WARNING, logger="engine.transfer.select"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.engine.transfer.select"):
             transfer = select_transfer(CUDA0, CUDA1)
         assert transfer.name == "staged"
         assert "cannot access each other as peers; copying through pinned host memory" in caplog.text
@@ -158,7 +158,7 @@ def test_a_failing_peer_copy_falls_back_to_staged_and_loses_nothing(monkeypatch,
         src_pool, dst_pool, src_cpu, dst_cpu = pools_on_two_devices(4)
         runtime = copying_runtime(fail_after=1)
         transfer = CupyP2PTransfer(runtime, CUDA0, CUDA1)
-        with caplog.at_level(logging.WARNING, logger="engine.transfer.cupy_p2p"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.engine.transfer.cupy_p2p"):
             transfer.copy_blocks(src_pool, dst_pool, [0, 1, 8, 20], [5, 6, 30, 2]).wait()
             transfer.copy_blocks(src_pool, dst_pool, [30, 31], [40, 41]).wait()
         expected = reference_copy(src_cpu, dst_cpu, [0, 1, 8, 20, 30, 31], [5, 6, 30, 2, 40, 41])

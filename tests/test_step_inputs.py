@@ -6,13 +6,13 @@ import random
 import numpy as np
 import torch
 
-from engine.actors.planner import StepPlanner
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.block_manager import BlockManager
-from engine.core.messages import Request
-from engine.core.sequence import Sequence
-from engine.worker.input_buffers import InputBuffers
-from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, step_shape
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.core.batch import Batch, ScheduledChunk
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.worker.input_buffers import InputBuffers
+from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, step_shape
 
 BLOCK = 4
 

@@ -11,8 +11,8 @@ import openai
 import pydantic
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import Engine
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
 from tests.test_server_api import client, scrape, serve, wait_until_idle  # noqa: F401 (serve is a fixture)
 
 ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "priority", "total"],

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from llguidance import LLMatcher
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.text.grammar import grammar_tokenizer, json_schema_grammar, regex_grammar
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.text.grammar import grammar_tokenizer, json_schema_grammar, regex_grammar
 from tests.models import engine_config
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -11,9 +11,9 @@ import torch
 import transformers
 from llguidance.numpy import apply_token_bitmask_inplace
 
-from engine.text.tokenizer import Tokenizer
-from engine.worker.sampling.constraints import unpack_bitmask
-from server.tool_calls import ToolCallStream, Tools, choose_parser, parse_auto, template_messages
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.engine.worker.sampling.constraints import unpack_bitmask
+from pdserve.server.tool_calls import ToolCallStream, Tools, choose_parser, parse_auto, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOLS = Tools((WEATHER,), "auto")
@@ -119,11 +119,11 @@ def test_bitmask_unpacking_matches_llguidance():
 
 
 def test_grammar_and_logit_bias_cross_the_process_boundary_once_per_row():
-    from engine.core.sampling_params import SamplingParams
-    from engine.text.grammar import regex_grammar
-    from engine.worker.processes import wire
-    from engine.worker.step import NewRow, StepInput, StepResult, StepWork
-    from engine.worker.step_runner import StepOutcome
+    from pdserve.engine.core.sampling_params import SamplingParams
+    from pdserve.engine.text.grammar import regex_grammar
+    from pdserve.engine.worker.processes import wire
+    from pdserve.engine.worker.step import NewRow, StepInput, StepResult, StepWork
+    from pdserve.engine.worker.step_runner import StepOutcome
 
     params = SamplingParams(max_tokens=9, temperature=0.5, grammar=regex_grammar("[0-9]+"),
                             logit_bias=((3, -100.0), (17, 2.5)))
@@ -136,7 +136,7 @@ def test_grammar_and_logit_bias_cross_the_process_boundary_once_per_row():
 def test_the_serve_command_takes_a_tool_call_parser(monkeypatch):
     import dataclasses
 
-    from server import cli
+    from pdserve.server import cli
 
     seen = []
     monkeypatch.setitem(cli.COMMANDS, "serve", dataclasses.replace(cli.COMMANDS["serve"],
@@ -150,9 +150,9 @@ def test_the_serve_command_takes_a_tool_call_parser(monkeypatch):
 def test_outputs_follow_the_request_s_property_order(smollm2):
     from llguidance import LLMatcher
 
-    from engine.text.grammar import grammar_tokenizer
-    from server.structured import build_grammar, output_format
-    from server.tool_calls import forced_format
+    from pdserve.engine.text.grammar import grammar_tokenizer
+    from pdserve.server.structured import build_grammar, output_format
+    from pdserve.server.tool_calls import forced_format
 
     loaded = Tokenizer.from_dir(smollm2[1])
     tokenizer = grammar_tokenizer(smollm2[1], 49152, tuple(sorted(loaded.eos_token_ids)))

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from engine.core.messages import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
-from engine.engine import Engine, EngineStopped
-from engine.worker import faults
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.engine import Engine, EngineStopped
+from pdserve.engine.worker import faults
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine
 

@@ -1,4 +1,4 @@
-"""engine.text.tokenizer against transformers loading the same (demo) directory."""
+"""pdserve.engine.text.tokenizer against transformers loading the same (demo) directory."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,9 @@ import jinja2.sandbox
 import pytest
 from transformers import AutoTokenizer
 
-from engine.model.demo import make_model
-from engine.model.demo_corpus import ENDOFTEXT, IM_END, IM_START
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.model.demo import make_model
+from pdserve.engine.model.demo_corpus import ENDOFTEXT, IM_END, IM_START
+from pdserve.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world 😀 你好，世界！",

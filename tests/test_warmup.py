@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
-from engine.llm import LLM
-from engine.worker.cuda_graph import batch_buckets
-from engine.worker.startup.warmup import warm_up, warmup_shapes
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.cuda_graph import batch_buckets
+from pdserve.engine.worker.startup.warmup import warm_up, warmup_shapes
 from tests.models import demo_checkpoint, engine_config
 from tests.triton_keys import KeyRecorder
 
@@ -44,9 +44,9 @@ def test_shapes_cover_the_batch_buckets_and_the_prefill_budget():
 def cuda_launch_parameters(monkeypatch) -> None:
     """Let the wrappers choose what they would on an sm_90 GPU (tiles, dot precision) for CPU tensors."""
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
-    for name in ("kernels.prefill_attention", "kernels.decode_attention"):
+    for name in ("pdserve.kernels.prefill_attention", "pdserve.kernels.decode_attention"):
         monkeypatch.setattr(sys.modules[name], "INTERPRETED", False)
-    monkeypatch.setattr(sys.modules["kernels.prefill_attention"], "target_arch", lambda device: 90)
+    monkeypatch.setattr(sys.modules["pdserve.kernels.prefill_attention"], "target_arch", lambda device: 90)
 
 
 def random_prompts(rng: random.Random, count: int) -> list[list[int]]:
@@ -93,9 +93,9 @@ def test_without_do_not_specialize_serving_would_compile_again(monkeypatch):
 
 
 def test_runtime_sizes_are_not_specialized_on():
-    from kernels.decode_attention import _decode_reduce_kernel, _decode_split_kernel
-    from kernels.prefill_attention import _prefill_kernel
-    from kernels.store_kv import _store_kv_kernel
+    from pdserve.kernels.decode_attention import _decode_reduce_kernel, _decode_split_kernel
+    from pdserve.kernels.prefill_attention import _prefill_kernel
+    from pdserve.kernels.store_kv import _store_kv_kernel
 
     def skipped(kernel):
         return set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or kernel.do_not_specialize)
@@ -106,8 +106,8 @@ def test_runtime_sizes_are_not_specialized_on():
 
 
 def test_warm_up_leaves_the_step_timer_at_zero():
-    from engine.config import ModelConfig
-    from engine.worker.model_runner import ModelRunner, load_model
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.worker.model_runner import ModelRunner, load_model
 
     model = load_model(ModelConfig.from_dir(demo_checkpoint()), torch.float32, torch.device("cpu"), 128)
     runner = ModelRunner(model, 32, 16, frozenset())

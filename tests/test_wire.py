@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.messages import TokenLogprob
-from engine.core.sampling_params import SamplingParams
-from engine.transfer.base import TransferHandle
-from engine.worker.processes import wire
-from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.step import (
+from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.transfer.base import TransferHandle
+from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from pdserve.engine.worker.step import (
     BlockAppend,
     BlockCopy,
     ChunkInput,
@@ -20,8 +20,8 @@ from engine.worker.step import (
     StepWork,
     VerifyInput,
 )
-from engine.worker.step_runner import StepOutcome
-from kernels.kv_layout import KVLayout
+from pdserve.engine.worker.step_runner import StepOutcome
+from pdserve.kernels.kv_layout import KVLayout
 
 WORK = StepWork(
     StepInput(freed_rows=(3, 1),

@@ -10,9 +10,9 @@ import signal
 import pytest
 import torch
 
-from engine.core.messages import FinishReason, Request
-from engine.engine import Engine
-from engine.worker.processes.process import ProcessCompute
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.engine import Engine
+from pdserve.engine.worker.processes.process import ProcessCompute
 from tests.models import demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine, transformers_model  # noqa: F401
 from tests.test_supervisor import LONG, SHORT, assert_failed_then_served, build, reference_tokens, until
@@ -123,9 +123,9 @@ def test_a_worker_that_cannot_start_fails_the_engine_with_its_reason(tmp_path):
 
 
 def test_process_workers_refuse_cuda_with_a_reason():
-    from engine.config import EngineConfig
-    from engine.process_units import load_process_units
-    from engine.topology import Plan
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.process_units import load_process_units
+    from pdserve.engine.topology import Plan
 
     plan = Plan("disaggregated", (torch.device("cuda:0"),), (torch.device("cuda:1"),), torch.float16, 256, ((),), ((),))
     with pytest.raises(ValueError, match="CPU actors only"):

@@ -1,7 +1,7 @@
 """`--mode adaptive`: one engine that places each prefill and lends idle compute.
 
 The decode actor also prefills, in its own steps and chunked under a budget from the placement
-policy (`engine.actors.placement`), the prompts that are cheaper here; the coordinator applies the
+policy (`pdserve.engine.actors.placement`), the prompts that are cheaper here; the coordinator applies the
 policy when the actor takes a prompt and sends the others to a prefill unit. On CPU the two actors' cores are one pool of threads: a side with nothing to
 do lends its cores to the other, which takes them at its next step launch and gives them back at
 the launch after the lender has work again (measured: switching thread counts per step costs
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.actors.decode import DecodeActor
-from engine.actors.placement import PlacementPolicy, StepCostModel
-from engine.actors.prefill import PrefillActor
-from engine.core.batch import Batch
-from engine.core.messages import Abort, Request
-from engine.core.scheduler import PrefillScheduler, mixed_batch
-from engine.core.sequence import Sequence
+from pdserve.engine.actors.decode import DecodeActor
+from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.prefill import PrefillActor
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.messages import Abort, Request
+from pdserve.engine.core.scheduler import PrefillScheduler, mixed_batch
+from pdserve.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

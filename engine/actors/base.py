@@ -1,7 +1,7 @@
 """The actor skeleton: a mailbox, one compute unit, and a pipelined step loop on the event loop.
 
 A step is scheduled and turned into a compact StepInput on the loop, runs on the compute unit
-(`engine.worker.compute`: a thread, or a worker process), and is recorded back on the loop.
+(`pdserve.engine.worker.compute`: a thread, or a worker process), and is recorded back on the loop.
 With `overlap`, the next step is scheduled and launched while one runs (two in flight), so host
 work hides behind device work; either way a finished step's tokens are published (detokenized
 and streamed) only after the next step has been launched.
@@ -19,16 +19,16 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from engine.actors.planner import StepPlanner
-from engine.core.batch import Batch
-from engine.core.block_manager import BlockManager
-from engine.core.messages import ActorStats, FinishReason, Preempted, Request, Reservation, StepOutput
-from engine.core.prefix_cache import extend_hashes
-from engine.core.sequence import Sequence
-from engine.core.speculative import Speculator
-from engine.worker.compute import Compute
-from engine.worker.step import StepWork
-from engine.worker.step_runner import StepOutcome
+from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.messages import ActorStats, FinishReason, Preempted, Request, Reservation, StepOutput
+from pdserve.engine.core.prefix_cache import extend_hashes
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.speculative import Speculator
+from pdserve.engine.worker.compute import Compute
+from pdserve.engine.worker.step import StepWork
+from pdserve.engine.worker.step_runner import StepOutcome
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Colocated mode (the baseline): one device, chunked prefill mixed with decode in the same step."""
 from __future__ import annotations
 
-from engine.actors.base import Actor, Emit
-from engine.core.batch import Batch
-from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, Request
-from engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
-from engine.core.sequence import Sequence
-from engine.core.speculative import SpeculativeConfig, Speculator
-from engine.worker.compute import Compute
+from pdserve.engine.actors.base import Actor, Emit
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.messages import Abort, Request
+from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.speculative import SpeculativeConfig, Speculator
+from pdserve.engine.worker.compute import Compute
 
 
 class ColocatedActor(Actor):

@@ -1,16 +1,16 @@
 """The decode actor: continuous batching over sequences whose KV arrived from a prefill unit."""
 from __future__ import annotations
 
-from engine.actors.base import Actor, Emit, first_pending
-from engine.core.admission import cached_prefix, can_admit
-from engine.core.batch import Batch
-from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted, Reservation
-from engine.core.prefix_cache import extend_hashes
-from engine.core.scheduler import DecodeScheduler
-from engine.core.sequence import Sequence
-from engine.core.speculative import SpeculativeConfig, Speculator
-from engine.worker.compute import Compute
+from pdserve.engine.actors.base import Actor, Emit, first_pending
+from pdserve.engine.core.admission import cached_prefix, can_admit
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Reservation
+from pdserve.engine.core.prefix_cache import extend_hashes
+from pdserve.engine.core.scheduler import DecodeScheduler
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.speculative import SpeculativeConfig, Speculator
+from pdserve.engine.worker.compute import Compute
 
 
 class DecodeActor(Actor):

@@ -1,9 +1,9 @@
 """Turning a scheduled Batch into the runner's StepInput: row numbers, new rows, appended blocks."""
 from __future__ import annotations
 
-from engine.core.batch import Batch
-from engine.core.sequence import Sequence
-from engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput, VerifyInput
+from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput, VerifyInput
 
 
 class StepPlanner:

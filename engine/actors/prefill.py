@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.actors.base import Actor, Emit, first_pending
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.block_manager import blocks_for
-from engine.core.config import SchedulerConfig
-from engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, StepOutput
-from engine.core.scheduler import PrefillScheduler
-from engine.core.sequence import Sequence
-from engine.worker.compute import Compute
-from engine.worker.step import BlockCopy, StepWork
-from engine.worker.step_runner import StepOutcome
+from pdserve.engine.actors.base import Actor, Emit, first_pending
+from pdserve.engine.core.batch import Batch, ScheduledChunk
+from pdserve.engine.core.block_manager import blocks_for
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, StepOutput
+from pdserve.engine.core.scheduler import PrefillScheduler
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.worker.compute import Compute
+from pdserve.engine.worker.step import BlockCopy, StepWork
+from pdserve.engine.worker.step_runner import StepOutcome
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,7 @@
 """The coordinator: on the event loop, it owns the request table, admission, routing, placement and the
 KV hand-off protocol over N prefill and M decode units (or N colocated ones).
 
-Actors only step their unit; what one asks of another goes through here (`engine.actors.base.Port`):
+Actors only step their unit; what one asks of another goes through here (`pdserve.engine.actors.base.Port`):
 a prefill unit reserves decode blocks (None: back-pressure), posts its hand-off (delivered to the
 decode unit holding the reservation), or releases a reservation it never handed off; a decode unit
 posts a preempted sequence (routed to a prefill unit again) and says when it freed blocks.
@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
-from engine.actors.base import Actor
-from engine.actors.placement import LoadState
-from engine.core.admission import cached_prefix, uncached_tokens
-from engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
-from engine.core.sequence import Sequence
-from engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
+from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
+from pdserve.engine.actors.base import Actor
+from pdserve.engine.actors.placement import LoadState
+from pdserve.engine.core.admission import cached_prefix, uncached_tokens
+from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
 logger = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.core.block_manager import BlockManager
-from engine.core.prefix_cache import extend_hashes
-from engine.core.sequence import Sequence as SequenceState
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.prefix_cache import extend_hashes
+from pdserve.engine.core.sequence import Sequence as SequenceState
 
 
 def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: int | None = None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

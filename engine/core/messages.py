@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.core.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
 
 _ROOT = b"pdserve-kv-v1\0"
 

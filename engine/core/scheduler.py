@@ -9,11 +9,11 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from engine.core.admission import can_admit, computable_prefix
-from engine.core.batch import Batch, ScheduledChunk
-from engine.core.block_manager import BlockManager
-from engine.core.sequence import Sequence
-from engine.core.speculative import Speculator
+from pdserve.engine.core.admission import can_admit, computable_prefix
+from pdserve.engine.core.batch import Batch, ScheduledChunk
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.speculative import Speculator
 
 ReserveHook = Callable[[Sequence], bool]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.messages import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False)

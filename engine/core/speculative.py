@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.core.block_manager import BlockManager
-from engine.core.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence
 
 METHODS = ("ngram",)
 # NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the

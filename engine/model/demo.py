@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model import demo_corpus
-from engine.model.cache import build_once, cache_root
-from engine.model.demo_corpus import ENDOFTEXT, IM_END, SPECIAL_TOKENS
+from pdserve.engine.model import demo_corpus
+from pdserve.engine.model.cache import build_once, cache_root
+from pdserve.engine.model.demo_corpus import ENDOFTEXT, IM_END, SPECIAL_TOKENS
 
 ARCHS = ("llama", "qwen2")
 LOGIT_STD = 3.0
@@ -71,7 +71,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", arch: str = "llama", see
 def default_model_dir(size: str = "tiny", arch: str = "llama") -> Path:
     """The cached demo checkpoint for (size, arch, seed 0), generated on first use.
 
-    Lives in the cache folder (`engine.model.cache`) as demo-<size>-<arch>-s0; concurrent callers are safe.
+    Lives in the cache folder (`pdserve.engine.model.cache`) as demo-<size>-<arch>-s0; concurrent callers are safe.
     """
     return build_once(cache_root() / f"demo-{size}-{arch}-s0", lambda tmp: make_model(tmp, size, arch, seed=0))
 

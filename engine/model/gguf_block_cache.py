@@ -16,10 +16,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.model.cache import cache_root
-from engine.model.config import ModelConfig
-from engine.model.gguf_blocks import GGUFProjections, read_gguf_projections
-from kernels.quant_formats import QuantizedWeight
+from pdserve.engine.model.cache import cache_root
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.gguf_blocks import GGUFProjections, read_gguf_projections
+from pdserve.kernels.quant_formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model.config import ModelConfig
-from kernels.quant_formats import GGUF_BLOCK_BYTES, QuantizedWeight, concat_rows, from_gguf_blocks
+from pdserve.engine.model.config import ModelConfig
+from pdserve.kernels.quant_formats import GGUF_BLOCK_BYTES, QuantizedWeight, concat_rows, from_gguf_blocks
 
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 

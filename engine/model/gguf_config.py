@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model.gguf_reader import GGUFFile
+from pdserve.engine.model.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_FREQS = "rope_freqs.weight"

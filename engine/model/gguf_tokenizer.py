@@ -14,7 +14,7 @@ from functools import cache
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.model.gguf_reader import GGUFFile
+from pdserve.engine.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.model.gguf_config import TensorSpec
-from engine.model.gguf_reader import GGUFFile
+from pdserve.engine.model.gguf_config import TensorSpec
+from pdserve.engine.model.gguf_reader import GGUFFile
 
 Q = gguf.GGMLQuantizationType
 SHARD_BYTES = 256 << 20        # NOTE: bounds the memory of a conversion, and the mapped pages of a load, to ~one shard

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.native_decode_layers import Projection
+from pdserve import kernels
+from pdserve.kernels.native_decode_layers import Projection
 
 
 def empty_parameter(*shape: int) -> nn.Parameter:

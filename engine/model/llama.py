@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.model.config import ModelConfig
-from engine.model.forward_batch import ForwardBatch
-from engine.model.layers import Embedding, Linear, RMSNorm
-from engine.model.rope import cos_sin_table
-from kernels.native_decode_layers import DecodeLayers, LayerTensors
+from pdserve import kernels
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.forward_batch import ForwardBatch
+from pdserve.engine.model.layers import Embedding, Linear, RMSNorm
+from pdserve.engine.model.rope import cos_sin_table
+from pdserve.kernels.native_decode_layers import DecodeLayers, LayerTensors
 
 
 class Attention(nn.Module):

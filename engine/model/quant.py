@@ -17,17 +17,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import kernels
+from pdserve import kernels
 
-from engine.model.gguf import SOURCE_FILE
-from engine.model.gguf_block_cache import cached_gguf_projections
-from engine.model.gguf_blocks import GGUFBlockError
-from engine.model.layers import Linear
-from engine.model.llama import CausalLM
-from engine.model.quant_probe import probe_quantized
-from kernels.native_decode_layers import Projection
-from kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
-from kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
+from pdserve.engine.model.gguf import SOURCE_FILE
+from pdserve.engine.model.gguf_block_cache import cached_gguf_projections
+from pdserve.engine.model.gguf_blocks import GGUFBlockError
+from pdserve.engine.model.layers import Linear
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.quant_probe import probe_quantized
+from pdserve.kernels.native_decode_layers import Projection
+from pdserve.kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
+from pdserve.kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
 
 logger = logging.getLogger(__name__)
 

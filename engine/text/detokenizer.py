@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from engine.text.tokenizer import Tokenizer
+from pdserve.engine.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # tokens decoded in front of the new ones (leading-space rules of some decoders)

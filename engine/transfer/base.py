@@ -1,6 +1,6 @@
 """What every KV transfer backend shares: the copy handle, the protocol, coalesced runs, checks.
 
-Pools are laid out as `kernels.kv_layout.KVLayout` says: a run of consecutive block ids is one
+Pools are laid out as `pdserve.kernels.kv_layout.KVLayout` says: a run of consecutive block ids is one
 contiguous memory range and moves in one copy.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from kernels.kv_layout import KVLayout
+from pdserve.kernels.kv_layout import KVLayout
 
 
 class TransferUnavailable(RuntimeError):

@@ -1,7 +1,7 @@
 """The "cupy-p2p" KV transfer backend: cudaMemcpyPeerAsync per coalesced block run.
 
 A peer copy that fails at run time does not fail its request: the backend logs a warning once and
-copies through pinned host memory (`engine.transfer.staged`) from then on.
+copies through pinned host memory (`pdserve.engine.transfer.staged`) from then on.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from engine.transfer.base import (
+from pdserve.engine.transfer.base import (
     TransferHandle,
     TransferUnavailable,
     block_nbytes,
@@ -18,7 +18,7 @@ from engine.transfer.base import (
     coalesce_runs,
     timing_events,
 )
-from engine.transfer.staged import StagedTransfer
+from pdserve.engine.transfer.staged import StagedTransfer
 
 logger = logging.getLogger(__name__)
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled

@@ -5,10 +5,10 @@ import logging
 
 import torch
 
-from engine.transfer.base import KVTransfer, TransferUnavailable
-from engine.transfer.cupy_p2p import PeerAccessUnavailable, make_cupy_p2p
-from engine.transfer.staged import make_staged
-from engine.transfer.torch_copy import TorchTransfer
+from pdserve.engine.transfer.base import KVTransfer, TransferUnavailable
+from pdserve.engine.transfer.cupy_p2p import PeerAccessUnavailable, make_cupy_p2p
+from pdserve.engine.transfer.staged import make_staged
+from pdserve.engine.transfer.torch_copy import TorchTransfer
 
 logger = logging.getLogger(__name__)
 

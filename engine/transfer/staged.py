@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from engine.transfer.base import (
+from pdserve.engine.transfer.base import (
     TransferHandle,
     TransferUnavailable,
     block_nbytes,
@@ -18,7 +18,7 @@ from engine.transfer.base import (
     coalesce_runs,
     timing_events,
 )
-from kernels.kv_layout import KVLayout
+from pdserve.kernels.kv_layout import KVLayout
 
 SLOT_BYTES = 32 << 20
 NUM_SLOTS = 2

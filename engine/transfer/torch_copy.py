@@ -6,14 +6,14 @@ from typing import Sequence
 
 import torch
 
-from engine.transfer.base import (
+from pdserve.engine.transfer.base import (
     TransferHandle,
     block_nbytes,
     check_copy,
     coalesce_runs,
     timing_events,
 )
-from kernels.kv_layout import KVLayout
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:

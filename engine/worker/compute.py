@@ -1,5 +1,5 @@
 """Where an actor's steps run: `ThreadCompute` (a thread of this process) or a worker process
-(`engine.worker.processes.process.ProcessCompute`). Both take a StepWork and give back a future StepOutcome,
+(`pdserve.engine.worker.processes.process.ProcessCompute`). Both take a StepWork and give back a future StepOutcome,
 and describe the pool they step against, so actors do not know which one they have.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Protocol
 
 import torch
 
-from engine.transfer.base import TransferHandle
-from engine.worker.faults import Fault
-from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepWork
-from engine.worker.step_runner import StepOutcome, StepRunner
+from pdserve.engine.transfer.base import TransferHandle
+from pdserve.engine.worker.faults import Fault
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.step import StepWork
+from pdserve.engine.worker.step_runner import StepOutcome, StepRunner
 
 
 class Compute(Protocol):

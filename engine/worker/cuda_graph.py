@@ -12,12 +12,12 @@ import bisect
 import numpy as np
 import torch
 
-from engine.model.llama import CausalLM
-from engine.worker.device import on_device
-from engine.worker.input_buffers import InputBuffers
-from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs
-from engine.worker.step import StepInput
-from kernels.kv_layout import KVLayout
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.worker.device import on_device
+from pdserve.engine.worker.input_buffers import InputBuffers
+from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs
+from pdserve.engine.worker.step import StepInput
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.model.forward_batch import ForwardBatch
+from pdserve.engine.model.forward_batch import ForwardBatch
 
 SECTIONS = ("input_ids", "positions", "slots", "context_lens", "cu_seqlens", "logits_indices", "rows",
             "sampled_rows", "block_tables")

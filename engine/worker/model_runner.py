@@ -7,20 +7,20 @@ import time
 import numpy as np
 import torch
 
-import kernels
-from engine.model.config import ModelConfig
-from engine.model.forward_batch import ForwardBatch
-from engine.model.llama import CausalLM
-from engine.model.weights import load_weights
-from engine.worker.sampling.constraints import RowConstraints
-from engine.worker.cuda_graph import DecodeGraphs
-from engine.worker.input_buffers import InputBuffers
-from engine.worker.memory import kv_layout
-from engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
-from engine.worker.sampling.sampler import Sampler, read_back
-from engine.worker.sampling.sampling_table import SamplingTable
-from engine.worker.spec_verify import emitted_logprobs, verify
-from engine.worker.step import StepInput, StepResult
+from pdserve import kernels
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.forward_batch import ForwardBatch
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.weights import load_weights
+from pdserve.engine.worker.sampling.constraints import RowConstraints
+from pdserve.engine.worker.cuda_graph import DecodeGraphs
+from pdserve.engine.worker.input_buffers import InputBuffers
+from pdserve.engine.worker.memory import kv_layout
+from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
+from pdserve.engine.worker.sampling.sampler import Sampler, read_back
+from pdserve.engine.worker.sampling.sampling_table import SamplingTable
+from pdserve.engine.worker.spec_verify import emitted_logprobs, verify
+from pdserve.engine.worker.step import StepInput, StepResult
 
 
 @contextlib.contextmanager

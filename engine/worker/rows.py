@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.worker.input_buffers import InputBuffers
-from engine.worker.step import StepInput
+from pdserve.engine.worker.input_buffers import InputBuffers
+from pdserve.engine.worker.step import StepInput
 
 
 class RowState:

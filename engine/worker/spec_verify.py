@@ -16,12 +16,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.core.messages import TokenLogprob
-from engine.worker.sampling.categorical import sample_categorical
-from engine.worker.sampling.sampler import Sampler
-from engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
-from engine.worker.sampling.seeded_noise import seeded_uniforms
-from engine.worker.step import VerifyInput
+from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.worker.sampling.categorical import sample_categorical
+from pdserve.engine.worker.sampling.sampler import Sampler
+from pdserve.engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
+from pdserve.engine.worker.sampling.seeded_noise import seeded_uniforms
+from pdserve.engine.worker.step import VerifyInput
 
 RESAMPLE_SALT = 0x5BD1E995      # a seeded row's replacement draws: a stream apart from its acceptance draws
 

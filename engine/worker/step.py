@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.messages import TokenLogprob
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

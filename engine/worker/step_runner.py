@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine.transfer.base import KVTransfer, TransferHandle
-from engine.worker.model_runner import ModelRunner
-from engine.worker.step import StepResult, StepWork
+from pdserve.engine.transfer.base import KVTransfer, TransferHandle
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.step import StepResult, StepWork
 
 
 @dataclass(frozen=True, slots=True)

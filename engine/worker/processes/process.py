@@ -1,7 +1,7 @@
 """`--workers process`: an actor's runner in its own spawned worker process.
 
 The coordinator (the event loop: server, schedulers, block managers, detokenizer) sends one
-`engine.worker.processes.wire` message per step over a pipe and reads the replies from a reader the loop
+`pdserve.engine.worker.processes.wire` message per step over a pipe and reads the replies from a reader the loop
 registers on it, so neither side's Python work waits on the other's interpreter lock. A worker
 that exits (a crash, SIGKILL) fails the steps it held; `recover` spawns it again onto the same
 shared pools.
@@ -18,11 +18,11 @@ from multiprocessing import resource_tracker
 
 import torch
 
-from engine.transfer.base import TransferHandle
-from engine.worker.processes import wire
-from engine.worker.processes.shared_pool import SharedFd
-from engine.worker.step import StepWork
-from engine.worker.processes.worker_process import WorkerSpec, worker_main
+from pdserve.engine.transfer.base import TransferHandle
+from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.processes.shared_pool import SharedFd
+from pdserve.engine.worker.step import StepWork
+from pdserve.engine.worker.processes.worker_process import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0

@@ -15,7 +15,7 @@ from multiprocessing import reduction
 
 import torch
 
-from kernels.kv_layout import KVLayout
+from pdserve.kernels.kv_layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,10 @@ import struct
 import numpy as np
 import orjson
 
-from engine.core.messages import TokenLogprob
-from engine.core.sampling_params import SamplingParams
-from engine.transfer.base import TransferHandle
-from engine.worker.step import (
+from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.transfer.base import TransferHandle
+from pdserve.engine.worker.step import (
     BlockAppend,
     BlockCopy,
     ChunkInput,
@@ -25,7 +25,7 @@ from engine.worker.step import (
     StepWork,
     VerifyInput,
 )
-from engine.worker.step_runner import StepOutcome
+from pdserve.engine.worker.step_runner import StepOutcome
 
 VERSION = 2
 MAGIC = b"PDSV"

@@ -1,7 +1,7 @@
 """The body of a worker process (`--workers process`): build one runner, then run steps as they come.
 
 Spawned (never forked: a fresh interpreter, no inherited threads or locks) by
-`engine.worker.processes.process.ProcessCompute`, it dies with its parent, pins itself to
+`pdserve.engine.worker.processes.process.ProcessCompute`, it dies with its parent, pins itself to
 its cores, loads the model, maps the shared pools, and answers each step message with one outcome
 (or error) message. A step's KV copies into the shared decode pool land before its outcome is sent.
 """
@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.config import SchedulerConfig
-from engine.model.config import ModelConfig
-from engine.model.quant import gguf_source, quantize_model
-from engine.transfer.select import select_transfer
-from engine.worker.processes import wire
-from engine.worker.startup.cpu_kernels import prepare_cpu_kernels
-from engine.worker.faults import Fault
-from engine.worker.model_runner import ModelRunner, load_model
-from engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
-from engine.worker.step_runner import Peer, StepRunner
-from engine.worker.startup.warmup import warm_up_for_serving
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.quant import gguf_source, quantize_model
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
+from pdserve.engine.worker.faults import Fault
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from pdserve.engine.worker.step_runner import Peer, StepRunner
+from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
 PARENT_POLL_S = 0.2
 

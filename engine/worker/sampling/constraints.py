@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from llguidance import LLExecutor, LLMatcher
 
-from engine.core.sampling_params import SamplingParams
-from engine.text.grammar import GrammarCache, grammar_tokenizer
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.text.grammar import GrammarCache, grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 

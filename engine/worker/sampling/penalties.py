@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.sampling.sampling_table import SamplingBatch
+from pdserve.engine.worker.sampling.sampling_table import SamplingBatch
 
 
 def mask_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:

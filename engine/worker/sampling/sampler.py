@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.messages import TokenLogprob
-from engine.worker.sampling.categorical import sample_categorical
-from engine.worker.sampling.constraints import StepConstraints
-from engine.worker.sampling.penalties import apply_penalties, mask_stop_tokens
-from engine.worker.sampling.sampling_filters import min_p_filter, top_k_only, top_k_top_p
-from engine.worker.sampling.sampling_state import SamplingState
-from engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
-from engine.worker.sampling.seeded_noise import seeded_exponential, seeded_uniforms
+from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.worker.sampling.categorical import sample_categorical
+from pdserve.engine.worker.sampling.constraints import StepConstraints
+from pdserve.engine.worker.sampling.penalties import apply_penalties, mask_stop_tokens
+from pdserve.engine.worker.sampling.sampling_filters import min_p_filter, top_k_only, top_k_top_p
+from pdserve.engine.worker.sampling.sampling_state import SamplingState
+from pdserve.engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
+from pdserve.engine.worker.sampling.seeded_noise import seeded_exponential, seeded_uniforms
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
 
 
 class SamplingState(Protocol):

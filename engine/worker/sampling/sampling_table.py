@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
 
 _FIELDS = {"greedy": bool, "temperature": np.float32, "top_k": np.int64, "top_p": np.float32,
            "min_p": np.float32, "seed": np.int64, "seeded": bool, "penalised": bool,

@@ -3,7 +3,7 @@
 On CUDA the sampler races exponential noise: all seeded rows are drawn in one batch of integer ops
 (no launch per row), the draw for (seed, position, vocabulary column) a hash of the three (murmur3's
 32-bit finaliser), with 32-bit products formed from 16-bit halves so int64 never overflows. On CPU
-the sampler needs one uniform per row (`engine.worker.sampling.categorical`), hashed from the same row key.
+the sampler needs one uniform per row (`pdserve.engine.worker.sampling.categorical`), hashed from the same row key.
 Each device has its own stream of draws.
 """
 from __future__ import annotations

@@ -15,17 +15,17 @@ import time
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.worker.startup.defaults import Choice, ProbeResult, probe
-from kernels import native
-from kernels.activation import silu_and_mul_ref
-from kernels.decode_attention import decode_attention_ref
-from kernels.native_decode_attention import decode_attention_native
-from kernels.native_decode_attention import supports as attention_supports
-from kernels.native_rms_norm import rms_norm_native
-from kernels.native_rotary_store import rotary_store_native, rotary_store_ref
-from kernels.native_silu_and_mul import silu_and_mul_native
-from kernels.rms_norm import rms_norm_ref
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.worker.startup.defaults import Choice, ProbeResult, probe
+from pdserve.kernels import native
+from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.decode_attention import decode_attention_ref
+from pdserve.kernels.native_decode_attention import decode_attention_native
+from pdserve.kernels.native_decode_attention import supports as attention_supports
+from pdserve.kernels.native_rms_norm import rms_norm_native
+from pdserve.kernels.native_rotary_store import rotary_store_native, rotary_store_ref
+from pdserve.kernels.native_silu_and_mul import silu_and_mul_native
+from pdserve.kernels.rms_norm import rms_norm_ref
 
 logger = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ from typing import Protocol
 
 import torch
 
-from engine.core.messages import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
-from engine.model.config import ModelConfig
-from engine.model.llama import CausalLM
-from engine.worker.cuda_graph import DecodeGraphs
-from engine.worker.device import on_device, side_stream
-from engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, parse_memory
-from engine.worker.model_runner import ModelRunner
-from engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.worker.cuda_graph import DecodeGraphs
+from pdserve.engine.worker.device import on_device, side_stream
+from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, parse_memory
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
 
 logger = logging.getLogger(__name__)
 GiB = 2**30

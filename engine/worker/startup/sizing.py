@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.config import CacheConfig, SchedulerConfig
-from engine.model.config import ModelConfig
-from engine.model.llama import CausalLM
-from engine.worker.memory import num_kv_blocks
-from engine.worker.startup.memory_profile import (
+from pdserve.engine.core.config import CacheConfig, SchedulerConfig
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.worker.memory import num_kv_blocks
+from pdserve.engine.worker.startup.memory_profile import (
     CudaMemory,
     Demand,
     DeviceBudget,
     kv_blocks,
     weights_bytes,
 )
-from engine.worker.startup.warmup import StepShape
+from pdserve.engine.worker.startup.warmup import StepShape
 
 
 def largest_steps(role: str, sched: SchedulerConfig, max_model_len: int) -> tuple[tuple[StepShape, ...], int]:

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from engine.core.config import SchedulerConfig
-from engine.core.sampling_params import SamplingParams
-from engine.model.layers import Linear
-from engine.model.quant import QuantizedLinear
-from engine.worker.cuda_graph import batch_buckets
-from engine.worker.device import on_device, side_stream
-from engine.worker.model_runner import ModelRunner
-from engine.worker.step import ChunkInput, NewRow, StepInput
-from kernels.native_linear import warm_prefer_native
+from pdserve import kernels
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.model.layers import Linear
+from pdserve.engine.model.quant import QuantizedLinear
+from pdserve.engine.worker.cuda_graph import batch_buckets
+from pdserve.engine.worker.device import on_device, side_stream
+from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput
+from pdserve.kernels.native_linear import warm_prefer_native
 
 ROLES = ("prefill", "decode", "colocated")
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -83,7 +83,7 @@ def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, 
 
 
 def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> int:
-    """`kernels.native_linear.warm_prefer_native` over every weight `kernels.linear` can be handed: the
+    """`pdserve.kernels.native_linear.warm_prefer_native` over every weight `pdserve.kernels.linear` can be handed: the
     projections (a quantized one's dense weight serves its larger batches) and a tied head's embedding."""
     if not kernels.use_native(model.embed_tokens.weight):
         return 0
