@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import traceback
 import types
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class FakeStream:
     default: bool = False
     cuda_stream: int = field(default_factory=lambda: next(_STREAM_IDS))
     clock: dict = field(default_factory=dict)
+    cuda: FakeCuda | None = None         # the runtime its synchronize() reports to
 
     def tick(self) -> dict:
         self.clock[self.cuda_stream] = self.clock.get(self.cuda_stream, 0) + 1
@@ -47,7 +49,8 @@ class FakeStream:
         _merge(self.clock, event.clock)
 
     def synchronize(self) -> None:
-        pass
+        if self.cuda is not None:
+            self.cuda.host_sync(f"stream.synchronize() on {self.device}")
 
 
 def _merge(clock: dict, other: dict) -> None:
@@ -102,7 +105,8 @@ class FakeCuda:
     def __init__(self, device_count: int) -> None:
         self.device_count = device_count
         self.local = threading.local()
-        self.default_streams = {i: FakeStream(torch.device("cuda", i), default=True) for i in range(device_count)}
+        self.default_streams = {i: FakeStream(torch.device("cuda", i), default=True, cuda=self)
+                                for i in range(device_count)}
         self.streams: list[FakeStream] = []
         self.events: list[FakeEvent] = []
         self.graphs: list[FakeGraph] = []
@@ -112,6 +116,28 @@ class FakeCuda:
         self.free_memory = {i: 80 << 30 for i in range(device_count)}
         self.memory_stats = {"allocated": 1 << 30, "peak": 1 << 30, "reserved": 2 << 30}
         self.tags: dict = {}
+        self.pinned: set = set()                       # storage keys of pinned host tensors
+        self.syncs: list[str] = []                     # host syncs seen inside a step window
+        self._windows = itertools.count(1)
+
+    # host syncs: a step window is the stretch in which a thread must never wait for the device
+    @contextlib.contextmanager
+    def step_window(self):
+        """Inside the block, this thread records (in `syncs`) every wait for work queued since it began."""
+        previous = getattr(self.local, "window", None)
+        self.local.window = next(self._windows)
+        try:
+            yield
+        finally:
+            self.local.window = previous
+
+    @property
+    def window(self) -> int | None:
+        return getattr(self.local, "window", None)
+
+    def host_sync(self, what: str) -> None:
+        if self.window is not None:
+            self.syncs.append(f"{what} at {_caller()}")
 
     # devices and streams, with CUDA's per-thread rules
     def current_device(self) -> int:
@@ -141,7 +167,7 @@ class FakeCuda:
         self.local.device = stream.device.index       # NOTE: as torch._C._cuda_setStream does
 
     def new_stream(self, device=None, priority: int = 0) -> FakeStream:
-        stream = FakeStream(torch.device("cuda", self.index(device)))
+        stream = FakeStream(torch.device("cuda", self.index(device)), cuda=self)
         self.streams.append(stream)
         return stream
 
@@ -192,6 +218,14 @@ class FakeCuda:
         return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
+def _caller() -> str:
+    """The innermost pdserve frame outside tests/ that led here."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/tests/" not in frame.filename and ("/engine/" in frame.filename or "/kernels/" in frame.filename):
+            return f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno}"
+    return "?"
+
+
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     if not tensor.is_contiguous():          # NOTE: a strided view counts as its whole storage
         storage = tensor.untyped_storage()
@@ -208,17 +242,21 @@ class FakeEvent:
     device: torch.device | None = None
     stream: FakeStream | None = None
     clock: dict | None = None
+    window: int | None = None        # the step window it was recorded in
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream or self.cuda.current_stream()
         self.device = self.stream.device
         self.clock = dict(self.stream.clock)
+        self.window = self.cuda.window
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
         assert self.device is not None, "synchronize on an event never recorded"
+        if self.window is not None and self.window == self.cuda.window:
+            self.cuda.host_sync("event.synchronize() on an event of this step")
 
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or self.cuda.current_stream()).wait_event(self)
@@ -267,7 +305,7 @@ def install(monkeypatch, device_count: int = 2) -> FakeCuda:
         "Stream": cuda.new_stream, "current_stream": cuda.current_stream, "set_stream": cuda.set_stream,
         "stream": cuda.stream_context, "Event": lambda **kw: _event(cuda, kw),
         "CUDAGraph": lambda *a, **kw: _graph(cuda), "graph_pool_handle": lambda: (0, next(_STREAM_IDS)),
-        "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+        "synchronize": lambda device=None: cuda.host_sync("torch.cuda.synchronize()"), "empty_cache": lambda: None,
         "get_device_properties": lambda device=None: types.SimpleNamespace(
             multi_processor_count=132, total_memory=80 << 30, name="fake GPU", major=9, minor=0),
         "get_device_capability": lambda device=None: (9, 0),
