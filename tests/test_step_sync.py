@@ -1,0 +1,140 @@
+"""A step on CUDA never makes the host wait for the GPU: its tokens come back later, through pinned memory.
+
+On CPU, `tests.fake_cuda` stands in for the GPU and reports, inside a step window, every op that would
+make the host wait on a real device: `.item()`, `.tolist()`, `bool()` of a device tensor, a
+data-dependent shape (`nonzero`, a boolean mask index), a copy from or into pageable host memory, a
+blocking copy, `synchronize()` on the step's own work. A runner's `launch` runs inside the window;
+its `PendingStep.result()` (the read-back point, where the actor records the step) runs outside it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput, VerifyInput
+from pdserve.engine.worker.step_runner import StepRunner
+from tests.fake_cuda import fake_cuda
+from tests.models import demo_checkpoint, engine_config
+
+CUDA1 = torch.device("cuda:1")
+BLOCK = 16
+
+PARAMS = [SamplingParams(temperature=0.0),
+          SamplingParams(temperature=0.8, top_k=5),
+          SamplingParams(temperature=0.7, top_p=0.9, seed=11),
+          SamplingParams(temperature=1.0, min_p=0.1, top_k=400),
+          SamplingParams(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+          SamplingParams(temperature=0.0, logprobs=3),
+          SamplingParams(temperature=0.6, min_tokens=4, stop_token_ids=(9, 10), logprobs=0),
+          SamplingParams(temperature=0.0, presence_penalty=1.0)]
+
+
+def runner_on(device: torch.device, graph_max_batch: int = 0) -> ModelRunner:
+    config = ModelConfig.from_dir(demo_checkpoint())
+    model = load_model(config, torch.float32, device, 256)
+    return ModelRunner(model, 64, BLOCK, frozenset({2}), graph_max_batch, max_blocks_per_seq=8)
+
+
+def new_row(row: int, params: SamplingParams, length: int = 20) -> NewRow:
+    prompt = tuple(3 + (7 * row + 5 * i) % 200 for i in range(length))
+    first = 4 * row
+    return NewRow(row, prompt, length, tuple(range(first, first + 4)), params)
+
+
+def steps() -> list[StepInput]:
+    """Prefill of every row, decode steps, a row leaving and another joining mid-decode, a verify step."""
+    rows = [new_row(i, p) for i, p in enumerate(PARAMS)]
+    n = len(rows)
+    return [
+        StepInput(new_rows=tuple(rows), chunks=tuple(ChunkInput(r.row, 0, 20, True) for r in rows)),
+        StepInput(decode_rows=tuple(range(n)), decode_positions=(20,) * n),
+        StepInput(decode_rows=tuple(range(n)), decode_positions=(21,) * n),
+        StepInput(freed_rows=(3,), new_rows=(new_row(3, PARAMS[4], 12),), decode_rows=(0, 1, 2, 4, 5, 6, 7),
+                  decode_positions=(22,) * 7, chunks=(ChunkInput(3, 0, 12, True),)),
+        StepInput(decode_rows=tuple(range(n)), decode_positions=(23, 23, 23, 12, 23, 23, 23, 23)),
+    ]
+
+
+def verify_step() -> StepInput:
+    return StepInput(decode_rows=(1, 2), decode_positions=(24, 24),
+                     verify=(VerifyInput(0, 24, (5, 6, 7)), VerifyInput(4, 24, (8, 9)), VerifyInput(5, 24, (3, 4, 5, 6)),
+                             VerifyInput(6, 24, (11, 12))))
+
+
+def launch_and_read(cuda, runner: ModelRunner, step: StepInput):
+    with cuda.step_window():
+        pending = runner.launch(step)
+    return pending.result()
+
+
+@pytest.mark.parametrize("graphs", [0, 8])
+def test_a_step_on_cuda_never_waits_for_the_gpu(monkeypatch, graphs):
+    with fake_cuda(monkeypatch) as cuda:
+        runner = runner_on(CUDA1, graphs)
+        cuda.syncs.clear()
+        for step in steps():
+            result = launch_and_read(cuda, runner, step)
+            assert len(result.token_ids) == len(step.sampled_rows)
+            assert all(isinstance(t, int) for t in result.token_ids)
+        assert cuda.syncs == []
+
+
+def test_a_verify_step_on_cuda_never_waits_for_the_gpu(monkeypatch):
+    with fake_cuda(monkeypatch) as cuda:
+        runner = runner_on(CUDA1)
+        for step in steps():
+            launch_and_read(cuda, runner, step)
+        cuda.syncs.clear()
+        result = launch_and_read(cuda, runner, verify_step())
+        assert cuda.syncs == []
+        assert [len(tokens) >= 1 for tokens in result.verified] == [True] * 4
+        assert result.verified_logprobs[2] is not None and result.verified_logprobs[0] is None
+
+
+def test_the_window_catches_the_syncs_a_step_used_to_make(monkeypatch):
+    """The check has teeth: a blocking read-back, a pageable upload and a mask index are each caught."""
+    with fake_cuda(monkeypatch) as cuda:
+        x = torch.arange(6, device=CUDA1)
+        with cuda.step_window():
+            x.tolist()
+            torch.tensor([1, 2], device=CUDA1)
+            torch.zeros(3).to(CUDA1, non_blocking=True)
+            x[x > 2] = 0
+            bool((x > 1).any())
+            torch.cuda.synchronize()
+        with cuda.step_window():
+            pinned = torch.zeros(6, dtype=torch.int64, pin_memory=True)
+            pinned.copy_(x, non_blocking=True)
+            pinned.to(CUDA1, non_blocking=True)
+        assert len(cuda.syncs) == 6, cuda.syncs
+
+
+def test_an_engine_on_fake_gpus_steps_without_host_syncs(monkeypatch):
+    """Whole engines (the compute thread launches, the read-back happens off it) on fake GPUs."""
+    with fake_cuda(monkeypatch) as cuda:
+        launch = StepRunner.launch
+
+        def windowed(self, work):
+            with cuda.step_window():
+                return launch(self, work)
+
+        monkeypatch.setattr(StepRunner, "launch", windowed)
+        for mode in ("colocated", "disaggregated"):
+            llm = LLM(config=engine_config(demo_checkpoint(), mode=mode, prefill_device="cuda:0",
+                                           decode_device="cuda:1", max_num_seqs=4, max_prefill_tokens=32))
+            cuda.syncs.clear()
+            try:
+                outputs = llm.generate([[5, 6, 7], list(range(3, 60)), [9] * 30],
+                                       [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                        SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=3,
+                                                       ignore_eos=True, logprobs=2),
+                                        SamplingParams(max_tokens=5, temperature=0.7, repetition_penalty=1.2,
+                                                       ignore_eos=True)])
+            finally:
+                llm.close()
+            assert [len(o.token_ids) for o in outputs] == [5, 5, 5]
+            assert cuda.syncs == [], (mode, cuda.syncs)
