@@ -56,7 +56,7 @@ class ThreadCompute:
         self._active = 0                 # steps running on the thread now (0 or 1)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}", initializer=self._init_thread)
         self._reader = None
-        if self.device.type == "cuda":
+        if step_runner.reads_back_later:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}-readback")
 
     def submit(self, work: StepWork) -> asyncio.Future:

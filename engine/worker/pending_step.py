@@ -55,6 +55,13 @@ class PendingStep:
         self._result: StepResult | None = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def done(cls, step: StepInput, result: StepResult) -> PendingStep:
+        """A step already run and read (on CPU)."""
+        pending = cls(step)
+        pending._result = result
+        return pending
+
     @property
     def ready(self) -> bool:
         """Whether `result()` has been read (nothing left to wait for)."""

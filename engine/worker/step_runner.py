@@ -38,6 +38,7 @@ class StepRunner:
 
     def __init__(self, runner: ModelRunner, peers: tuple[Peer, ...] = ()) -> None:
         self.runner, self.peers = runner, peers
+        self.reads_back_later = runner.device.type == "cuda"     # NOTE: on CPU a step's work is its launch
 
     def run(self, work: StepWork) -> StepOutcome:
         outcome = self.launch(work).result()
@@ -48,7 +49,10 @@ class StepRunner:
         if work.threads is not None and work.threads != torch.get_num_threads():
             torch.set_num_threads(work.threads)
         started = time.perf_counter()
-        pending = self.runner.launch(work.step)
+        if self.reads_back_later:
+            pending = self.runner.launch(work.step)
+        else:
+            pending = PendingStep.done(work.step, self.runner.execute(work.step))
         seconds = time.perf_counter() - started
         copies = tuple((copy.key, self._copy(copy.peer, copy.src_blocks, copy.dst_blocks)) for copy in work.copies)
         return PendingOutcome(pending, copies, seconds, torch.get_num_threads(), self.runner.mask_seconds)
