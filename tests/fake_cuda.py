@@ -19,6 +19,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.multiprocessing.reductions  # noqa: F401  (install patches its reduce_tensor)
 from torch.utils._pytree import tree_flatten
 
 from tests.fake_devices import FakeDevices, is_cuda_device, storage_key
@@ -59,6 +60,15 @@ def _merge(clock: dict, other: dict) -> None:
 
 
 _STREAM_IDS = itertools.count(1)
+_IPC_EXPORTS: dict = {}          # handle key -> (exported tensor, runtime): what the fake driver can open
+UNOPENABLE: set = set()          # handle keys whose open fails (a test adds them)
+
+
+def open_ipc(key: int) -> torch.Tensor:
+    """The fake cudaIpcOpenMemHandle: the exported tensor itself (the memory is shared)."""
+    if key in UNOPENABLE or key not in _IPC_EXPORTS:
+        raise RuntimeError("CUDA error: invalid resource handle (cudaIpcOpenMemHandle)")
+    return _IPC_EXPORTS[key][0]
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,14 @@ class FakeCuda:
     def host_sync(self, what: str) -> None:
         if self.window is not None:
             self.syncs.append(f"{what} at {_caller()}")
+
+    # CUDA IPC: an exported tensor is "opened" by its handle; `unopenable` handles fail as a driver would
+    def export_ipc(self, tensor: torch.Tensor):
+        """Stands in for torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor."""
+        assert self.device_of(tensor).type == "cuda", "a CUDA IPC export of a host tensor"
+        key = next(_STREAM_IDS)
+        _IPC_EXPORTS[key] = (tensor, self)
+        return open_ipc, (key,)
 
     # devices and streams, with CUDA's per-thread rules
     def current_device(self) -> int:
@@ -319,6 +337,7 @@ def install(monkeypatch, device_count: int = 2) -> FakeCuda:
     for name, fake in fakes.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     monkeypatch.setattr(torch, "Generator", _HostGenerator)
+    monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor", cuda.export_ipc)
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
     for module in (sys.modules[name] for name in KERNEL_MODULES if name in sys.modules):
