@@ -14,7 +14,7 @@ from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.weights import load_weights
 from pdserve.engine.worker.sampling.constraints import RowConstraints
 from pdserve.engine.worker.cuda_graph import DecodeGraphs
-from pdserve.engine.worker.host_copy import ReadBack, upload
+from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.input_buffers import InputBuffers
 from pdserve.engine.worker.memory import kv_layout
 from pdserve.engine.worker.pending_step import PendingStep, StepTimer

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.worker.host_copy import ReadBack
+from pdserve.engine.transfer.host_copy import ReadBack
 from pdserve.engine.worker.sampling.sampler import unpack
 from pdserve.engine.worker.sampling.sampling_table import SamplingBatch
 from pdserve.engine.worker.spec_verify import Verified, read_verified

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdserve.engine.worker.host_copy import upload
+from pdserve.engine.transfer.host_copy import upload
 from pdserve.engine.worker.input_buffers import InputBuffers
 from pdserve.engine.worker.step import StepInput
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.messages import TokenLogprob
-from pdserve.engine.worker.host_copy import ReadBack, upload
+from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.sampling.categorical import sample_categorical
 from pdserve.engine.worker.sampling.sampler import Sampler
 from pdserve.engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable

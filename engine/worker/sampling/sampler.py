@@ -3,7 +3,7 @@
 Order per call: min_tokens stop masking and penalties (fp32) -> greedy argmax or temperature,
 top-k, top-p, min-p and a draw (an exponential race on CUDA, inverse CDF on CPU) -> raw logprobs.
 Results stay on the device: `read_back_into` queues them on the step's one device-to-host copy
-(`pdserve.engine.worker.host_copy.ReadBack`) and `unpack` turns the values into tokens once it landed.
+(`pdserve.engine.transfer.host_copy.ReadBack`) and `unpack` turns the values into tokens once it landed.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.messages import TokenLogprob
-from pdserve.engine.worker.host_copy import ReadBack
+from pdserve.engine.transfer.host_copy import ReadBack
 from pdserve.engine.worker.sampling.categorical import sample_categorical
 from pdserve.engine.worker.sampling.constraints import StepConstraints
 from pdserve.engine.worker.sampling.penalties import apply_penalties, mask_stop_tokens

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.worker.host_copy import upload
+from pdserve.engine.transfer.host_copy import upload
 
 _FIELDS = {"greedy": bool, "temperature": np.float32, "top_k": np.int64, "top_p": np.float32,
            "min_p": np.float32, "seed": np.int64, "seeded": bool, "penalised": bool,
