@@ -132,7 +132,7 @@ class ModelRunner:
         constraints = masks.result().to(self.device) if masks is not None else None
         output = self.sampler.sample(logits, batch, constraints)
         self.rows.remember_sampled(device_rows, output.tokens)
-        self.sampling.record(sampled_rows, output.tokens, device_rows)
+        self.sampling.record(sampled_rows, output.tokens)
         self.mask_seconds = constraints.mask_seconds if constraints is not None else 0.0
         return read_back_into(readback, output), batch
 

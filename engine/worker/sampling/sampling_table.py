@@ -2,10 +2,11 @@
 
 A row's parameters are written to device-resident tables when the row joins (one pinned upload of
 the rows added since the last step), so a step's `SamplingBatch` is two `index_select`s on the
-device plus host flags read from one bitfield per row (vLLM's persistent batch). Output counts are
-kept on both sides: the host's decide flags (min_tokens), the device's give seeded rows their draw
-positions. Penalised rows keep their token counts on the device and update them with one scatter
-per step, instead of re-tensorising their whole history. Nothing here makes the host wait for the GPU.
+device plus host flags read from one bitfield per row (vLLM's persistent batch). Output counts
+live on the host (a step's count is known when it is launched; a verifying row's once its tokens
+are read back, before the row is scheduled again). Penalised rows keep their token counts on the
+device and update them with one scatter per step, instead of re-tensorising their whole history.
+Nothing here makes the host wait for the GPU.
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ _FIELDS = {"greedy": bool, "temperature": np.float32, "top_k": np.int64, "top_p"
            "logprobs": np.int32, "min_tokens": np.int32, "num_outputs": np.int32, "penalty_slot": np.int32,
            "kind": np.int32}
 _FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")   # columns of the device tables
-_INTS = ("greedy", "top_k", "seed", "num_outputs")
-_OUTPUTS = _INTS.index("num_outputs")
+_INTS = ("greedy", "top_k", "seed")
 
 # bits of a row's "kind": what its sampling needs
 RANDOM, PENALISED, LOGPROBS, TOP_K, TOP_P, MIN_P, SEEDED, UNSEEDED, MIN_TOKENS = (1 << i for i in range(9))
@@ -71,11 +71,12 @@ class SamplingTable:
         self.arrays = {name: np.zeros(0, dtype=dtype) for name, dtype in _FIELDS.items()}
         self.stop_ids: list[tuple[int, ...]] = []
         self.floats = torch.zeros(0, len(_FLOATS), dtype=torch.float32, device=device)   # [rows, 6], _FLOATS
-        self.ints = torch.zeros(0, len(_INTS), dtype=torch.int64, device=device)          # [rows, 4], _INTS
+        self.ints = torch.zeros(0, len(_INTS), dtype=torch.int64, device=device)          # [rows, 3], _INTS
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._free_slots: list[int] = []
         self._joined: dict[int, None] = {}       # rows added since their parameters were last uploaded
+        self._knobs = self._host_knobs if device.type == "cpu" else self._device_knobs    # NOTE: chosen once
 
     def add(self, row: int, params: SamplingParams, prompt: Sequence[int], outputs: Sequence[int]) -> None:
         self._ensure(row + 1)
@@ -96,7 +97,8 @@ class SamplingTable:
         self.stop_ids[row] = tuple(t for t in sorted(stops) if t < vocab)
         if params.has_penalties:
             a["penalty_slot"][row] = self._penalty_slot(prompt, outputs)
-        self._joined[row] = None
+        if self.device.type != "cpu":
+            self._joined[row] = None
 
     def free(self, row: int) -> None:
         slot = int(self.arrays["penalty_slot"][row])
@@ -104,11 +106,9 @@ class SamplingTable:
             self._free_slots.append(slot)
             self.arrays["penalty_slot"][row] = -1
 
-    def record(self, rows: np.ndarray, tokens: torch.Tensor, device_rows: torch.Tensor | None = None) -> None:
-        """Count the tokens just sampled for `rows` (tokens [S'] on the device, not read back;
-        `device_rows`: `rows` already on the device, if the caller has them)."""
+    def record(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
+        """Count the tokens just sampled for `rows` (tokens [S'] on the device, not read back)."""
         self.arrays["num_outputs"][rows] += 1
-        self._count_on_device(rows, device_rows, 1)
         slots = self.arrays["penalty_slot"][rows]
         penalised = slots >= 0
         if penalised.any():
@@ -121,8 +121,6 @@ class SamplingTable:
         """Count on the device the tokens verifying `rows` emitted: emitted [R, L] long, the first
         counts[r] of row r valid (counts [R] long, on the device). The host's counts follow later, at
         `settle_emitted`, once the counts are read back (nothing reads them for these rows before)."""
-        device_rows = upload(rows.astype(np.int64), self.device)
-        self.ints[device_rows, _OUTPUTS] += counts
         slots = self.arrays["penalty_slot"][rows]
         penalised = np.flatnonzero(slots >= 0)
         if len(penalised):
@@ -143,7 +141,6 @@ class SamplingTable:
 
         `ahead[i]`: entry i samples that many outputs past the row's recorded ones (a draft position;
         its penalty counts are the caller's to add). `device_rows`: `rows` on the device, if at hand."""
-        self._upload_joined()
         a = self.arrays
         kinds = a["kind"][rows]
         kind = int(np.bitwise_or.reduce(kinds)) if len(kinds) else 0
@@ -151,11 +148,6 @@ class SamplingTable:
         below_min = np.flatnonzero(outputs < a["min_tokens"][rows]) if kind & MIN_TOKENS else np.zeros(0, np.int64)
         if not kind & _NOT_PLAIN and not len(below_min):
             return _plain_greedy_batch(len(rows))
-        if device_rows is None:
-            device_rows = upload(rows.astype(np.int64), self.device)
-        floats, ints = self.floats[device_rows], self.ints[device_rows]       # [B, 6], [B, 4]
-        if ahead is not None:
-            ints[:, _OUTPUTS] += upload(ahead.astype(np.int64), self.device)
         seeded = np.flatnonzero(kinds & SEEDED) if kind & SEEDED else ()
         seeded_rows = upload(seeded, self.device, np.int64) if len(seeded) else None
         top_k = a["top_k"][rows] if kind & TOP_K else None
@@ -163,27 +155,42 @@ class SamplingTable:
         penalty_rows = np.flatnonzero(kinds & PENALISED) if kind & PENALISED else ()
         slots = upload(a["penalty_slot"][rows[penalty_rows]], self.device, np.int64) if len(penalty_rows) else None
         penalty_index = upload(penalty_rows, self.device, np.int64) if len(penalty_rows) else None
+        knobs = self._knobs(rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index)
         return SamplingBatch(
-            num_rows=len(rows), plain_greedy=False, all_greedy=not kind & RANDOM,
-            greedy=ints[:, 0].bool(), temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 1],
-            min_p=floats[:, 2], max_top_k=int(top_k[top_k < self.vocab_size].max()) if top_k is not None else None,
-            use_top_p=bool(kind & TOP_P), use_min_p=bool(kind & MIN_P),
-            seeded_rows=seeded_rows, seeds=ints[seeded_rows, 2] if len(seeded) else None,
-            positions=ints[seeded_rows, _OUTPUTS] if len(seeded) else None,
+            num_rows=len(rows), plain_greedy=False, all_greedy=not kind & RANDOM, **knobs,
+            max_top_k=int(top_k[top_k < self.vocab_size].max()) if top_k is not None else None,
+            use_top_p=bool(kind & TOP_P), use_min_p=bool(kind & MIN_P), seeded_rows=seeded_rows,
+            positions=upload(outputs[seeded], self.device, np.int64) if len(seeded) else None,
             any_unseeded=bool(kind & UNSEEDED),
             stop_mask=self._stop_mask(rows, below_min),
             penalty_rows=penalty_index,
             output_counts=self.output_counts[slots] if slots is not None else None,
             prompt_seen=self.prompt_seen[slots] if slots is not None else None,
-            penalties=floats[penalty_index, 3:6] if penalty_index is not None else None,
             logprob_rows=tuple(logprob_rows.tolist()), logprob_counts=tuple(a["logprobs"][rows[logprob_rows]].tolist()),
             logprob_index=upload(logprob_rows, self.device, np.int64) if len(logprob_rows) else None,
             penalty_entries=np.asarray(penalty_rows, dtype=np.int64) if len(penalty_rows) else None)
 
-    def _count_on_device(self, rows: np.ndarray, device_rows: torch.Tensor | None, amount: int) -> None:
+    def _device_knobs(self, rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index) -> dict:
+        """The per-row knobs gathered on the device from the resident tables (CUDA)."""
+        self._upload_joined()
         if device_rows is None:
             device_rows = upload(rows.astype(np.int64), self.device)
-        self.ints[device_rows.long(), _OUTPUTS] += amount
+        floats, ints = self.floats[device_rows], self.ints[device_rows]       # [B, 6], [B, 3]
+        return dict(greedy=ints[:, 0].bool(), temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 1],
+                    min_p=floats[:, 2], seeds=ints[seeded_rows, 2] if len(seeded) else None,
+                    penalties=floats[penalty_index, 3:6] if penalty_index is not None else None)
+
+    def _host_knobs(self, rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index) -> dict:
+        """The per-row knobs gathered from the host arrays, as tensors sharing their memory (CPU)."""
+        a = {name: self.arrays[name][rows] for name in ("greedy", "temperature", "top_k", "top_p", "min_p")}
+        t = torch.from_numpy
+        penalties = None
+        if len(penalty_rows):
+            picked = rows[penalty_rows]
+            penalties = t(np.stack([self.arrays[n][picked] for n in ("repetition", "frequency", "presence")], 1))
+        return dict(greedy=t(a["greedy"]), temperature=t(a["temperature"]), top_k=t(a["top_k"]), top_p=t(a["top_p"]),
+                    min_p=t(a["min_p"]), seeds=t(self.arrays["seed"][rows[seeded]]) if len(seeded) else None,
+                    penalties=penalties)
 
     def _upload_joined(self) -> None:
         """Write the parameters of rows added since the last step into the device tables (one upload each)."""
