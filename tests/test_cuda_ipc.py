@@ -176,7 +176,7 @@ def test_opening_a_real_handle_in_its_own_process_is_refused():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "adaptive"])
+@pytest.mark.parametrize("mode", ["disaggregated"])       # NOTE: the mode that shares a pool; the others own theirs
 def test_process_workers_on_one_gpu_give_the_thread_workers_tokens(mode):
     from pdserve.engine.core.messages import Request
     from pdserve.engine.engine import Engine

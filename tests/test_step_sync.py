@@ -30,7 +30,8 @@ PARAMS = [SamplingParams(temperature=0.0),
           SamplingParams(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
           SamplingParams(temperature=0.0, logprobs=3),
           SamplingParams(temperature=0.6, min_tokens=4, stop_token_ids=(9, 10), logprobs=0),
-          SamplingParams(temperature=0.0, presence_penalty=1.0)]
+          SamplingParams(temperature=0.0, presence_penalty=1.0),
+          SamplingParams(temperature=0.5, logit_bias=((7, 5.0), (8, -3.0)))]
 
 
 def runner_on(device: torch.device, graph_max_batch: int = 0) -> ModelRunner:
@@ -49,13 +50,14 @@ def steps() -> list[StepInput]:
     """Prefill of every row, decode steps, a row leaving and another joining mid-decode, a verify step."""
     rows = [new_row(i, p) for i, p in enumerate(PARAMS)]
     n = len(rows)
+    others = tuple(r for r in range(n) if r != 3)
     return [
         StepInput(new_rows=tuple(rows), chunks=tuple(ChunkInput(r.row, 0, 20, True) for r in rows)),
         StepInput(decode_rows=tuple(range(n)), decode_positions=(20,) * n),
         StepInput(decode_rows=tuple(range(n)), decode_positions=(21,) * n),
-        StepInput(freed_rows=(3,), new_rows=(new_row(3, PARAMS[4], 12),), decode_rows=(0, 1, 2, 4, 5, 6, 7),
-                  decode_positions=(22,) * 7, chunks=(ChunkInput(3, 0, 12, True),)),
-        StepInput(decode_rows=tuple(range(n)), decode_positions=(23, 23, 23, 12, 23, 23, 23, 23)),
+        StepInput(freed_rows=(3,), new_rows=(new_row(3, PARAMS[4], 12),), decode_rows=others,
+                  decode_positions=(22,) * len(others), chunks=(ChunkInput(3, 0, 12, True),)),
+        StepInput(decode_rows=tuple(range(n)), decode_positions=tuple(12 if r == 3 else 23 for r in range(n))),
     ]
 
 
@@ -71,7 +73,7 @@ def launch_and_read(cuda, runner: ModelRunner, step: StepInput):
     return pending.result()
 
 
-@pytest.mark.parametrize("graphs", [0, 8])
+@pytest.mark.parametrize("graphs", [0, 16])
 def test_a_step_on_cuda_never_waits_for_the_gpu(monkeypatch, graphs):
     with fake_cuda(monkeypatch) as cuda:
         runner = runner_on(CUDA1, graphs)
@@ -81,6 +83,7 @@ def test_a_step_on_cuda_never_waits_for_the_gpu(monkeypatch, graphs):
             assert len(result.token_ids) == len(step.sampled_rows)
             assert all(isinstance(t, int) for t in result.token_ids)
         assert cuda.syncs == []
+        assert bool(graphs) == any(graph.replays for graph in cuda.graphs)
 
 
 def test_a_verify_step_on_cuda_never_waits_for_the_gpu(monkeypatch):
