@@ -8,6 +8,8 @@ its `PendingStep.result()` (the read-back point, where the actor records the ste
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.pending_step import PendingStep
 from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput, VerifyInput
 from pdserve.engine.worker.step_runner import StepRunner
 from tests.fake_cuda import fake_cuda
@@ -117,19 +120,25 @@ def test_the_window_catches_the_syncs_a_step_used_to_make(monkeypatch):
 
 
 def test_an_engine_on_fake_gpus_steps_without_host_syncs(monkeypatch):
-    """Whole engines (the compute thread launches, the read-back happens off it) on fake GPUs."""
+    """Whole engines on fake GPUs: the compute thread only launches; another thread reads the tokens back."""
     with fake_cuda(monkeypatch) as cuda:
-        launch = StepRunner.launch
+        launch, read, readers = StepRunner.launch, PendingStep._read, set()
 
         def windowed(self, work):
             with cuda.step_window():
                 return launch(self, work)
 
+        def reading(self):                      # NOTE: the wait for a step's tokens (result() caches it)
+            readers.add(threading.current_thread().name)
+            return read(self)
+
         monkeypatch.setattr(StepRunner, "launch", windowed)
+        monkeypatch.setattr(PendingStep, "_read", reading)
         for mode in ("colocated", "disaggregated"):
             llm = LLM(config=engine_config(demo_checkpoint(), mode=mode, prefill_device="cuda:0",
                                            decode_device="cuda:1", max_num_seqs=4, max_prefill_tokens=32))
             cuda.syncs.clear()
+            readers.clear()                     # NOTE: warm-up steps are read on the loader thread
             try:
                 outputs = llm.generate([[5, 6, 7], list(range(3, 60)), [9] * 30],
                                        [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
@@ -141,3 +150,20 @@ def test_an_engine_on_fake_gpus_steps_without_host_syncs(monkeypatch):
                 llm.close()
             assert [len(o.token_ids) for o in outputs] == [5, 5, 5]
             assert cuda.syncs == [], (mode, cuda.syncs)
+            assert readers and all(name.endswith("-readback_0") for name in readers), readers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [0, 16])
+def test_a_step_on_a_real_gpu_makes_no_synchronizing_call(graphs):
+    """torch's sync debug mode raises on any synchronizing CUDA call (a read of device data, a pageable copy)."""
+    runner = runner_on(torch.device("cuda:0"), graphs)
+    for step in [*steps(), verify_step()]:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = runner.launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        result = pending.result()
+        assert len(result.token_ids) == len(step.sampled_rows) and len(result.verified) == len(step.verify)
