@@ -9,6 +9,7 @@ its `PendingStep.result()` (the read-back point, where the actor records the ste
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -167,3 +168,39 @@ def test_a_step_on_a_real_gpu_makes_no_synchronizing_call(graphs):
             torch.cuda.set_sync_debug_mode(0)
         result = pending.result()
         assert len(result.token_ids) == len(step.sampled_rows) and len(result.verified) == len(step.verify)
+
+
+@pytest.mark.parametrize("grammar", [True, False])
+def test_launching_ahead_of_the_read_back_gives_the_tokens_of_stepping_one_at_a_time(grammar):
+    """On CPU: every step launched before any earlier one is read gives what executing them one at a time
+    gives: sampled and seeded rows, a grammar row (its matcher must see each token before the next mask),
+    reused rows and verification (a verified row reused before its step was read keeps its own counts)."""
+    from pdserve.engine.text.grammar import regex_grammar
+
+    phrase = regex_grammar("the quick brown fox jumps over the lazy dog again and again")
+    params = [*PARAMS, SamplingParams(temperature=0.9, seed=4, grammar=phrase if grammar else None)]
+    grammar_row = new_row(len(PARAMS), params[-1])
+    plan = steps()
+    plan[0] = StepInput(new_rows=(*plan[0].new_rows, grammar_row),
+                        chunks=(*plan[0].chunks, ChunkInput(grammar_row.row, 0, 20, True)))
+    n = len(params)
+    plan[1:3] = [StepInput(decode_rows=tuple(range(n)), decode_positions=(p,) * n) for p in (20, 21)]
+    plan[3] = replace(plan[3], decode_rows=(*plan[3].decode_rows, grammar_row.row),
+                      decode_positions=(22,) * (len(plan[3].decode_rows) + 1))
+    plan[4] = replace(plan[4], decode_rows=(*plan[4].decode_rows, grammar_row.row),
+                      decode_positions=(*plan[4].decode_positions, 23))
+    plan += [verify_step(), StepInput(freed_rows=(6,), new_rows=(new_row(6, PARAMS[6], 10),),   # a verified row reused
+                                      chunks=(ChunkInput(6, 0, 10, True),))]
+    results = {}
+    for ahead in (False, True):
+        torch.manual_seed(0)
+        runner = runner_on(torch.device("cpu"))
+        if ahead:
+            pending = [runner.launch(step) for step in plan]
+            results[ahead] = [p.result() for p in pending]
+        else:
+            results[ahead] = [runner.execute(step) for step in plan]
+        runner.settle()
+        results[ahead].append(runner.sampling.arrays["num_outputs"][:n].tolist())
+    assert results[True] == results[False]
+    assert len(results[True][-3].verified) == 4
