@@ -74,7 +74,8 @@ def test_deterministic_rows_sample_the_same_tokens_and_logprobs_on_both_paths(mo
     logits = logits_for(len(DETERMINISTIC))
     host = Sampler(VOCAB, frozenset({EOS}))(logits, [_state(p, row) for row, p in enumerate(DETERMINISTIC)])
     with fake_cuda(monkeypatch):
-        device = Sampler(VOCAB, frozenset({EOS}))(logits.to(CUDA1), [_state(p, row) for row, p in enumerate(DETERMINISTIC)])
+        states = [_state(p, row) for row, p in enumerate(DETERMINISTIC)]
+        device = Sampler(VOCAB, frozenset({EOS}))(logits.to(CUDA1), states)
     assert device == host
     assert host[2][0] not in (EOS, 4, 9) and host[2][1] is not None and len(host[2][1].top) == 3
 

@@ -67,8 +67,8 @@ def steps() -> list[StepInput]:
 
 def verify_step() -> StepInput:
     return StepInput(decode_rows=(1, 2), decode_positions=(24, 24),
-                     verify=(VerifyInput(0, 24, (5, 6, 7)), VerifyInput(4, 24, (8, 9)), VerifyInput(5, 24, (3, 4, 5, 6)),
-                             VerifyInput(6, 24, (11, 12))))
+                     verify=(VerifyInput(0, 24, (5, 6, 7)), VerifyInput(4, 24, (8, 9)),
+                             VerifyInput(5, 24, (3, 4, 5, 6)), VerifyInput(6, 24, (11, 12))))
 
 
 def launch_and_read(cuda, runner: ModelRunner, step: StepInput):

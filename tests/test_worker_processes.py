@@ -131,5 +131,5 @@ def test_process_workers_refuse_cuda_without_cuda_with_a_reason(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plan = Plan("disaggregated", (torch.device("cuda:0"),), (torch.device("cuda:1"),), torch.float16, 256, ((),), ((),))
-    with pytest.raises(CudaIpcUnavailable, match="cuda:0 shares its KV pools through CUDA IPC, and CUDA is not available"):
+    with pytest.raises(CudaIpcUnavailable, match="cuda:0 shares its KV pools through CUDA IPC, and CUDA is not"):
         load_process_units(EngineConfig(workers="process"), None, plan, frozenset())
