@@ -70,14 +70,17 @@ class ThreadCompute:
         return await asyncio.get_running_loop().run_in_executor(self._reader, pending.result)
 
     def _run(self, work: StepWork) -> StepOutcome:
-        return self._launch(work).result()
+        return self._stepping(self.step_runner.run, work)
 
     def _launch(self, work: StepWork) -> PendingOutcome:
+        return self._stepping(self.step_runner.launch, work)
+
+    def _stepping(self, step, work: StepWork):
         self._active += 1
         try:
             if self.fault is not None:
                 self.fault.on_step()
-            return self.step_runner.launch(work)
+            return step(work)
         finally:
             self._active -= 1
 
