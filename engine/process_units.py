@@ -1,9 +1,10 @@
 """Compute units for `--workers process`: one spawned worker per runner, the decode pools shared.
 
 Each worker loads its own copy of the weights (the thread mode's CPU units share one) and builds
-its runner from a WorkerSpec. Each decode pool is a shared-memory segment the engine creates: its
-decode worker steps over it and every prefill worker copies finished blocks straight into it.
-CPU only: sharing a CUDA pool between processes needs CUDA IPC handles, not built yet.
+its runner from a WorkerSpec. Each decode pool is shared memory the engine creates (`share_pool`:
+a memfd segment on CPU, GPU memory exported as a CUDA IPC handle on CUDA): its decode worker steps
+over it and every prefill worker copies finished blocks straight into it. On a GPU the pools are
+sized from the free memory this process sees before the workers load their weights.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pdserve.engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units,
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
 from pdserve.engine.worker.processes.process import ProcessCompute, SpawnTracker
-from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, check_pools_agree, share_pool, sharing_for
 from pdserve.engine.worker.processes.worker_process import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,8 @@ logger = logging.getLogger(__name__)
 
 def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Plan,
                        eos: frozenset[int]) -> Units:
-    if any(device.type == "cuda" for device in plan.devices):
-        raise ValueError("--workers process runs CPU actors only: sharing a CUDA KV pool between processes "
-                         "(CUDA IPC handles) is not built yet; use --workers thread on GPUs")
+    for device in plan.devices:
+        sharing_for(device)                  # NOTE: refuses CUDA devices where this process has no CUDA
     sched, cache = config.scheduler, config.cache
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     layout = kv_layout(model_config, cache.block_size)
@@ -59,16 +59,17 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
     check_pools_agree(prefill_pool, decode_pool)
     shared = []
     try:                               # NOTE: the segments stay open here, for workers spawned again later
-        shared = [SharedPool.create(decode_pool, name) for name in unit_names("decode", n_decode)]
+        shared = [share_pool(decode_pool, device, name)
+                  for device, name in zip(plan.decode_devices, unit_names("decode", n_decode))]
         decode_role = "colocated" if plan.mode == "adaptive" else "decode"
         decodes = tuple(ProcessCompute(replace(base, name=name, pool=decode_pool, cores=cores, warmup_role=decode_role,
                                                thread_counts=step_thread_counts(plan, cores)),
-                                       own_pool=pool_.fd)
+                                       own_pool=pool_.ticket)
                         for name, cores, pool_ in zip(unit_names("decode", n_decode), decode_cores, shared))
         prefills = tuple(ProcessCompute(replace(base, name=name, pool=prefill_pool, cores=cores, warmup_role="prefill",
                                                 peer_pools=(decode_pool,) * n_decode, kv_transfer=config.kv_transfer,
                                                 thread_counts=step_thread_counts(plan, cores)),
-                                        peer_pools=tuple(p.fd for p in shared))
+                                        peer_pools=tuple(p.ticket for p in shared))
                          for name, cores in zip(unit_names("prefill", n_prefill), prefill_cores))
         return _started(Units(decodes, prefills, shared=(*shared, SpawnTracker())))
     except BaseException:

@@ -14,10 +14,12 @@ import contextlib
 import itertools
 import sys
 import threading
+import traceback
 import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.multiprocessing.reductions  # noqa: F401  (install patches its reduce_tensor)
 from torch.utils._pytree import tree_flatten
 
 from tests.fake_devices import FakeDevices, is_cuda_device, storage_key
@@ -34,6 +36,7 @@ class FakeStream:
     default: bool = False
     cuda_stream: int = field(default_factory=lambda: next(_STREAM_IDS))
     clock: dict = field(default_factory=dict)
+    cuda: FakeCuda | None = None         # the runtime its synchronize() reports to
 
     def tick(self) -> dict:
         self.clock[self.cuda_stream] = self.clock.get(self.cuda_stream, 0) + 1
@@ -47,7 +50,8 @@ class FakeStream:
         _merge(self.clock, event.clock)
 
     def synchronize(self) -> None:
-        pass
+        if self.cuda is not None:
+            self.cuda.host_sync(f"stream.synchronize() on {self.device}")
 
 
 def _merge(clock: dict, other: dict) -> None:
@@ -56,6 +60,15 @@ def _merge(clock: dict, other: dict) -> None:
 
 
 _STREAM_IDS = itertools.count(1)
+_IPC_EXPORTS: dict = {}          # handle key -> (exported tensor, runtime): what the fake driver can open
+UNOPENABLE: set = set()          # handle keys whose open fails (a test adds them)
+
+
+def open_ipc(key: int) -> torch.Tensor:
+    """The fake cudaIpcOpenMemHandle: the exported tensor itself (the memory is shared)."""
+    if key in UNOPENABLE or key not in _IPC_EXPORTS:
+        raise RuntimeError("CUDA error: invalid resource handle (cudaIpcOpenMemHandle)")
+    return _IPC_EXPORTS[key][0]
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,8 @@ class FakeCuda:
     def __init__(self, device_count: int) -> None:
         self.device_count = device_count
         self.local = threading.local()
-        self.default_streams = {i: FakeStream(torch.device("cuda", i), default=True) for i in range(device_count)}
+        self.default_streams = {i: FakeStream(torch.device("cuda", i), default=True, cuda=self)
+                                for i in range(device_count)}
         self.streams: list[FakeStream] = []
         self.events: list[FakeEvent] = []
         self.graphs: list[FakeGraph] = []
@@ -112,6 +126,36 @@ class FakeCuda:
         self.free_memory = {i: 80 << 30 for i in range(device_count)}
         self.memory_stats = {"allocated": 1 << 30, "peak": 1 << 30, "reserved": 2 << 30}
         self.tags: dict = {}
+        self.pinned: set = set()                       # storage keys of pinned host tensors
+        self.syncs: list[str] = []                     # host syncs seen inside a step window
+        self._windows = itertools.count(1)
+
+    # host syncs: a step window is the stretch in which a thread must never wait for the device
+    @contextlib.contextmanager
+    def step_window(self):
+        """Inside the block, this thread records (in `syncs`) every wait for work queued since it began."""
+        previous = getattr(self.local, "window", None)
+        self.local.window = next(self._windows)
+        try:
+            yield
+        finally:
+            self.local.window = previous
+
+    @property
+    def window(self) -> int | None:
+        return getattr(self.local, "window", None)
+
+    def host_sync(self, what: str) -> None:
+        if self.window is not None:
+            self.syncs.append(f"{what} at {_caller()}")
+
+    # CUDA IPC: an exported tensor is "opened" by its handle; `unopenable` handles fail as a driver would
+    def export_ipc(self, tensor: torch.Tensor):
+        """Stands in for torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor."""
+        assert self.device_of(tensor).type == "cuda", "a CUDA IPC export of a host tensor"
+        key = next(_STREAM_IDS)
+        _IPC_EXPORTS[key] = (tensor, self)
+        return open_ipc, (key,)
 
     # devices and streams, with CUDA's per-thread rules
     def current_device(self) -> int:
@@ -141,7 +185,7 @@ class FakeCuda:
         self.local.device = stream.device.index       # NOTE: as torch._C._cuda_setStream does
 
     def new_stream(self, device=None, priority: int = 0) -> FakeStream:
-        stream = FakeStream(torch.device("cuda", self.index(device)))
+        stream = FakeStream(torch.device("cuda", self.index(device)), cuda=self)
         self.streams.append(stream)
         return stream
 
@@ -192,6 +236,14 @@ class FakeCuda:
         return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
+def _caller() -> str:
+    """The innermost pdserve frame outside tests/ that led here."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/tests/" not in frame.filename and ("/engine/" in frame.filename or "/kernels/" in frame.filename):
+            return f"{'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno}"
+    return "?"
+
+
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     if not tensor.is_contiguous():          # NOTE: a strided view counts as its whole storage
         storage = tensor.untyped_storage()
@@ -208,17 +260,21 @@ class FakeEvent:
     device: torch.device | None = None
     stream: FakeStream | None = None
     clock: dict | None = None
+    window: int | None = None        # the step window it was recorded in
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream or self.cuda.current_stream()
         self.device = self.stream.device
         self.clock = dict(self.stream.clock)
+        self.window = self.cuda.window
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
         assert self.device is not None, "synchronize on an event never recorded"
+        if self.window is not None and self.window == self.cuda.window:
+            self.cuda.host_sync("event.synchronize() on an event of this step")
 
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or self.cuda.current_stream()).wait_event(self)
@@ -267,7 +323,7 @@ def install(monkeypatch, device_count: int = 2) -> FakeCuda:
         "Stream": cuda.new_stream, "current_stream": cuda.current_stream, "set_stream": cuda.set_stream,
         "stream": cuda.stream_context, "Event": lambda **kw: _event(cuda, kw),
         "CUDAGraph": lambda *a, **kw: _graph(cuda), "graph_pool_handle": lambda: (0, next(_STREAM_IDS)),
-        "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+        "synchronize": lambda device=None: cuda.host_sync("torch.cuda.synchronize()"), "empty_cache": lambda: None,
         "get_device_properties": lambda device=None: types.SimpleNamespace(
             multi_processor_count=132, total_memory=80 << 30, name="fake GPU", major=9, minor=0),
         "get_device_capability": lambda device=None: (9, 0),
@@ -281,6 +337,7 @@ def install(monkeypatch, device_count: int = 2) -> FakeCuda:
     for name, fake in fakes.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     monkeypatch.setattr(torch, "Generator", _HostGenerator)
+    monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor", cuda.export_ipc)
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
     for module in (sys.modules[name] for name in KERNEL_MODULES if name in sys.modules):

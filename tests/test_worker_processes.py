@@ -122,11 +122,14 @@ def test_a_worker_that_cannot_start_fails_the_engine_with_its_reason(tmp_path):
         Engine(engine_config(broken, mode="colocated", workers="process"))
 
 
-def test_process_workers_refuse_cuda_with_a_reason():
+def test_process_workers_refuse_cuda_without_cuda_with_a_reason(monkeypatch):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.process_units import load_process_units
     from pdserve.engine.topology import Plan
 
+    from pdserve.engine.transfer.cuda_ipc import CudaIpcUnavailable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plan = Plan("disaggregated", (torch.device("cuda:0"),), (torch.device("cuda:1"),), torch.float16, 256, ((),), ((),))
-    with pytest.raises(ValueError, match="CPU actors only"):
+    with pytest.raises(CudaIpcUnavailable, match="cuda:0 shares its KV pools through CUDA IPC, and CUDA is not"):
         load_process_units(EngineConfig(workers="process"), None, plan, frozenset())

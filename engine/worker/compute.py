@@ -15,7 +15,7 @@ from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner
 from pdserve.engine.worker.step import StepWork
-from pdserve.engine.worker.step_runner import StepOutcome, StepRunner
+from pdserve.engine.worker.step_runner import PendingOutcome, StepOutcome, StepRunner
 
 
 class Compute(Protocol):
@@ -38,7 +38,11 @@ class Compute(Protocol):
 
 
 class ThreadCompute:
-    """One compute thread pinned to the runner's device (or, on CPU, to `cpu_cores`)."""
+    """One compute thread pinned to the runner's device (or, on CPU, to `cpu_cores`).
+
+    On CUDA the compute thread only launches steps; a second thread waits for each step's tokens (its
+    read-back event) and resolves the step's future, so the next step's inputs are built and queued
+    while the device still runs this one. On CPU a step's work is its launch: one thread does all."""
 
     kind = "thread"
 
@@ -51,16 +55,32 @@ class ThreadCompute:
         self.fault = Fault.from_env(name)
         self._active = 0                 # steps running on the thread now (0 or 1)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}", initializer=self._init_thread)
+        self._reader = None
+        if step_runner.reads_back_later:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}-readback")
 
     def submit(self, work: StepWork) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._run, work)
+        loop = asyncio.get_running_loop()
+        if self._reader is None:
+            return loop.run_in_executor(self._executor, self._run, work)
+        return asyncio.ensure_future(self._read_back(loop.run_in_executor(self._executor, self._launch, work)))
+
+    async def _read_back(self, launched: asyncio.Future) -> StepOutcome:
+        pending = await launched
+        return await asyncio.get_running_loop().run_in_executor(self._reader, pending.result)
 
     def _run(self, work: StepWork) -> StepOutcome:
+        return self._stepping(self.step_runner.run, work)
+
+    def _launch(self, work: StepWork) -> PendingOutcome:
+        return self._stepping(self.step_runner.launch, work)
+
+    def _stepping(self, step, work: StepWork):
         self._active += 1
         try:
             if self.fault is not None:
                 self.fault.on_step()
-            return self.step_runner.run(work)
+            return step(work)
         finally:
             self._active -= 1
 
@@ -75,6 +95,8 @@ class ThreadCompute:
     def close(self) -> None:
         """Stop the thread; one still inside a step (stuck) is left behind rather than waited for."""
         self._executor.shutdown(wait=not self.stepping, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     @property
     def stepping(self) -> bool:

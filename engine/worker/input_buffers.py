@@ -2,7 +2,9 @@
 
 Sections sit at fixed offsets (block tables last), so a step fills the host side with numpy,
 copies `host[:end]` to the device in one non-blocking copy, and hands the model views of the
-device side. On CPU the device side is the host buffer itself: nothing is copied.
+device side. On CPU the device side is the host buffer itself: nothing is copied. The host side is
+filled again only once the previous step's copy out of it has run (`wait_reusable`: an event of that
+earlier step, long done when its tokens have been read, never the current step's work).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class InputBuffers:
         self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device) if on_cuda else self.host
         self.np = {name: self.host.numpy()[start:stop] for name, (start, stop) in self.offsets.items()}
         self.dev = {name: self.device_buffer[start:stop] for name, (start, stop) in self.offsets.items()}
+        self._uploaded: torch.cuda.Event | None = None
 
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.max_blocks
@@ -41,6 +44,14 @@ class InputBuffers:
             return
         end = self.offsets["block_tables"][0] + num_seqs * width
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
+    def wait_reusable(self) -> None:
+        """Before writing the host side: wait for the last upload out of it to have run (CUDA only)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
 
     def forward_batch(self, num_tokens: int, num_seqs: int, num_sampled: int, width: int,
                       is_decode: bool) -> ForwardBatch:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -14,12 +14,14 @@ from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.weights import load_weights
 from pdserve.engine.worker.sampling.constraints import RowConstraints
 from pdserve.engine.worker.cuda_graph import DecodeGraphs
+from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.input_buffers import InputBuffers
 from pdserve.engine.worker.memory import kv_layout
+from pdserve.engine.worker.pending_step import PendingStep, StepTimer
 from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
-from pdserve.engine.worker.sampling.sampler import Sampler, read_back
+from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
-from pdserve.engine.worker.spec_verify import emitted_logprobs, verify
+from pdserve.engine.worker.spec_verify import read_back_into as verified_into, verify_on_device, with_logprobs
 from pdserve.engine.worker.step import StepInput, StepResult
 
 
@@ -69,50 +71,81 @@ class ModelRunner:
         self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids)
         self.mask_seconds = 0.0          # host time of the newest step's token masks (0 without any)
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
+        self._unsettled: deque[PendingStep] = deque()   # launched, their host bookkeeping not done yet
         self.graphs = None
         if graph_max_batch and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.kv_pool, graph_max_batch, self.max_blocks_per_seq)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
-        """Apply the step's row changes, run it, and sample; one token per sampled row, in order."""
+        """Apply the step's row changes, run it, and sample; one token per sampled row, in order (waits for them)."""
+        result = self.launch(step).result()
+        self.settle()
+        return result
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> PendingStep:
+        """`execute` without waiting: the step is queued on the device and its tokens are on their way to
+        pinned host memory; `PendingStep.result()` waits for them. Nothing here waits for the device, but
+        while this runner has grammar rows it first waits for the steps before (their tokens advance the
+        matchers that fill this step's masks)."""
+        if self.constraints.matchers or self.constraints.pending:
+            for earlier in self._unsettled:
+                earlier.result()
+        self.settle()
         self.apply(step)
         if not step.num_tokens:
-            return StepResult()
-        started, self.mask_seconds = self._clock(), 0.0
+            return PendingStep(step)
+        timer, readback, self.mask_seconds = StepTimer(self.device), ReadBack(self.device), 0.0
         masks = self.constraints.start(step.sampled_rows)      # filled while the forward runs
         logits, buffers = self._logits(step)
         num_sampled = len(step.sampled_rows)
-        tokens, logprobs = self._sample(logits[:num_sampled], buffers, step, masks) if num_sampled else ((), None)
-        verified, verified_logprobs = self._verify(logits[num_sampled:], step) if step.verify else ((), None)
-        self._add_forward_time(started)
-        return StepResult(tokens, logprobs, verified, verified_logprobs)
+        sampled = self._sample(logits[:num_sampled], buffers, step, masks, readback) if num_sampled else None
+        verified = self._verify(logits[num_sampled:], step, readback) if step.verify else None
+        timer.stop()
+        readback.start()
+        rows = np.array(step.sampled_rows + tuple(v.row for v in step.verify), dtype=np.int64)
+        pending = PendingStep(step, readback, timer, sampled, verified, self.rows.joins[rows])
+        self._unsettled.append(pending)
+        return pending
 
-    def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput, masks):
+    def settle(self) -> None:
+        """The host bookkeeping of launched steps whose tokens were read, oldest first: grammar matchers
+        advance, verified rows count their outputs, device time adds up. Rows given to another sequence
+        since a step launched are skipped (the new sequence has its own state)."""
+        while self._unsettled and self._unsettled[0].ready:
+            pending = self._unsettled.popleft()
+            result, step = pending.result(), pending.step
+            rows = np.array(step.sampled_rows + tuple(v.row for v in step.verify), dtype=np.int64)
+            live = self.rows.joins[rows] == pending.joins
+            sampled, verify = live[:len(step.sampled_rows)], live[len(step.sampled_rows):]
+            self.constraints.advance([r for r, ok in zip(step.sampled_rows, sampled) if ok],
+                                     [t for t, ok in zip(result.token_ids, sampled) if ok])
+            if step.verify:
+                self.sampling.settle_emitted(rows[len(step.sampled_rows):][verify],
+                                             [len(t) for t, ok in zip(result.verified, verify) if ok])
+            self.forward_seconds += pending.seconds
+
+    def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput, masks, readback: ReadBack):
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
-        batch = self.sampling.batch(sampled_rows)
+        device_rows = buffers.dev["sampled_rows"][:len(sampled_rows)]
+        batch = self.sampling.batch(sampled_rows, device_rows=device_rows)
         constraints = masks.result().to(self.device) if masks is not None else None
         output = self.sampler.sample(logits, batch, constraints)
-        self.rows.remember_sampled(buffers.dev["sampled_rows"][:len(sampled_rows)], output.tokens)
+        self.rows.remember_sampled(device_rows, output.tokens)
         self.sampling.record(sampled_rows, output.tokens)
-        tokens, logprobs = read_back(output, batch)
-        self.constraints.advance(step.sampled_rows, tokens)
         self.mask_seconds = constraints.mask_seconds if constraints is not None else 0.0
-        return tokens, logprobs
+        return read_back_into(readback, output), batch
 
-    def _verify(self, logits: torch.Tensor, step: StepInput):
+    def _verify(self, logits: torch.Tensor, step: StepInput, readback: ReadBack):
         """Kept drafts and one more token per verifying row, and their logprobs where asked; the rows'
-        sampling state and last token follow."""
-        verified = verify(self.sampler, self.sampling, logits, step.verify)
-        logprobs = emitted_logprobs(logits, self.sampling, step.verify, verified)
+        sampling state and last token follow on the device."""
+        verified = verify_on_device(self.sampler, self.sampling, logits, step.verify)
+        verified = with_logprobs(verified, logits, self.sampling, step.verify)
         rows = np.array([v.row for v in step.verify], dtype=np.int64)
-        for column in range(max(len(tokens) for tokens in verified)):
-            emitted = [i for i, tokens in enumerate(verified) if len(tokens) > column]
-            tokens = torch.tensor([verified[i][column] for i in emitted], device=self.device)
-            self.sampling.record(rows[emitted], tokens)
-        self.rows.remember_sampled(torch.from_numpy(rows).to(self.device),
-                                   torch.tensor([tokens[-1] for tokens in verified], device=self.device))
-        return verified, logprobs
+        self.sampling.record_emitted(rows, verified.emitted, verified.kept + 1)
+        final = verified.emitted.gather(1, verified.kept.unsqueeze(1)).squeeze(1)
+        self.rows.remember_sampled(upload(rows, self.device), final)
+        return verified_into(readback, verified), verified
 
     def apply(self, step: StepInput) -> None:
         """Free, add and extend rows as `step` says (execute does this first)."""
@@ -152,19 +185,3 @@ class ModelRunner:
             self.buffers = InputBuffers(max(num_tokens, 2 * b.max_tokens), max(num_seqs, 2 * b.max_seqs),
                                         max(width, b.max_blocks), self.device)
         return self.buffers
-
-    def _clock(self):
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start
-
-    def _add_forward_time(self, started) -> None:
-        if self.device.type != "cuda":
-            self.forward_seconds += time.perf_counter() - started
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()                 # NOTE: already done once the sampler's tokens were read back
-        self.forward_seconds += started.elapsed_time(end) / 1e3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.engine.transfer.host_copy import upload
 from pdserve.engine.worker.input_buffers import InputBuffers
 from pdserve.engine.worker.step import StepInput
 
@@ -19,6 +20,7 @@ class RowState:
         self.device = device
         self.block_tables = np.zeros((0, max_blocks), dtype=np.int32)
         self.tokens: list[np.ndarray | None] = []
+        self.joins = np.zeros(0, dtype=np.int64)       # how often each row was given to a new sequence
         self.last_token = torch.zeros(0, dtype=torch.int32, device=device)
 
     @property
@@ -35,9 +37,10 @@ class RowState:
                 self.tokens[new.row] = np.asarray(new.token_ids, dtype=np.int32)
                 self.block_tables[new.row] = 0                 # NOTE: a reused row keeps no stale entries
                 self._write_blocks(new.row, 0, new.block_ids)
-            rows = torch.tensor([new.row for new in step.new_rows], dtype=torch.int64)
-            last = torch.tensor([new.token_ids[-1] for new in step.new_rows], dtype=torch.int32)
-            self.last_token[rows.to(self.device)] = last.to(self.device)
+            rows = np.array([new.row for new in step.new_rows], dtype=np.int64)
+            self.joins[rows] += 1
+            last = np.array([new.token_ids[-1] for new in step.new_rows], dtype=np.int32)
+            self.last_token[upload(rows, self.device)] = upload(last, self.device)
         for append in step.appends:
             self._write_blocks(append.row, append.first, append.block_ids)
 
@@ -54,6 +57,7 @@ class RowState:
         grown[:self.capacity] = self.block_tables
         self.block_tables = grown
         self.tokens += [None] * (capacity - self.capacity)
+        self.joins = np.concatenate([self.joins, np.zeros(capacity - len(self.joins), dtype=np.int64)])
         last = torch.zeros(capacity, dtype=torch.int32, device=self.device)
         last[:self.last_token.shape[0]] = self.last_token
         self.last_token = last
@@ -82,6 +86,7 @@ def fill_inputs(buffers: InputBuffers, rows: RowState, step: StepInput, block_si
 
     Verifying rows, their tokens given by the step, run like chunks after the prefill chunks in a step
     with chunks, else as one decode row per token (`_fill_decode`)."""
+    buffers.wait_reusable()
     if not step.chunks:
         return _fill_decode(buffers, rows, step, block_size, width)
     b = buffers.np

@@ -8,15 +8,20 @@ token is drawn from p. Every emitted token is then distributed as plain sampling
 a row is processed as the row's output number (recorded outputs + j), with drafts 0 .. j-1 in its
 penalty history and its min_tokens mask, and seeded rows draw from (seed, output number) streams:
 acceptance from the sampler's stream, the replacement token from a second one.
+
+Everything runs on the logits' device without reading anything back (`verify_on_device`); the kept
+counts, the tokens and the logprobs come back with the step's one read-back (`read_verified`).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.sampling.categorical import sample_categorical
 from pdserve.engine.worker.sampling.sampler import Sampler
 from pdserve.engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
@@ -26,74 +31,132 @@ from pdserve.engine.worker.step import VerifyInput
 RESAMPLE_SALT = 0x5BD1E995      # a seeded row's replacement draws: a stream apart from its acceptance draws
 
 
-def accepted_prefix(chosen: Sequence[int], drafts: Sequence[int]) -> int:
-    """How many leading drafts equal the tokens chosen at their positions."""
-    kept = 0
-    while kept < len(drafts) and chosen[kept] == drafts[kept]:
-        kept += 1
-    return kept
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """Per verifying row, on the device: drafts kept, and every token it emits."""
+
+    kept: torch.Tensor              # [R] long
+    emitted: torch.Tensor           # [R, L] long: the kept drafts, the token after them, then padding
+    logprobs: tuple | None = None   # (chosen [E], top values [E, N], top ids [E, N]) for `logprob_entries`
+    logprob_rows: tuple[int, ...] = ()      # verifying rows (indices into the step's verify) that asked
+    logprob_counts: tuple[int, ...] = ()    # their number of top alternatives
 
 
 def verify(sampler: Sampler, table: SamplingTable, logits: torch.Tensor,
            rows: Sequence[VerifyInput]) -> tuple[tuple[int, ...], ...]:
     """logits [N, V'] for every position of `rows` in order -> per row, its kept drafts and one more token."""
+    readback = ReadBack(logits.device)
+    slots = read_back_into(readback, verify_on_device(sampler, table, logits, rows))
+    readback.start()
+    readback.wait()
+    return read_verified(readback, slots, rows)[0]
+
+
+def verify_on_device(sampler: Sampler, table: SamplingTable, logits: torch.Tensor,
+                     rows: Sequence[VerifyInput]) -> Verified:
+    """The verification of `rows`, left on the device (see the module docstring)."""
     lengths = np.array([len(v.token_ids) for v in rows])
     entries = np.repeat([v.row for v in rows], lengths)                    # [N] runner rows
     ahead = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
     batch = table.batch(entries, ahead)
     logits = logits[:, :sampler.vocab_size]
+    device = logits.device
+    drafts = upload(np.array(_next_tokens(rows), dtype=np.int64), device)          # [N], -1: none
     if batch.plain_greedy:
-        chosen = logits.argmax(dim=-1).tolist()
-        return _greedy(chosen, rows, lengths)
-    x = sampler.processed(logits, _with_draft_history(batch, rows, lengths, logits.device))
+        return _kept_and_emitted(logits.argmax(dim=-1), drafts, rows, lengths)
+    x = sampler.processed(logits, _with_draft_history(batch, rows, lengths, device))
     greedy_choice = x.argmax(dim=-1)                                        # [N]
     if batch.all_greedy:
-        return _greedy(greedy_choice.tolist(), rows, lengths)
+        return _kept_and_emitted(greedy_choice, drafts, rows, lengths)
     probs = sampler.probabilities(x, batch)                                 # [N, V]
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    drafts = torch.tensor(_next_tokens(rows), dtype=torch.long, device=probs.device)   # [N], -1: none
     p_draft = probs.gather(1, drafts.clamp_min(0).unsqueeze(1)).squeeze(1)
     accept = torch.where(batch.greedy, greedy_choice == drafts, _uniforms(batch, 0) < p_draft) & (drafts >= 0)
-    accept_host = accept.tolist()
-    kept = [accepted_prefix(accept_host[s:s + n - 1], [True] * (n - 1)) for s, n in zip(starts, lengths)]
-    last = torch.tensor(starts + np.array(kept), dtype=torch.long, device=probs.device)    # [R] entries
+    kept = _kept(accept, lengths)
+    last = upload(_starts(lengths), device) + kept                          # [R] entries
     sampled = _draw_final(probs[last], drafts[last], _select(batch, last))
     final = torch.where(batch.greedy[last], greedy_choice[last], sampled)
-    return tuple(tuple(v.token_ids[1:1 + k]) + (int(t),) for v, k, t in zip(rows, kept, final.tolist()))
+    return Verified(kept, _emitted(rows, lengths, kept, final))
 
 
-def emitted_logprobs(logits: torch.Tensor, table: SamplingTable, rows: Sequence[VerifyInput],
-                     verified: Sequence[tuple[int, ...]]) -> tuple[tuple[TokenLogprob, ...] | None, ...] | None:
-    """Per row that asked for logprobs, those of each token it emitted (raw logits, as the sampler reports
-    them), else None; None when no row asked."""
+def with_logprobs(verified: Verified, logits: torch.Tensor, table: SamplingTable,
+                  rows: Sequence[VerifyInput]) -> Verified:
+    """`verified` with the raw-logit logprobs (as the sampler reports them) of every position of the rows
+    that asked; `read_verified` keeps those of the tokens each row emitted."""
     counts = table.arrays["logprobs"][np.array([v.row for v in rows])]
-    if (counts < 0).all():
-        return None
-    starts = np.concatenate([[0], np.cumsum([len(v.token_ids) for v in rows])[:-1]])
-    entries = [int(s) + j for s, n, emitted in zip(starts, counts, verified) if n >= 0 for j in range(len(emitted))]
-    tokens = [t for n, emitted in zip(counts, verified) if n >= 0 for t in emitted]
-    raw = logits[torch.tensor(entries, device=logits.device)].float().log_softmax(dim=-1)    # [E, V]
-    chosen = raw.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = (t.tolist() for t in raw.topk(int(counts.max()), dim=-1))
-    out, e = [], 0
-    for n, emitted in zip(counts.tolist(), verified):
-        if n < 0:
-            out.append(None)
-            continue
-        out.append(tuple(TokenLogprob(t, chosen[e + j], tuple(zip(top_ids[e + j][:n], top_values[e + j][:n])))
-                         for j, t in enumerate(emitted)))
-        e += len(emitted)
-    return tuple(out)
+    asking = np.flatnonzero(counts >= 0)
+    if not len(asking):
+        return verified
+    lengths = np.array([len(v.token_ids) for v in rows])
+    starts, width = _starts(lengths), verified.emitted.shape[1]
+    entries = np.concatenate([starts[r] + np.arange(lengths[r]) for r in asking])
+    positions = np.concatenate([r * width + np.arange(lengths[r]) for r in asking])
+    device = logits.device
+    raw = logits[upload(entries, device, np.int64)].float().log_softmax(dim=-1)      # [E, V]
+    tokens = verified.emitted.flatten()[upload(positions, device, np.int64)]
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = raw.topk(int(counts.max()), dim=-1)
+    return Verified(verified.kept, verified.emitted, (chosen, top_values, top_ids), tuple(asking.tolist()),
+                    tuple(counts[asking].tolist()))
 
 
-def _greedy(chosen: list[int], rows: Sequence[VerifyInput], lengths: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    out, start = [], 0
-    for v, n in zip(rows, lengths):
-        picks = chosen[start:start + n]
-        kept = accepted_prefix(picks, v.token_ids[1:])
-        out.append(tuple(picks[:kept + 1]))
-        start += n
-    return tuple(out)
+def read_back_into(readback: ReadBack, verified: Verified) -> tuple[int, ...]:
+    parts = (verified.kept, verified.emitted, *(verified.logprobs or ()))
+    return tuple(readback.add(part) for part in parts)
+
+
+def read_verified(readback: ReadBack, slots: tuple[int, ...], rows: Sequence[VerifyInput], verified_logprobs=()
+                  ) -> tuple[tuple[tuple[int, ...], ...], tuple | None]:
+    """(per row its kept drafts and one more token, per row its emitted tokens' logprobs or None) from a
+    landed read-back; `verified_logprobs`: the `Verified.logprob_rows` and `.logprob_counts` of the step."""
+    kept = [int(k) for k in readback.values(slots[0])]
+    emitted = readback.values(slots[1])
+    width = len(emitted) // max(len(rows), 1)
+    tokens = tuple(tuple(int(t) for t in emitted[r * width:r * width + k + 1]) for r, k in enumerate(kept))
+    if len(slots) == 2:
+        return tokens, None
+    asking, counts = verified_logprobs
+    chosen, values, ids = (readback.values(slot) for slot in slots[2:])
+    top = len(values) // max(len(chosen), 1)
+    out: list[tuple[TokenLogprob, ...] | None] = [None] * len(rows)
+    e = 0
+    for r, n in zip(asking, counts):
+        out[r] = tuple(TokenLogprob(t, chosen[e + j], tuple(zip((int(i) for i in ids[(e + j) * top:(e + j) * top + n]),
+                                                                 values[(e + j) * top:(e + j) * top + n])))
+                       for j, t in enumerate(tokens[r]))
+        e += len(rows[r].token_ids)
+    return tokens, tuple(out)
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
+def _kept(accept: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
+    """accept [N] bool per position -> [R] long: how many leading drafts of each row were accepted."""
+    width = int(lengths.max()) - 1
+    if width <= 0:
+        return torch.zeros(len(lengths), dtype=torch.long, device=accept.device)
+    columns = np.arange(width)
+    index = np.where(columns < (lengths - 1)[:, None], _starts(lengths)[:, None] + columns, len(accept))   # [R, W]
+    padded = torch.cat([accept, accept.new_zeros(1)])[upload(index, accept.device, np.int64)]
+    return padded.long().cumprod(dim=1).sum(dim=1)
+
+
+def _kept_and_emitted(choice: torch.Tensor, drafts: torch.Tensor, rows: Sequence[VerifyInput],
+                      lengths: np.ndarray) -> Verified:
+    """Greedy rows: drafts kept while they equal the argmax, then the argmax after them."""
+    kept = _kept(choice == drafts, lengths)
+    final = choice[upload(_starts(lengths), choice.device) + kept]
+    return Verified(kept, _emitted(rows, lengths, kept, final))
+
+
+def _emitted(rows: Sequence[VerifyInput], lengths: np.ndarray, kept: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """[R, L] long: each row's drafts with the final token written at its kept count."""
+    padded = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+    for r, v in enumerate(rows):
+        padded[r, :len(v.token_ids) - 1] = v.token_ids[1:]
+    emitted = upload(padded, final.device)
+    return emitted.scatter_(1, kept.unsqueeze(1), final.long().unsqueeze(1))
 
 
 def _next_tokens(rows: Sequence[VerifyInput]) -> list[int]:
@@ -107,7 +170,7 @@ def _with_draft_history(batch: SamplingBatch, rows: Sequence[VerifyInput], lengt
     if batch.penalty_rows is None:
         return batch
     penalised = np.zeros(int(lengths.sum()), dtype=bool)
-    penalised[batch.penalty_rows.cpu().numpy()] = True
+    penalised[batch.penalty_entries] = True
     slot_of = np.cumsum(penalised) - 1
     pairs, entry = [], 0
     for v in rows:
@@ -116,7 +179,7 @@ def _with_draft_history(batch: SamplingBatch, rows: Sequence[VerifyInput], lengt
                 pairs += [(slot_of[entry], t) for t in v.token_ids[1:j + 1]]
             entry += 1
     if pairs:
-        index = torch.tensor(pairs, dtype=torch.long, device=device).T
+        index = upload(np.array(pairs, dtype=np.int64).T, device)
         batch.output_counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=device),
                                        accumulate=True)
     return batch
@@ -138,9 +201,8 @@ def _select(batch: SamplingBatch, entries: torch.Tensor) -> torch.Tensor:
 
 def _draw_final(probs: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [R, V] at each row's first unkept position, the draft there (-1 after the last) -> [R] tokens."""
-    residual = probs.clone()
-    rejected = drafts >= 0
-    residual[rejected.nonzero().squeeze(1), drafts[rejected]] = 0.0      # p with the rejected draft removed
-    empty = residual.sum(dim=-1) <= 0                                   # NOTE: p(d) = 1 is never rejected
-    residual[empty] = probs[empty]
-    return sample_categorical(residual, uniforms)
+    column = drafts.clamp_min(0).unsqueeze(1)                            # [R, 1]
+    rejected = (drafts >= 0).unsqueeze(1)
+    residual = probs.scatter(1, column, torch.where(rejected, 0.0, probs.gather(1, column)))  # p without the draft
+    empty = residual.sum(dim=-1, keepdim=True) <= 0                     # NOTE: p(d) = 1 is never rejected
+    return sample_categorical(torch.where(empty, probs, residual), uniforms)

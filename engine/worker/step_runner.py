@@ -1,4 +1,8 @@
-"""Running one StepWork on a compute unit: the same code on an actor's thread or in a worker process."""
+"""Running one StepWork on a compute unit: the same code on an actor's thread or in a worker process.
+
+`launch` queues the step and its KV copies and returns at once; `PendingOutcome.result()` waits for
+the step's tokens (the read-back point). `run` is both, for callers that want the outcome now.
+"""
 from __future__ import annotations
 
 import time
@@ -9,6 +13,7 @@ import torch
 
 from pdserve.engine.transfer.base import KVTransfer, TransferHandle
 from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.pending_step import PendingStep
 from pdserve.engine.worker.step import StepResult, StepWork
 
 
@@ -33,16 +38,42 @@ class StepRunner:
 
     def __init__(self, runner: ModelRunner, peers: tuple[Peer, ...] = ()) -> None:
         self.runner, self.peers = runner, peers
+        self.reads_back_later = runner.device.type == "cuda"     # NOTE: on CPU a step's work is its launch
 
     def run(self, work: StepWork) -> StepOutcome:
+        outcome = self.launch(work).result()
+        self.runner.settle()
+        return outcome
+
+    def launch(self, work: StepWork) -> PendingOutcome:
         if work.threads is not None and work.threads != torch.get_num_threads():
             torch.set_num_threads(work.threads)
         started = time.perf_counter()
-        result = self.runner.execute(work.step)
+        if self.reads_back_later:
+            pending = self.runner.launch(work.step)
+        else:
+            pending = PendingStep.done(work.step, self.runner.execute(work.step))
+        seconds = time.perf_counter() - started
         copies = tuple((copy.key, self._copy(copy.peer, copy.src_blocks, copy.dst_blocks)) for copy in work.copies)
-        return StepOutcome(result, copies, time.perf_counter() - started, torch.get_num_threads(),
-                           self.runner.mask_seconds)
+        return PendingOutcome(pending, copies, seconds, torch.get_num_threads(), self.runner.mask_seconds)
 
     def _copy(self, peer: int, src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...]) -> TransferHandle:
         transfer, pool = self.peers[peer]
         return transfer.copy_blocks(self.runner.kv_pool, pool, src_blocks, dst_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingOutcome:
+    """A launched StepWork: `result()` waits for its tokens (never on the thread that launches steps)."""
+
+    pending: PendingStep
+    copies: tuple[tuple[str, TransferHandle], ...]
+    launch_seconds: float            # host time of the launch (all of the step's work on CPU)
+    threads: int
+    mask_seconds: float
+
+    def result(self) -> StepOutcome:
+        result = self.pending.result()
+        on_cuda = self.pending.timer is not None and self.pending.timer.on_cuda
+        seconds = self.pending.seconds if on_cuda else self.launch_seconds    # NOTE: the device's time on CUDA
+        return StepOutcome(result, self.copies, seconds, self.threads, self.mask_seconds)

@@ -20,6 +20,7 @@ import torch
 
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.processes import wire
+from pdserve.engine.transfer.cuda_ipc import CudaIpcHandle
 from pdserve.engine.worker.processes.shared_pool import SharedFd
 from pdserve.engine.worker.step import StepWork
 from pdserve.engine.worker.processes.worker_process import WorkerSpec, worker_main
@@ -51,8 +52,8 @@ class SpawnTracker:
 class ProcessCompute:
     kind = "process"
 
-    def __init__(self, spec: WorkerSpec, own_pool: SharedFd | None = None,
-                 peer_pools: tuple[SharedFd, ...] = ()) -> None:
+    def __init__(self, spec: WorkerSpec, own_pool: SharedFd | CudaIpcHandle | None = None,
+                 peer_pools: tuple[SharedFd | CudaIpcHandle, ...] = ()) -> None:
         self.spec, self.own_pool, self.peer_pools = spec, own_pool, peer_pools
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size

@@ -1,5 +1,8 @@
-"""A KV pool in shared memory, for worker processes on CPU: the decode pool, written directly by
-the prefill worker (push) and read by the decode worker, with no KV byte through a pipe.
+"""A KV pool in shared memory, for worker processes: the decode pool, written directly by the prefill
+worker (push) and read by the decode worker, with no KV byte through a pipe. On CPU it is a memfd
+segment (below); on a GPU it is device memory shared through a CUDA IPC handle
+(`pdserve.engine.transfer.cuda_ipc`). `share_pool` chooses, once, from the decode device; a worker
+opens what it was handed with `open_shared`.
 
 The segment is an anonymous `memfd` (Linux): it has no name, so nothing can be left behind in
 /dev/shm by any exit path, SIGKILL included; it lives while a process holds its descriptor or a
@@ -15,6 +18,7 @@ from multiprocessing import reduction
 
 import torch
 
+from pdserve.engine.transfer.cuda_ipc import CudaIpcHandle, CudaIpcPool, CudaIpcUnavailable
 from pdserve.kernels.kv_layout import KVLayout
 
 
@@ -55,9 +59,48 @@ def _received_fd(dup) -> SharedFd:
     return SharedFd(dup.detach())
 
 
+def sharing_for(device: torch.device) -> str:
+    """How worker processes share a pool on `device`: "cuda-ipc" on a GPU, "memfd" on CPU.
+
+    Raises CudaIpcUnavailable when `device` is CUDA and this process has no CUDA (the coordinator
+    allocates and exports the GPU pools)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SharedPool.name
+    if not torch.cuda.is_available():
+        raise CudaIpcUnavailable(f"--workers process on {device} shares its KV pools through CUDA IPC, "
+                                 f"and CUDA is not available in this process")
+    return CudaIpcPool.name
+
+
+def share_pool(spec: PoolSpec, device: torch.device, name: str) -> SharedPool | CudaIpcPool:
+    """A decode pool for worker processes on `device`: exported through CUDA IPC on a GPU, a memfd segment
+    on CPU. Its `ticket` goes to each worker (`open_shared`); CudaIpcUnavailable says why a GPU pool cannot."""
+    if sharing_for(device) == CudaIpcPool.name:
+        return CudaIpcPool.create(spec.layout.shape(spec.num_blocks), spec.dtype, device)
+    return SharedPool.create(spec, name)
+
+
+def open_shared(spec: PoolSpec, ticket: SharedFd | CudaIpcHandle) -> torch.Tensor:
+    """The shared pool `ticket` names, in this (worker) process; ValueError if it is not the pool `spec` says."""
+    if isinstance(ticket, SharedFd):
+        return SharedPool(spec, ticket).tensor()
+    expected = (tuple(spec.layout.shape(spec.num_blocks)), spec.dtype)
+    if (ticket.shape, ticket.dtype) != expected:
+        raise ValueError(f"the shared CUDA pool is {ticket.shape} {ticket.dtype}, expected {expected[0]} {expected[1]}")
+    return ticket.open()
+
+
 class SharedPool:
+    name = "memfd"
+
     def __init__(self, spec: PoolSpec, fd: SharedFd) -> None:
         self.spec, self.fd = spec, fd
+
+    @property
+    def ticket(self) -> SharedFd:
+        """What a worker is handed to open the pool."""
+        return self.fd
 
     @classmethod
     def create(cls, spec: PoolSpec, name: str) -> SharedPool:

@@ -24,7 +24,7 @@ from pdserve.engine.worker.processes import wire
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool, check_pools_agree
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, check_pools_agree, open_shared
 from pdserve.engine.worker.step_runner import Peer, StepRunner
 from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
@@ -55,7 +55,8 @@ class WorkerSpec:
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
-    """Entry point of the spawned process; `own_fd` (or None) and `peer_fds` are the shared pools' SharedFds."""
+    """Entry point of the spawned process; `own_fd` (or None) and `peer_fds` are the shared pools' tickets
+    (memfd descriptors or CUDA IPC handles: `shared_pool.open_shared`)."""
     _die_with_parent(parent)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s worker-{spec.name}: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # NOTE: the coordinator decides when a worker stops
@@ -101,14 +102,15 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
     model = load_model(spec.model_config, spec.dtype, device, spec.max_model_len)
     if spec.quantization != "none":
         quantize_model(model, spec.quantization, gguf_source(spec.model_config.model_dir), max(len(spec.cores), 1))
-    pool = None if own_fd is None else SharedPool(spec.pool, own_fd).tensor()
+    pool = None if own_fd is None else open_shared(spec.pool, own_fd)
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
                          kv_pool=pool, **spec.step_sizes)
     warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len, spec.thread_counts)
     peers = []
     for peer_spec, peer_fd in zip(spec.peer_pools, peer_fds, strict=True):
         check_pools_agree(spec.pool, peer_spec)
-        peers.append(Peer(select_transfer(device, device, spec.kv_transfer), SharedPool(peer_spec, peer_fd).tensor()))
+        peer_pool = open_shared(peer_spec, peer_fd)
+        peers.append(Peer(select_transfer(device, peer_pool.device, spec.kv_transfer), peer_pool))
     return StepRunner(runner, tuple(peers))
 
 

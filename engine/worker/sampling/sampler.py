@@ -2,7 +2,8 @@
 
 Order per call: min_tokens stop masking and penalties (fp32) -> greedy argmax or temperature,
 top-k, top-p, min-p and a draw (an exponential race on CUDA, inverse CDF on CPU) -> raw logprobs.
-Results stay on the device until `read_back`, the step's one device-to-host copy.
+Results stay on the device: `read_back_into` queues them on the step's one device-to-host copy
+(`pdserve.engine.transfer.host_copy.ReadBack`) and `unpack` turns the values into tokens once it landed.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.transfer.host_copy import ReadBack
 from pdserve.engine.worker.sampling.categorical import sample_categorical
 from pdserve.engine.worker.sampling.constraints import StepConstraints
 from pdserve.engine.worker.sampling.penalties import apply_penalties, mask_stop_tokens
@@ -64,7 +66,11 @@ class Sampler:
         for row, seq in enumerate(seqs):
             table.add(row, seq.params, seq.prompt_token_ids, seq.output_token_ids)
         batch = table.batch(np.arange(len(seqs)))
-        tokens, logprobs = read_back(self.sample(logits, batch), batch)
+        readback = ReadBack(logits.device)
+        slots = read_back_into(readback, self.sample(logits, batch))
+        readback.start()
+        readback.wait()
+        tokens, logprobs = unpack(readback, slots, batch)
         return list(zip(tokens, logprobs or (None,) * len(tokens)))
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -120,28 +126,30 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
     """Raw-logit logprobs (log_softmax before penalties and temperature, fp32) of the rows that asked."""
     if not batch.logprob_rows:
         return SampleOutput(tokens)
-    rows = torch.tensor(batch.logprob_rows, dtype=torch.long).to(raw.device)
+    rows = batch.logprob_index
     logprobs = raw[rows].float().log_softmax(dim=-1)  # [R, V]
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)  # [R]
     top_values, top_ids = logprobs.topk(max(batch.logprob_counts), dim=-1)  # [R, N], best first
     return SampleOutput(tokens, chosen, top_values, top_ids)
 
 
-def read_back(output: SampleOutput, batch: SamplingBatch
-              ) -> tuple[tuple[int, ...], tuple[TokenLogprob | None, ...] | None]:
-    """Tokens, and logprobs where asked (None when no row asked), with one device-to-host copy."""
-    if output.chosen_logprobs is None:
-        return tuple(output.tokens.tolist()), None
-    num_rows, width = output.top_ids.shape
-    packed = torch.cat([output.tokens.double(), output.chosen_logprobs.double(),
-                        output.top_logprobs.double().flatten(), output.top_ids.double().flatten()]).tolist()
-    tokens = tuple(int(t) for t in packed[:batch.num_rows])
-    chosen = packed[batch.num_rows:batch.num_rows + num_rows]
-    values_at = batch.num_rows + num_rows
-    ids_at = values_at + num_rows * width
+def read_back_into(readback: ReadBack, output: SampleOutput) -> tuple[int, ...]:
+    """Queue `output` on the step's read-back; the slots `unpack` reads."""
+    parts = (output.tokens,) if output.chosen_logprobs is None else \
+        (output.tokens, output.chosen_logprobs, output.top_logprobs, output.top_ids)
+    return tuple(readback.add(part) for part in parts)
+
+
+def unpack(readback: ReadBack, slots: tuple[int, ...], batch: SamplingBatch
+           ) -> tuple[tuple[int, ...], tuple[TokenLogprob | None, ...] | None]:
+    """Tokens, and logprobs where asked (None when no row asked), from a landed read-back."""
+    tokens = tuple(int(t) for t in readback.values(slots[0]))
+    if len(slots) == 1:
+        return tokens, None
+    chosen, values, ids = (readback.values(slot) for slot in slots[1:])
+    width = len(values) // max(len(chosen), 1)
     logprobs: list[TokenLogprob | None] = [None] * batch.num_rows
     for i, (row, n) in enumerate(zip(batch.logprob_rows, batch.logprob_counts)):
-        ids = packed[ids_at + i * width:ids_at + i * width + n]
-        values = packed[values_at + i * width:values_at + i * width + n]
-        logprobs[row] = TokenLogprob(tokens[row], chosen[i], tuple(zip((int(t) for t in ids), values)))
+        top = zip((int(t) for t in ids[i * width:i * width + n]), values[i * width:i * width + n])
+        logprobs[row] = TokenLogprob(tokens[row], chosen[i], tuple(top))
     return tokens, tuple(logprobs)

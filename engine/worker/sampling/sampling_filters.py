@@ -18,13 +18,14 @@ NUCLEUS_CANDIDATES = 256
 
 
 def top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`top_k_top_p_sorted`'s result from the best NUCLEUS_CANDIDATES tokens instead of a full sort.
+    """`top_k_top_p_sorted`'s result from the best NUCLEUS_CANDIDATES tokens instead of a full sort (on CPU).
 
     Exact: a row whose nucleus or top-k set is not inside the candidates, or whose top-k meets a
-    tie at the candidate edge, takes the full sort. x: [B, V]."""
+    tie at the candidate edge, takes the full sort. Knowing which rows do is a read of device data,
+    so on a GPU (where the host must not wait for it) every row takes the full sort. x: [B, V]."""
     vocab = x.shape[1]
     k = min(vocab - 1, NUCLEUS_CANDIDATES)
-    if k < 1:
+    if k < 1 or x.device.type != "cpu":
         return top_k_top_p_sorted(x, top_k, top_p)
     vals, idx = x.topk(k + 1, dim=-1)  # [B, k + 1], best first; the last one only checks for ties
     edge_tie = vals[:, k] == vals[:, k - 1]

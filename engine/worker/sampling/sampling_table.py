@@ -1,8 +1,12 @@
-"""Per-row sampling state kept by the runner: parameters as arrays, penalty counts on the device.
+"""Per-row sampling state kept by the runner: parameters resident on the device, flags and counts on the host.
 
-A step's `SamplingBatch` is gathered from these arrays with numpy indexing, so building it costs
-no Python per row; penalised rows keep their token counts on the device and update them with one
-scatter per step, instead of re-tensorising their whole history.
+A row's parameters are written to device-resident tables when the row joins (one pinned upload of
+the rows added since the last step), so a step's `SamplingBatch` is two `index_select`s on the
+device plus host flags read from one bitfield per row (vLLM's persistent batch). Output counts
+live on the host (a step's count is known when it is launched; a verifying row's once its tokens
+are read back, before the row is scheduled again). Penalised rows keep their token counts on the
+device and update them with one scatter per step, instead of re-tensorising their whole history.
+Nothing here makes the host wait for the GPU.
 """
 from __future__ import annotations
 
@@ -13,11 +17,19 @@ import numpy as np
 import torch
 
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.transfer.host_copy import upload
 
 _FIELDS = {"greedy": bool, "temperature": np.float32, "top_k": np.int64, "top_p": np.float32,
            "min_p": np.float32, "seed": np.int64, "seeded": bool, "penalised": bool,
            "repetition": np.float32, "frequency": np.float32, "presence": np.float32,
-           "logprobs": np.int32, "min_tokens": np.int32, "num_outputs": np.int32, "penalty_slot": np.int32}
+           "logprobs": np.int32, "min_tokens": np.int32, "num_outputs": np.int32, "penalty_slot": np.int32,
+           "kind": np.int32}
+_FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")   # columns of the device tables
+_INTS = ("greedy", "top_k", "seed")
+
+# bits of a row's "kind": what its sampling needs
+RANDOM, PENALISED, LOGPROBS, TOP_K, TOP_P, MIN_P, SEEDED, UNSEEDED, MIN_TOKENS = (1 << i for i in range(9))
+_NOT_PLAIN = RANDOM | PENALISED | LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +59,8 @@ class SamplingBatch:
     penalties: torch.Tensor | None      # [P, 3] fp32: repetition, frequency, presence
     logprob_rows: tuple[int, ...]       # rows that asked for logprobs
     logprob_counts: tuple[int, ...]     # their number of top alternatives
+    logprob_index: torch.Tensor | None = None     # [R] long: logprob_rows on the device
+    penalty_entries: np.ndarray | None = None     # [P]: penalty_rows on the host
 
 
 class SamplingTable:
@@ -56,9 +70,13 @@ class SamplingTable:
         self.vocab_size, self.eos_token_ids, self.device = vocab_size, frozenset(eos_token_ids), device
         self.arrays = {name: np.zeros(0, dtype=dtype) for name, dtype in _FIELDS.items()}
         self.stop_ids: list[tuple[int, ...]] = []
+        self.floats = torch.zeros(0, len(_FLOATS), dtype=torch.float32, device=device)   # [rows, 6], _FLOATS
+        self.ints = torch.zeros(0, len(_INTS), dtype=torch.int64, device=device)          # [rows, 3], _INTS
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._free_slots: list[int] = []
+        self._joined: dict[int, None] = {}       # rows added since their parameters were last uploaded
+        self._knobs = self._host_knobs if device.type == "cpu" else self._device_knobs    # NOTE: chosen once
 
     def add(self, row: int, params: SamplingParams, prompt: Sequence[int], outputs: Sequence[int]) -> None:
         self._ensure(row + 1)
@@ -74,10 +92,13 @@ class SamplingTable:
                   "min_tokens": params.min_tokens, "num_outputs": len(outputs), "penalty_slot": -1}
         for name, value in values.items():
             a[name][row] = value
+        a["kind"][row] = _kind(values, vocab)
         stops = self.eos_token_ids.union(params.stop_token_ids)
         self.stop_ids[row] = tuple(t for t in sorted(stops) if t < vocab)
         if params.has_penalties:
             a["penalty_slot"][row] = self._penalty_slot(prompt, outputs)
+        if self.device.type != "cpu":
+            self._joined[row] = None
 
     def free(self, row: int) -> None:
         slot = int(self.arrays["penalty_slot"][row])
@@ -91,62 +112,104 @@ class SamplingTable:
         slots = self.arrays["penalty_slot"][rows]
         penalised = slots >= 0
         if penalised.any():
-            index = torch.from_numpy(slots[penalised].astype(np.int64)).to(self.device)
-            chosen = tokens[torch.from_numpy(np.flatnonzero(penalised)).to(self.device)]
+            index = upload(slots[penalised].astype(np.int64), self.device)
+            chosen = tokens[upload(np.flatnonzero(penalised), self.device)]
             self.output_counts.index_put_((index, chosen.long()), torch.ones_like(chosen, dtype=torch.float32),
                                           accumulate=True)
 
-    def batch(self, rows: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
+    def record_emitted(self, rows: np.ndarray, emitted: torch.Tensor, counts: torch.Tensor) -> None:
+        """Count on the device the tokens verifying `rows` emitted: emitted [R, L] long, the first
+        counts[r] of row r valid (counts [R] long, on the device). The host's counts follow later, at
+        `settle_emitted`, once the counts are read back (nothing reads them for these rows before)."""
+        slots = self.arrays["penalty_slot"][rows]
+        penalised = np.flatnonzero(slots >= 0)
+        if len(penalised):
+            width = emitted.shape[1]
+            index = upload(np.repeat(slots[penalised].astype(np.int64), width), self.device)
+            picked = upload(penalised, self.device)
+            valid = torch.arange(width, device=emitted.device) < counts[picked].unsqueeze(1)    # [P, L]
+            self.output_counts.index_put_((index, emitted[picked].flatten()), valid.flatten().float(),
+                                          accumulate=True)
+
+    def settle_emitted(self, rows: np.ndarray, counts: Sequence[int]) -> None:
+        """The host side of `record_emitted`, with the counts read back."""
+        np.add.at(self.arrays["num_outputs"], rows, np.asarray(counts, dtype=np.int32))
+
+    def batch(self, rows: np.ndarray, ahead: np.ndarray | None = None,
+              device_rows: torch.Tensor | None = None) -> SamplingBatch:
         """The SamplingBatch of `rows` (host int array), one entry per row in order.
 
         `ahead[i]`: entry i samples that many outputs past the row's recorded ones (a draft position;
-        its penalty counts are the caller's to add)."""
-        if self._plain_greedy(rows):
-            return _plain_greedy_batch(len(rows))
-        a = {name: values[rows] for name, values in self.arrays.items()}
-        if ahead is not None:
-            a["num_outputs"] = a["num_outputs"] + ahead
-        below_min = a["num_outputs"] < a["min_tokens"]
-        random = ~a["greedy"]
-        plain = not (random.any() or a["penalised"].any() or below_min.any() or (a["logprobs"] >= 0).any())
-        to = self._tensor
-        seeded = np.flatnonzero(a["seeded"])
-        top_k = a["top_k"][a["top_k"] < self.vocab_size]
-        logprob_rows = np.flatnonzero(a["logprobs"] >= 0)
-        penalty_rows = np.flatnonzero(a["penalised"])
-        slots = a["penalty_slot"][penalty_rows].astype(np.int64)
-        return SamplingBatch(
-            num_rows=len(rows), plain_greedy=plain, all_greedy=not random.any(),
-            greedy=to(a["greedy"]), temperature=to(a["temperature"]), top_k=to(a["top_k"]),
-            top_p=to(a["top_p"]), min_p=to(a["min_p"]),
-            max_top_k=int(top_k.max()) if len(top_k) else None,
-            use_top_p=bool((a["top_p"] < 1.0).any()), use_min_p=bool((a["min_p"] > 0.0).any()),
-            seeded_rows=to(seeded) if len(seeded) else None,
-            seeds=to(a["seed"][seeded]) if len(seeded) else None,
-            positions=to(a["num_outputs"][seeded].astype(np.int64)) if len(seeded) else None,
-            any_unseeded=bool((random & ~a["seeded"]).any()),
-            stop_mask=self._stop_mask(rows, np.flatnonzero(below_min)),
-            penalty_rows=to(penalty_rows) if len(penalty_rows) else None,
-            output_counts=self.output_counts[to(slots)] if len(slots) else None,
-            prompt_seen=self.prompt_seen[to(slots)] if len(slots) else None,
-            penalties=to(np.stack([a["repetition"], a["frequency"], a["presence"]], 1)[penalty_rows])
-            if len(penalty_rows) else None,
-            logprob_rows=tuple(logprob_rows.tolist()), logprob_counts=tuple(a["logprobs"][logprob_rows].tolist()))
-
-    def _plain_greedy(self, rows: np.ndarray) -> bool:
+        its penalty counts are the caller's to add). `device_rows`: `rows` on the device, if at hand."""
         a = self.arrays
-        return bool(a["greedy"][rows].all() and not a["penalised"][rows].any() and (a["logprobs"][rows] < 0).all()
-                    and (a["num_outputs"][rows] >= a["min_tokens"][rows]).all())
+        kinds = a["kind"][rows]
+        kind = int(np.bitwise_or.reduce(kinds)) if len(kinds) else 0
+        outputs = a["num_outputs"][rows] if ahead is None else a["num_outputs"][rows] + ahead
+        below_min = np.flatnonzero(outputs < a["min_tokens"][rows]) if kind & MIN_TOKENS else np.zeros(0, np.int64)
+        if not kind & _NOT_PLAIN and not len(below_min):
+            return _plain_greedy_batch(len(rows))
+        seeded = np.flatnonzero(kinds & SEEDED) if kind & SEEDED else ()
+        seeded_rows = upload(seeded, self.device, np.int64) if len(seeded) else None
+        top_k = a["top_k"][rows] if kind & TOP_K else None
+        logprob_rows = np.flatnonzero(kinds & LOGPROBS) if kind & LOGPROBS else np.zeros(0, np.int64)
+        penalty_rows = np.flatnonzero(kinds & PENALISED) if kind & PENALISED else ()
+        slots = upload(a["penalty_slot"][rows[penalty_rows]], self.device, np.int64) if len(penalty_rows) else None
+        penalty_index = upload(penalty_rows, self.device, np.int64) if len(penalty_rows) else None
+        knobs = self._knobs(rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index)
+        return SamplingBatch(
+            num_rows=len(rows), plain_greedy=False, all_greedy=not kind & RANDOM, **knobs,
+            max_top_k=int(top_k[top_k < self.vocab_size].max()) if top_k is not None else None,
+            use_top_p=bool(kind & TOP_P), use_min_p=bool(kind & MIN_P), seeded_rows=seeded_rows,
+            positions=upload(outputs[seeded], self.device, np.int64) if len(seeded) else None,
+            any_unseeded=bool(kind & UNSEEDED),
+            stop_mask=self._stop_mask(rows, below_min),
+            penalty_rows=penalty_index,
+            output_counts=self.output_counts[slots] if slots is not None else None,
+            prompt_seen=self.prompt_seen[slots] if slots is not None else None,
+            logprob_rows=tuple(logprob_rows.tolist()), logprob_counts=tuple(a["logprobs"][rows[logprob_rows]].tolist()),
+            logprob_index=upload(logprob_rows, self.device, np.int64) if len(logprob_rows) else None,
+            penalty_entries=np.asarray(penalty_rows, dtype=np.int64) if len(penalty_rows) else None)
 
-    def _tensor(self, values: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(values))
-        return tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
+    def _device_knobs(self, rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index) -> dict:
+        """The per-row knobs gathered on the device from the resident tables (CUDA)."""
+        self._upload_joined()
+        if device_rows is None:
+            device_rows = upload(rows.astype(np.int64), self.device)
+        floats, ints = self.floats[device_rows], self.ints[device_rows]       # [B, 6], [B, 3]
+        return dict(greedy=ints[:, 0].bool(), temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 1],
+                    min_p=floats[:, 2], seeds=ints[seeded_rows, 2] if len(seeded) else None,
+                    penalties=floats[penalty_index, 3:6] if penalty_index is not None else None)
+
+    def _host_knobs(self, rows, device_rows, seeded, seeded_rows, penalty_rows, penalty_index) -> dict:
+        """The per-row knobs gathered from the host arrays, as tensors sharing their memory (CPU)."""
+        a = {name: self.arrays[name][rows] for name in ("greedy", "temperature", "top_k", "top_p", "min_p")}
+        t = torch.from_numpy
+        penalties = None
+        if len(penalty_rows):
+            picked = rows[penalty_rows]
+            penalties = t(np.stack([self.arrays[n][picked] for n in ("repetition", "frequency", "presence")], 1))
+        return dict(greedy=t(a["greedy"]), temperature=t(a["temperature"]), top_k=t(a["top_k"]), top_p=t(a["top_p"]),
+                    min_p=t(a["min_p"]), seeds=t(self.arrays["seed"][rows[seeded]]) if len(seeded) else None,
+                    penalties=penalties)
+
+    def _upload_joined(self) -> None:
+        """Write the parameters of rows added since the last step into the device tables (one upload each)."""
+        if not self._joined:
+            return
+        rows = np.fromiter(self._joined, dtype=np.int64, count=len(self._joined))
+        self._joined.clear()
+        a = self.arrays
+        floats = np.stack([a[name][rows] for name in _FLOATS], 1).astype(np.float32)
+        ints = np.stack([a[name][rows].astype(np.int64) for name in _INTS], 1)
+        index = upload(rows, self.device)
+        self.floats[index] = upload(floats, self.device)
+        self.ints[index] = upload(ints, self.device)
 
     def _stop_mask(self, rows: np.ndarray, masked: np.ndarray) -> torch.Tensor | None:
         pairs = [(i, t) for i in masked.tolist() for t in self.stop_ids[rows[i]]]
         if not pairs:
             return None
-        return torch.tensor(pairs, dtype=torch.long).T.to(self.device)
+        return upload(np.array(pairs, dtype=np.int64).T, self.device)
 
     def _penalty_slot(self, prompt: Sequence[int], outputs: Sequence[int]) -> int:
         if not self._free_slots:
@@ -173,6 +236,18 @@ class SamplingTable:
             grown[:len(values)] = values
             self.arrays[name] = grown
         self.stop_ids += [()] * (capacity - len(self.stop_ids))
+        self.floats = torch.cat([self.floats, self.floats.new_zeros(capacity - len(self.floats), len(_FLOATS))])
+        self.ints = torch.cat([self.ints, self.ints.new_zeros(capacity - len(self.ints), len(_INTS))])
+
+
+def _kind(values: dict, vocab: int) -> int:
+    """The bits of a row's sampling needs, from its table values."""
+    random = not values["greedy"]
+    bits = ((RANDOM, random), (PENALISED, values["penalised"]), (LOGPROBS, values["logprobs"] >= 0),
+            (TOP_K, values["top_k"] < vocab), (TOP_P, values["top_p"] < 1.0), (MIN_P, values["min_p"] > 0.0),
+            (SEEDED, values["seeded"]), (UNSEEDED, random and not values["seeded"]),
+            (MIN_TOKENS, values["min_tokens"] > 0))
+    return sum(bit for bit, on in bits if on)
 
 
 def _plain_greedy_batch(num_rows: int) -> SamplingBatch:
@@ -188,4 +263,4 @@ def token_counts(token_ids: Sequence[int], vocab_size: int, device: torch.device
     """How often each vocabulary id occurs in `token_ids`: [vocab_size] fp32 (ids >= vocab_size ignored)."""
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     ids = ids[(ids >= 0) & (ids < vocab_size)]
-    return torch.bincount(ids, minlength=vocab_size).to(torch.float32).to(device)
+    return upload(torch.bincount(ids, minlength=vocab_size).to(torch.float32).numpy(), device)
