@@ -1,0 +1,147 @@
+"""`RayCompute`: a unit whose runner steps in a Ray actor (`pdserve.engine.ray.actor.UnitActor`), possibly on
+another node. The serve process keeps the unit's scheduler and block manager; each step is one wire frame
+out and one back over Ray actor calls.
+
+A prefill unit's hand-off blocks go straight from its actor to the decode unit's actor: this side only
+chains the calls (`read_blocks` on the prefill actor after its step, its result handed by reference to
+`write_blocks` on the decode actor), so the bytes move node to node through Ray's object store and never
+through this process. A step's outcome is given once its copies have landed, as a worker process does.
+
+A Ray error on any call (the actor or its node died, or its node is unreachable) loses the unit: the step
+fails with an error naming the unit and node, and `recover` asks Ray for a fresh actor.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+import ray
+import torch
+
+from pdserve.engine.transfer.base import TransferHandle
+from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.processes.process import WorkerDied, WorkerStepError
+from pdserve.engine.worker.processes.worker_process import WorkerSpec
+from pdserve.engine.worker.step import BlockCopy, StepWork
+from pdserve.engine.worker.step_runner import StepOutcome
+from pdserve.engine.ray.actor import remote_unit_actor
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 600.0
+
+
+class UnitLost(WorkerDied):
+    """A unit's Ray actor (or its node) is gone; the message names the unit and the node."""
+
+
+class RayCompute:
+    kind = "ray"
+
+    def __init__(self, spec: WorkerSpec, threads: int, options: dict, peers: tuple[RayCompute, ...] = ()) -> None:
+        """`options`: Ray actor options (resources); `peers`: the decode units a prefill unit hands off to."""
+        self.spec, self.threads, self.options, self.peers = spec, threads, options, peers
+        self.device = torch.device(spec.device)
+        self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
+        self.eos_token_ids = spec.eos_token_ids
+        self.lost: str | None = None           # why the actor is gone; None while it serves
+        self.where: dict = {}
+        self.spawn()
+
+    # lifecycle
+    def spawn(self) -> None:
+        """Ask Ray for the actor; returns at once (`wait_ready` waits for its runner)."""
+        self.actor = remote_unit_actor().options(**self.options).remote(self.spec, self.threads)
+        self._ready = self.actor.where.remote()
+        self.lost = None
+
+    def wait_ready(self) -> None:
+        """Block until the actor has built its runner; RuntimeError naming the unit if it could not."""
+        try:
+            self.where = ray.get(self._ready, timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.kill()
+            raise RuntimeError(f"the {self.spec.name} unit's Ray actor did not start within {START_TIMEOUT_S:g} s "
+                               f"(no node with {self.options.get('resources') or 'free CPUs/GPUs'}?)") from None
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"the {self.spec.name} unit's Ray actor could not start: {_first_line(e)}") from None
+        logger.info("%s unit ready on node %s (%s), pid %d", self.spec.name, self.where["ip"],
+                    self.where["node_id"][:12], self.where["pid"])
+
+    @property
+    def node(self) -> str:
+        return f"node {self.where.get('ip', '?')} ({self.where.get('node_id', '?')[:12]})"
+
+    # steps
+    def submit(self, work: StepWork) -> asyncio.Future:
+        return asyncio.get_running_loop().create_task(self._step(work))
+
+    async def _step(self, work: StepWork) -> StepOutcome:
+        if self.lost is not None:
+            raise UnitLost(self.lost)
+        actor = self.actor
+        step = actor.step.remote(wire.encode_work(replace(work, copies=(), threads=None)))   # NOTE: no core lending across nodes
+        sends = [(copy, self.peers[copy.peer], self._send(actor, copy)) for copy in work.copies]
+        started = time.perf_counter()
+        reply = await self._answer(self, step)
+        kind, doc = wire.decode_message(reply)
+        if kind == wire.ERROR:
+            raise WorkerStepError(f"in the {self.spec.name} unit on {self.node}: {doc['error']}")
+        outcome = wire.decode_outcome(reply)
+        copies = []
+        for copy, peer, ack in sends:
+            nbytes = await self._answer(peer, ack)
+            copies.append((copy.key, TransferHandle.finished(nbytes, time.perf_counter() - started)))
+        return replace(outcome, copies=tuple(copies))
+
+    def _send(self, actor, copy: BlockCopy):
+        """Chain the copy: this unit's blocks (read after its step, in call order) into the peer's pool."""
+        blocks = actor.read_blocks.remote(list(copy.src_blocks))
+        return self.peers[copy.peer].actor.write_blocks.remote(list(copy.dst_blocks), blocks)
+
+    @staticmethod
+    async def _answer(unit: RayCompute, ref):
+        """`ref`'s value; a Ray error loses the unit whose call it was (a peer's, for a copy into it)."""
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ray.exceptions.RayActorError):    # the peer died under a chained copy
+                raise unit.lose(e.cause) from None
+            raise unit.lose(e) from None
+        except ray.exceptions.RayError as e:
+            raise unit.lose(e) from None
+
+    def lose(self, error: BaseException) -> UnitLost:
+        if self.lost is None:
+            self.lost = f"the {self.spec.name} unit's Ray actor on {self.node} is lost: {_first_line(error)}"
+            logger.error("%s", self.lost)
+        return UnitLost(self.lost)
+
+    async def wait(self, handle: TransferHandle) -> None:
+        """Copies have landed before a step's outcome is given; nothing to wait for."""
+
+    async def recover(self, force: bool) -> None:
+        """A lost actor, or (`force`) one stuck in a step, is killed and Ray starts a fresh one."""
+        if self.lost is None and not force:
+            return
+        self.kill()
+        self.spawn()
+        await asyncio.to_thread(self.wait_ready)
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except ray.exceptions.RayError:
+            pass
+
+    def close(self) -> None:
+        self.kill()
+
+    async def rows_in_use(self) -> int:
+        return await self.actor.rows_in_use.remote()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
