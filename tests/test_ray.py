@@ -25,6 +25,7 @@ from pdserve.engine.ray.compute import RayCompute  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
 from pdserve.server.config import ServerConfig  # noqa: E402
+from pdserve.server.systemd import render_unit  # noqa: E402
 from tests.models import demo_checkpoint, engine_config  # noqa: E402
 from tests.test_engine_modes import assert_pools_free, collect, prompts, transformers_model  # noqa: F401, E402
 from tests.test_supervisor import until  # noqa: E402
@@ -130,39 +131,58 @@ def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(clust
             firsts = await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
             assert all(event.finish_reason is None for event in firsts)        # decoding on the decode node
             os.kill(first_pid, signal.SIGKILL)
-            ends = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+            events = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
+            ends = [([t for e in evs for t in e.token_ids], evs[-1].finish_reason) for evs in events]
             await until(lambda: engine.healthy(), 120)
             after, reason = await asyncio.wait_for(collect(engine.submit(Request("after", reference, LONG))), 120)
-            return ends, before, after, reason
+            return ends, [evs[-1] for evs in events], before, after, reason
         finally:
             await engine.stop()
 
-    ends, before, after, reason = asyncio.run(scenario())
+    ends, errors, before, after, reason = asyncio.run(scenario())
     assert [r for _, r in ends] == [FinishReason.ERROR] * 2
+    assert all(e.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
+               for e in errors)
     assert all(len(tokens) < LONG.max_tokens for tokens, _ in ends)
-    error = engine.units.decode.lost or ""
-    assert error == ""                                                   # the fresh actor serves
+    assert engine.units.decode.lost is None                              # the fresh actor serves
     assert victim.where["pid"] != first_pid and victim.where["node_id"] == decode_node
     assert reason is FinishReason.LENGTH and after == before
     assert engine.supervisor.restarts == 1
     assert_pools_free(engine)
 
 
-def test_the_error_names_the_unit_and_its_node(cluster, engine):
-    victim = engine.units.decode
+def test_an_idle_decode_actor_killed_fails_the_next_hand_off_with_its_name_and_node(engine):
+    victim, prefill = engine.units.decode, engine.units.prefill
+    prefill_pid = prefill.where["pid"]
 
     async def scenario():
         await engine.start()
         try:
-            stream = engine.submit(Request("doomed", prompts([8], seed=4)[0], LONG))
-            await asyncio.wait_for(stream.__anext__(), 60)
-            os.kill(victim.where["pid"], signal.SIGKILL)
-            events = [event async for event in stream]
+            os.kill(victim.where["pid"], signal.SIGKILL)                  # no step of its own notices
+            stream = engine.submit(Request("doomed", prompts([70], seed=4)[0], LONG))
+            events = await asyncio.wait_for(collect_events(stream), 60)
             await until(lambda: engine.healthy(), 120)
-            return events[-1]
+            after, _ = await asyncio.wait_for(collect(engine.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return events[-1], after
         finally:
             await engine.stop()
 
-    last = asyncio.run(scenario())
+    last, after = asyncio.run(scenario())
     assert last.finish_reason is FinishReason.ERROR
-    assert "decode unit's Ray actor on node 127.0.0.1" in last.error and "lost" in last.error
+    assert last.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
+    assert "is lost" in last.error
+    assert len(after) == LONG.max_tokens
+    assert prefill.where["pid"] == prefill_pid and prefill.lost is None       # the sender was not restarted
+    assert_pools_free(engine)
+
+
+async def collect_events(stream) -> list:
+    return [event async for event in stream]
+
+
+def test_the_systemd_unit_joins_the_local_ray_node():
+    unit = render_unit(["--distributed-executor-backend", "ray"], user="ray", ray=True).splitlines()
+    for line in ("After=ray.service", "Wants=ray.service", "PrivateTmp=no", "ReadWritePaths=/tmp/ray",
+                 "Environment=RAY_AUTH_MODE=token", "User=ray"):
+        assert line in unit, line
+    assert "PrivateTmp=yes" in render_unit(["--model", "demo:tiny"]).splitlines()

@@ -81,42 +81,52 @@ class RayCompute:
         if self.lost is not None:
             raise UnitLost(self.lost)
         actor = self.actor
-        step = actor.step.remote(wire.encode_work(replace(work, copies=(), threads=None)))   # NOTE: no core lending across nodes
-        sends = [(copy, self.peers[copy.peer], self._send(actor, copy)) for copy in work.copies]
+        step = actor.step.remote(wire.encode_work(replace(work, copies=(), threads=None)))   # NOTE: no lending
+        sends = [(copy, self.peers[copy.peer], self._send(actor, self.peers[copy.peer].actor, copy))
+                 for copy in work.copies]
         started = time.perf_counter()
-        reply = await self._answer(self, step)
+        reply = await self._answer(actor, step)
         kind, doc = wire.decode_message(reply)
         if kind == wire.ERROR:
             raise WorkerStepError(f"in the {self.spec.name} unit on {self.node}: {doc['error']}")
         outcome = wire.decode_outcome(reply)
         copies = []
-        for copy, peer, ack in sends:
-            nbytes = await self._answer(peer, ack)
+        for copy, peer, (peer_actor, ack) in sends:
+            nbytes = await self._copied(actor, peer, peer_actor, ack)
             copies.append((copy.key, TransferHandle.finished(nbytes, time.perf_counter() - started)))
         return replace(outcome, copies=tuple(copies))
 
-    def _send(self, actor, copy: BlockCopy):
+    @staticmethod
+    def _send(actor, peer_actor, copy: BlockCopy) -> tuple:
         """Chain the copy: this unit's blocks (read after its step, in call order) into the peer's pool."""
         blocks = actor.read_blocks.remote(list(copy.src_blocks))
-        return self.peers[copy.peer].actor.write_blocks.remote(list(copy.dst_blocks), blocks)
+        return peer_actor, peer_actor.write_blocks.remote(list(copy.dst_blocks), blocks)
 
-    @staticmethod
-    async def _answer(unit: RayCompute, ref):
-        """`ref`'s value; a Ray error loses the unit whose call it was (a peer's, for a copy into it)."""
+    async def _answer(self, actor, ref):
+        """`ref`'s value; a Ray error loses this unit (if `actor` is still its actor)."""
         try:
             return await ref
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ray.exceptions.RayActorError):    # the peer died under a chained copy
-                raise unit.lose(e.cause) from None
-            raise unit.lose(e) from None
         except ray.exceptions.RayError as e:
-            raise unit.lose(e) from None
+            raise UnitLost(self.lose(actor, e)) from None
 
-    def lose(self, error: BaseException) -> UnitLost:
-        if self.lost is None:
+    async def _copied(self, actor, peer: RayCompute, peer_actor, ack) -> int:
+        """Bytes a copy into `peer` wrote. A lost peer: 0, and the copy counts as landed; the hand-off goes on
+        to the peer, whose next step fails with its own error (naming it and its node) while this unit serves."""
+        try:
+            return await ack
+        except ray.exceptions.RayError as e:
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+            if getattr(cause, "actor_id", None) != peer_actor._actor_id.hex():     # NOTE: this actor died under it
+                raise UnitLost(self.lose(actor, cause)) from None
+            peer.lose(peer_actor, cause)
+            return 0
+
+    def lose(self, actor, error: BaseException) -> str:
+        """Mark this unit lost by `error` on `actor` (ignored when Ray has given it a fresh actor since)."""
+        if actor is self.actor and self.lost is None:
             self.lost = f"the {self.spec.name} unit's Ray actor on {self.node} is lost: {_first_line(error)}"
             logger.error("%s", self.lost)
-        return UnitLost(self.lost)
+        return self.lost or f"the {self.spec.name} unit's earlier Ray actor is lost: {_first_line(error)}"
 
     async def wait(self, handle: TransferHandle) -> None:
         """Copies have landed before a step's outcome is given; nothing to wait for."""
