@@ -180,6 +180,32 @@ async def collect_events(stream) -> list:
     return [event async for event in stream]
 
 
+def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_one(cluster, engine):
+    nodes, _ = cluster
+    victim = engine.units.decode
+    lost_node = next(n for n in nodes.worker_nodes if n.node_id == victim.where["node_id"])
+
+    async def scenario():
+        await engine.start()
+        try:
+            streams = [engine.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            nodes.remove_node(lost_node, allow_graceful=False)             # its raylet and workers die
+            ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 120)
+            new_node = nodes.add_node(**NODE, resources={"pdserve_decode": 1})
+            await until(lambda: engine.healthy(), 180)
+            after, _ = await asyncio.wait_for(collect(engine.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return [events[-1] for events in ends], new_node.node_id, after
+        finally:
+            await engine.stop()
+
+    lasts, new_node, after = asyncio.run(scenario())
+    assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 2
+    assert all("decode unit's Ray actor on node 127.0.0.1" in e.error for e in lasts)
+    assert victim.where["node_id"] == new_node and len(after) == LONG.max_tokens
+    assert_pools_free(engine)
+
+
 def test_the_systemd_unit_joins_the_local_ray_node():
     unit = render_unit(["--distributed-executor-backend", "ray"], user="ray", ray=True).splitlines()
     for line in ("After=ray.service", "Wants=ray.service", "PrivateTmp=no", "ReadWritePaths=/tmp/ray",

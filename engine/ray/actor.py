@@ -18,6 +18,7 @@ from pdserve.engine.worker.processes import wire
 from pdserve.engine.worker.processes.worker_process import WorkerSpec, build_step_runner
 
 KV_GROUP = "kv"
+LEASE_GROUP = "lease"                # answers pings while a step runs: the unit's liveness lease
 
 
 class UnitActor:
@@ -32,6 +33,10 @@ class UnitActor:
         context = ray.get_runtime_context()
         return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "threads": torch.get_num_threads()}
+
+    @ray.method(concurrency_group=LEASE_GROUP)
+    def ping(self) -> int:
+        return os.getpid()
 
     def step(self, frame: bytes) -> bytes:
         try:
@@ -63,4 +68,4 @@ class UnitActor:
 
 def remote_unit_actor(**options) -> type:
     """`UnitActor` as a Ray actor class with `options` (resources, name, restarts)."""
-    return ray.remote(concurrency_groups={KV_GROUP: 1}, **options)(UnitActor)
+    return ray.remote(concurrency_groups={KV_GROUP: 1, LEASE_GROUP: 1}, **options)(UnitActor)

@@ -7,8 +7,11 @@ chains the calls (`read_blocks` on the prefill actor after its step, its result 
 `write_blocks` on the decode actor), so the bytes move node to node through Ray's object store and never
 through this process. A step's outcome is given once its copies have landed, as a worker process does.
 
-A Ray error on any call (the actor or its node died, or its node is unreachable) loses the unit: the step
-fails with an error naming the unit and node, and `recover` asks Ray for a fresh actor.
+A Ray error on any call (the actor or its node died) loses the unit: the step fails with an error naming
+the unit and node, and `recover` asks Ray for a fresh actor. A step that has not answered within LEASE_S
+renews the unit's lease with a ping (answered by a thread of the actor that steps do not hold); no answer
+to the ping within LEASE_S (a node gone silent, before Ray's health checks notice) loses the unit too, so
+nothing waits on a lost peer longer than twice the lease: not a step, not the decode blocks reserved for it.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from pdserve.engine.ray.actor import remote_unit_actor
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
+LEASE_S = 10.0                 # a unit must answer within this, or answer a ping within it
+SPAWN_ATTEMPTS = 10            # a fresh actor placed on a node Ray has not yet seen die fails at once: again
+SPAWN_RETRY_S = 3.0
 
 
 class UnitLost(WorkerDied):
@@ -103,23 +109,25 @@ class RayCompute:
         return peer_actor, peer_actor.write_blocks.remote(list(copy.dst_blocks), blocks)
 
     async def _answer(self, actor, ref):
-        """`ref`'s value; a Ray error loses this unit (if `actor` is still its actor)."""
+        """`ref`'s value; a Ray error, or no answer to a ping within the lease, loses this unit."""
         try:
-            return await ref
-        except ray.exceptions.RayError as e:
+            return await _leased(actor, ref)
+        except (ray.exceptions.RayError, LeaseExpired) as e:
             raise UnitLost(self.lose(actor, e)) from None
 
     async def _copied(self, actor, peer: RayCompute, peer_actor, ack) -> int:
         """Bytes a copy into `peer` wrote. A lost peer: 0, and the copy counts as landed; the hand-off goes on
         to the peer, whose next step fails with its own error (naming it and its node) while this unit serves."""
         try:
-            return await ack
+            return await _leased(peer_actor, ack)
+        except LeaseExpired as e:
+            peer.lose(peer_actor, e)
         except ray.exceptions.RayError as e:
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
             if getattr(cause, "actor_id", None) != peer_actor._actor_id.hex():     # NOTE: this actor died under it
                 raise UnitLost(self.lose(actor, cause)) from None
             peer.lose(peer_actor, cause)
-            return 0
+        return 0
 
     def lose(self, actor, error: BaseException) -> str:
         """Mark this unit lost by `error` on `actor` (ignored when Ray has given it a fresh actor since)."""
@@ -132,12 +140,22 @@ class RayCompute:
         """Copies have landed before a step's outcome is given; nothing to wait for."""
 
     async def recover(self, force: bool) -> None:
-        """A lost actor, or (`force`) one stuck in a step, is killed and Ray starts a fresh one."""
+        """A lost actor, or (`force`) one stuck in a step, is killed and Ray starts a fresh one (on another node
+        where its node is gone: until Ray marks that node dead, a fresh actor placed there dies, and is asked again)."""
         if self.lost is None and not force:
             return
-        self.kill()
-        self.spawn()
-        await asyncio.to_thread(self.wait_ready)
+        for attempt in range(SPAWN_ATTEMPTS):
+            self.kill()
+            self.spawn()
+            try:
+                await asyncio.to_thread(self.wait_ready)
+                return
+            except RuntimeError:
+                if attempt == SPAWN_ATTEMPTS - 1:
+                    raise
+                logger.warning("the %s unit's fresh Ray actor died while starting; asking again in %g s",
+                               self.spec.name, SPAWN_RETRY_S)
+                await asyncio.sleep(SPAWN_RETRY_S)
 
     def kill(self) -> None:
         try:
@@ -150,6 +168,27 @@ class RayCompute:
 
     async def rows_in_use(self) -> int:
         return await self.actor.rows_in_use.remote()
+
+
+class LeaseExpired(TimeoutError):
+    pass
+
+
+async def _leased(actor, ref):
+    """`ref`'s value, waited for as long as `actor` answers a ping within LEASE_S whenever LEASE_S passes without
+    the value. Raises Ray's error for `ref`, or LeaseExpired."""
+    answer = asyncio.wrap_future(ref.future())
+    try:
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=LEASE_S)
+            if done:
+                return answer.result()
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(actor.ping.remote().future()), LEASE_S)
+            except asyncio.TimeoutError:
+                raise LeaseExpired(f"no answer to a ping within the {LEASE_S:g} s lease") from None
+    finally:
+        answer.cancel()
 
 
 def _first_line(error: BaseException) -> str:
