@@ -5,6 +5,7 @@ streams with an error naming the unit and its node, Ray starts it again, and the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -21,6 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from pdserve.engine.core.messages import FinishReason, Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray import compute as ray_compute  # noqa: E402
 from pdserve.engine.ray.compute import RayCompute  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
@@ -51,10 +53,13 @@ def cluster():
         nodes.shutdown()
 
 
+ENGINE_CONFIG = engine_config(demo_checkpoint(), mode="disaggregated", distributed_executor_backend="ray",
+                              prefill_threads=1, decode_threads=1, max_prefill_tokens=32)
+
+
 @pytest.fixture(scope="module")
 def engine(cluster):
-    built = Engine(engine_config(demo_checkpoint(), mode="disaggregated", distributed_executor_backend="ray",
-                                 prefill_threads=1, decode_threads=1, max_prefill_tokens=32))
+    built = Engine(ENGINE_CONFIG)
     yield built
     built.close()
 
@@ -178,6 +183,36 @@ def test_an_idle_decode_actor_killed_fails_the_next_hand_off_with_its_name_and_n
 
 async def collect_events(stream) -> list:
     return [event async for event in stream]
+
+
+def test_a_silent_decode_actor_loses_its_lease_and_is_started_again(cluster, monkeypatch):
+    monkeypatch.setattr(ray_compute, "LEASE_S", 2.0)             # NOTE: 10 s in service
+    silent = Engine(ENGINE_CONFIG)
+    frozen = silent.units.decode.where["pid"]
+
+    async def scenario():
+        await silent.start()
+        try:
+            streams = [silent.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            os.kill(frozen, signal.SIGSTOP)                         # alive to Ray, answering nothing
+            ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
+            await until(lambda: silent.healthy(), 120)
+            after, _ = await asyncio.wait_for(collect(silent.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return [events[-1] for events in ends], after
+        finally:
+            await silent.stop()
+
+    try:
+        lasts, after = asyncio.run(scenario())
+    finally:
+        silent.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGKILL)
+    assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 2
+    assert all("decode unit's Ray actor on node 127.0.0.1" in e.error and "within the 2 s lease" in e.error
+               for e in lasts)
+    assert len(after) == LONG.max_tokens and silent.units.decode.where["pid"] != frozen
 
 
 def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_one(cluster, engine):

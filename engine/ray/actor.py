@@ -61,10 +61,6 @@ class UnitActor:
                 torch.from_numpy(data.copy()).to(self.pool.device).view(self.pool.dtype)
         return data.nbytes
 
-    def rows_in_use(self) -> int:
-        """Rows the runner holds state for (an abort frees its row with the next step)."""
-        return sum(tokens is not None for tokens in self.step_runner.runner.rows.tokens)
-
 
 def remote_unit_actor(**options) -> type:
     """`UnitActor` as a Ray actor class with `options` (resources, name, restarts)."""

@@ -166,9 +166,6 @@ class RayCompute:
     def close(self) -> None:
         self.kill()
 
-    async def rows_in_use(self) -> int:
-        return await self.actor.rows_in_use.remote()
-
 
 class LeaseExpired(TimeoutError):
     pass
