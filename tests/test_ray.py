@@ -4,6 +4,7 @@ API; an abort while blocks are copied frees them on both nodes; a decode actor k
 streams with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -19,6 +20,7 @@ from aiohttp.test_utils import TestServer  # noqa: E402
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from pdserve.engine.args import add_engine_args, engine_config_from_args  # noqa: E402
 from pdserve.engine.core.messages import FinishReason, Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
@@ -70,6 +72,18 @@ def test_units_ask_for_their_role_nodes_and_their_threads_or_a_gpu():
     assert actor_options("decode", "cpu", 3, cluster)["num_cpus"] == 3
     assert "resources" not in actor_options("prefill", "cpu", 1, cluster)        # no prefill nodes: anywhere
     assert actor_options("prefill", "cuda", 8, cluster)["num_gpus"] == 1
+
+
+def test_the_options_are_checked_together():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--distributed-executor-backend", "ray",
+                                                        "--ray-address", "10.0.0.1:6379"]))
+    assert (config.distributed_executor_backend, config.ray_address) == ("ray", "10.0.0.1:6379")
+    with pytest.raises(ValueError, match="--ray-address needs --distributed-executor-backend ray"):
+        engine_config_from_args(parser.parse_args(["--ray-address", "10.0.0.1:6379"]))
+    with pytest.raises(ValueError, match="drop --workers"):
+        engine_config_from_args(parser.parse_args(["--distributed-executor-backend", "ray", "--workers", "process"]))
 
 
 def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_http(
