@@ -9,7 +9,8 @@ head advertises `pdserve_prefill`, the other node `pdserve_decode`); with it, it
 the driver (its nodes must advertise the two resources). For each backend, the same 1P1D disaggregated
 engine (--threads threads per unit) serves --requests seeded random prompts at once; every step's round
 trip is timed at the unit (submit to outcome) minus the compute the worker measured, so the overhead of
-the boundary is what is left. Then the prefill actor's pool blocks are sent to the decode actor (the
+the boundary is what is left (a Ray prefill step's includes its KV copies to the other node, which a
+worker process makes inside its step; the decode column is the bare round trip in both). Then the prefill actor's pool blocks are sent to the decode actor (the
 path a hand-off takes) in runs of 16 blocks, and bytes/s reported. Writes DIR/ray_bench.json.
 """
 from __future__ import annotations
@@ -164,8 +165,8 @@ def main() -> None:
     results = run(args)
     process, ray_ = results["process"], results["ray"]
     print(machine_description())
-    print("| backend | output tok/s | TTFT ms (median) | ITL ms (median / p99) | prefill step overhead us | "
-          "decode step overhead us |")
+    print("| backend | output tok/s | TTFT ms (median) | ITL ms (median / p99) | prefill step overhead us "
+          "(ray: with its KV copies) | decode step overhead us |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in (("process (one node)", process), ("ray (two nodes)", ray_)):
         s, t = r["serving"], r["step_round_trip"]

@@ -115,7 +115,7 @@ def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_
 
 
 def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
-    long_prompt = prompts([300], seed=5)[0]                       # 10 chunks of 32, each copied to the decode node
+    long_prompt = prompts([1000], seed=5)[0]                     # 32 chunks of 32, each copied to the decode node
 
     async def scenario():
         await engine.start()
