@@ -74,6 +74,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="where each actor's model runner steps: a thread of the server process (default), or "
                         "its own spawned worker process (CPU; the decode pool in shared memory, written "
                         "directly by the prefill worker)")
+    g.add_argument("--distributed-executor-backend", choices=("ray",), default=None,
+                   help="ray: each prefill and decode unit runs as a Ray actor on a node of a Ray cluster (GPU "
+                        "units ask for one GPU, CPU units for their threads; a role goes to nodes with the custom "
+                        "resource pdserve_prefill / pdserve_decode where any has it); the HTTP front end and the "
+                        "coordinator stay here. Needs pip install 'pdserve[ray]' (default: off, see --workers)")
+    g.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor-backend ray: the cluster to join, as `ray start --address` "
+                        "takes it (host:port) (default: Ray's own resolution: $RAY_ADDRESS, else the cluster "
+                        "started on this machine)")
     g.add_argument("--on-worker-failure", choices=("restart", "exit"), default="restart",
                    help="when an actor fails or a step runs past --step-timeout, every unfinished request "
                         "ends with an error, then: restart fresh actors (default; at most 3 times a minute), "
@@ -104,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         _positive(args, "max_local_prefill_length")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 disables it)")
+    _check_distributed(args)
     if not 0.0 < args.kv_watermark <= 1.0:
         raise ValueError("--kv-watermark must be in (0, 1]")
     return EngineConfig(
@@ -114,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, cpu_kernels=args.cpu_kernels, workers=args.workers,
         on_worker_failure=args.on_worker_failure,
         step_timeout=args.step_timeout,
+        distributed_executor_backend=args.distributed_executor_backend, ray_address=args.ray_address,
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
@@ -122,6 +133,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   itl_target_ms=args.itl_target_ms,
                                   max_local_prefill_length=args.max_local_prefill_length),
     )
+
+
+def _check_distributed(args: argparse.Namespace) -> None:
+    if args.ray_address is not None and args.distributed_executor_backend != "ray":
+        raise ValueError("--ray-address needs --distributed-executor-backend ray")
+    if args.distributed_executor_backend == "ray" and args.workers != "thread":
+        raise ValueError("--distributed-executor-backend ray runs every unit as a Ray actor; drop --workers")
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

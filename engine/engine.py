@@ -98,7 +98,7 @@ class Engine:
         self.plan = make_plan(config, self.model_config)
         if any(device.type == "cpu" for device in self.plan.devices):
             keep_freed_memory_in_process()
-        load = load_process_units if config.workers == "process" else load_units
+        load = _unit_loader(config)
         self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
         self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
         self.coordinator = self._wire()
@@ -180,8 +180,8 @@ class Engine:
             await actor.abandon()
 
     def can_recover_stuck(self) -> bool:
-        """A unit stuck in a step can be killed and spawned again only when it is a process."""
-        return all(unit.kind == "process" for unit in self.units.all())
+        """A unit stuck in a step can be killed and spawned again only when it is a process or a Ray actor."""
+        return all(unit.kind in ("process", "ray") for unit in self.units.all())
 
     async def restart_actors(self, recover_stuck: bool) -> None:
         """Fresh actors over the same units (a worker process that died or hangs is spawned again)."""
@@ -371,6 +371,14 @@ class Engine:
             drained += actor.transfer_seconds
             actor.transfer_seconds.clear()
         return drained
+
+
+def _unit_loader(config: EngineConfig):
+    """Where the units run: threads of this process, worker processes, or Ray actors (ray is an extra)."""
+    if config.distributed_executor_backend == "ray":
+        from pdserve.engine.ray.units import load_ray_units       # NOTE: imported only when asked for
+        return load_ray_units
+    return load_process_units if config.workers == "process" else load_units
 
 
 def on_single_threaded_loader(fn, *args):

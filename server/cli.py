@@ -103,8 +103,13 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
     if "--api-key" in args.passthrough:
         print("note: the API key is written into the unit; prefer PDSERVE_API_KEY in /etc/pdserve/env",
               file=sys.stderr)
+    ray = serve_args.distributed_executor_backend == "ray"
+    if ray and args.unit_user is None:
+        print("note: the Ray node's session belongs to the user that ran `ray start`; pass --unit-user NAME",
+              file=sys.stderr)
     sys.stdout.write(render_unit(args.passthrough, user=args.unit_user, description=args.unit_description,
-                                 shutdown_timeout=serve_args.shutdown_timeout, watchdog_sec=args.watchdog_sec))
+                                 shutdown_timeout=serve_args.shutdown_timeout, watchdog_sec=args.watchdog_sec,
+                                 ray=ray))
     return 0
 
 

@@ -16,6 +16,14 @@ logger = logging.getLogger(__name__)
 
 UNIT_TEMPLATE = Path(__file__).with_name("pdserve.service.in")
 CACHE_DIR = "/var/cache/pdserve"
+RAY_TMP_DIR = "/tmp/ray"         # the local Ray node's session (sockets, logs) that a driver joins
+# `ray start` on this host, which the serve process joins as the Ray driver (--distributed-executor-backend ray)
+RAY_UNIT = """After=ray.service
+Wants=ray.service
+# ray.service runs this host's Ray node as the same User=, e.g.:
+#   ExecStart=<ray> start --head --block --port 6379 --node-ip-address <private address> --include-dashboard false
+# (or --address <head>:6379 on the other nodes) with RAY_AUTH_MODE=token in its environment.
+"""
 
 
 def sd_notify(message: str, env: Mapping[str, str] = os.environ) -> bool:
@@ -63,8 +71,11 @@ async def watchdog(interval: float, env: Mapping[str, str] = os.environ, alive=l
 
 
 def render_unit(serve_args: Sequence[str], *, user: str | None = None, description: str | None = None,
-                shutdown_timeout: float = 30.0, watchdog_sec: int = 30) -> str:
-    """A systemd unit running `python -m pdserve.server.cli serve <serve_args>` with this interpreter."""
+                shutdown_timeout: float = 30.0, watchdog_sec: int = 30, ray: bool = False) -> str:
+    """A systemd unit running `python -m pdserve.server.cli serve <serve_args>` with this interpreter.
+
+    `ray`: the server is the driver of this host's Ray node (ray.service): it starts after it and sees
+    its session under /tmp/ray (no private /tmp)."""
     command = [sys.executable, "-m", "pdserve.server.cli", "serve", *serve_args]
     package_root = Path(__file__).resolve().parent.parent
     return Template(UNIT_TEMPLATE.read_text()).substitute(
@@ -76,6 +87,9 @@ def render_unit(serve_args: Sequence[str], *, user: str | None = None, descripti
         extra_env=_path_env(package_root),
         stop_timeout=int(shutdown_timeout) + 15,
         watchdog_sec=watchdog_sec,
+        ray_unit=RAY_UNIT if ray else "",
+        ray_service=f"ReadWritePaths={RAY_TMP_DIR}\nEnvironment=RAY_AUTH_MODE=token\n" if ray else "",
+        private_tmp="no" if ray else "yes",
     )
 
 

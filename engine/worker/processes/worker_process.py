@@ -93,6 +93,11 @@ def _serve(conn, step_runner: StepRunner, fault: Fault | None) -> None:
             return
 
 
+def build_step_runner(spec: WorkerSpec) -> StepRunner:
+    """The runner a worker builds, over a pool of its own and with no peers (a Ray actor's unit)."""
+    return _build(spec, None, ())
+
+
 def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)

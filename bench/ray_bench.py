@@ -1,0 +1,185 @@
+"""`--distributed-executor-backend ray` against `--workers process`: step round trip, KV bytes/s between
+two nodes, and one serving run of each with the same units.
+
+    python -m pdserve.bench.ray_bench [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
+                                      [--requests 16] [--prompt-tokens 256] [--max-tokens 64] [--out DIR]
+
+Without --ray-address it starts a two-node Ray cluster on this machine, every address 127.0.0.1 (the
+head advertises `pdserve_prefill`, the other node `pdserve_decode`); with it, it joins that cluster as
+the driver (its nodes must advertise the two resources). For each backend, the same 1P1D disaggregated
+engine (--threads threads per unit) serves --requests seeded random prompts at once; every step's round
+trip is timed at the unit (submit to outcome) minus the compute the worker measured, so the overhead of
+the boundary is what is left (a Ray prefill step's includes its KV copies to the other node, which a
+worker process makes inside its step; the decode column is the bare round trip in both). Then the prefill actor's pool blocks are sent to the decode actor (the
+path a hand-off takes) in runs of 16 blocks, and bytes/s reported. Writes DIR/ray_bench.json.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # NOTE: before ray is imported: loopback nodes
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import orjson  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from pdserve.bench.documents import machine_description  # noqa: E402
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.core.messages import Request  # noqa: E402
+from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+
+NODE = dict(num_cpus=4, object_store_memory=200 * 2**20)
+RUN_BLOCKS = 16
+
+
+def start_cluster(threads: int):
+    from ray.cluster_utils import Cluster
+
+    node = NODE | dict(num_cpus=max(NODE["num_cpus"], threads + 1))
+    cluster = Cluster(initialize_head=True, head_node_args=node | dict(include_dashboard=False,
+                                                                       resources={"pdserve_prefill": 1}))
+    cluster.add_node(**node, resources={"pdserve_decode": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def engine_config(args, backend: str) -> EngineConfig:
+    ray_backend = backend == "ray"
+    return EngineConfig(model=args.model, dtype=args.dtype, mode="disaggregated",
+                        prefill_threads=args.threads, decode_threads=args.threads,
+                        workers="thread" if ray_backend else "process",
+                        distributed_executor_backend="ray" if ray_backend else None,
+                        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
+                        scheduler=SchedulerConfig(max_model_len=args.prompt_tokens + args.max_tokens + 16,
+                                                  max_num_seqs=max(args.requests, 1)))
+
+
+def time_steps(engine: Engine) -> dict[str, list[float]]:
+    """Each unit's per-step overhead in seconds (submit to outcome, less the worker's own compute)."""
+    overheads: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for role, unit in (("prefill", engine.units.prefill), ("decode", engine.units.decode)):
+        submit = unit.submit
+
+        def timed(work, submit=submit, out=overheads[role]):
+            started = time.perf_counter()
+            future = submit(work)
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() or
+                                     out.append(time.perf_counter() - started - f.result().seconds))
+            return future
+
+        unit.submit = timed
+    return overheads
+
+
+async def serve(engine: Engine, args) -> dict:
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    await engine.start()
+    try:
+        async def one(i: int) -> tuple[float, list[float]]:
+            prompt = tuple(torch.randint(3, vocab, (args.prompt_tokens,), generator=generator).tolist())
+            started, stamps = time.perf_counter(), []
+            async for event in engine.submit(Request(f"b{i}", prompt, params)):
+                stamps.extend([time.perf_counter()] * len(event.token_ids))
+            return stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])]
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(args.requests)))
+        wall = time.perf_counter() - started
+    finally:
+        await engine.stop()
+    ttfts, itls = [r[0] for r in results], [x for r in results for x in r[1]]
+    return {"wall_s": wall, "output_tok_s": args.requests * args.max_tokens / wall,
+            "ttft_ms_median": 1e3 * statistics.median(ttfts), "itl_ms_median": 1e3 * statistics.median(itls),
+            "itl_ms_p99": 1e3 * quantile(itls, 0.99)}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def kv_bytes_per_second(engine: Engine, iters: int) -> dict:
+    """Runs of RUN_BLOCKS blocks from the prefill actor's pool into the decode actor's, as a hand-off goes."""
+    prefill, decode = engine.units.prefill, engine.units.decode
+    n = min(prefill.num_blocks, decode.num_blocks, RUN_BLOCKS)
+    src, dst = list(range(n)), list(range(n))
+    ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))      # warm
+    seconds, nbytes = [], 0
+    for _ in range(iters):
+        started = time.perf_counter()
+        nbytes = ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))
+        seconds.append(time.perf_counter() - started)
+    same_node = prefill.where["node_id"] == decode.where["node_id"]
+    return {"blocks_per_run": n, "bytes_per_run": nbytes, "run_ms_median": 1e3 * statistics.median(seconds),
+            "bytes_per_s": nbytes / statistics.median(seconds), "same_node": same_node}
+
+
+def summary(overheads: dict[str, list[float]]) -> dict:
+    return {role: {"steps": len(v), "overhead_us_median": 1e6 * statistics.median(v) if v else None,
+                   "overhead_us_p90": 1e6 * quantile(v, 0.9) if v else None} for role, v in overheads.items()}
+
+
+def run(args) -> dict:
+    cluster = None if args.ray_address else start_cluster(args.threads)
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    try:
+        results = {}
+        for backend in ("process", "ray"):
+            engine = Engine(engine_config(args, backend))
+            overheads = time_steps(engine)
+            results[backend] = {"serving": asyncio.run(serve(engine, args)), "step_round_trip": summary(overheads)}
+            if backend == "ray":
+                results["ray"]["kv"] = kv_bytes_per_second(engine, args.kv_iters)
+            engine.close()
+        return results
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo:tiny")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--ray-address", default=None, help="join this cluster instead of starting one on 127.0.0.1")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each unit")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--kv-iters", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    results = run(args)
+    process, ray_ = results["process"], results["ray"]
+    print(machine_description())
+    print("| backend | output tok/s | TTFT ms (median) | ITL ms (median / p99) | prefill step overhead us "
+          "(ray: with its KV copies) | decode step overhead us |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in (("process (one node)", process), ("ray (two nodes)", ray_)):
+        s, t = r["serving"], r["step_round_trip"]
+        print(f"| {name} | {s['output_tok_s']:.1f} | {s['ttft_ms_median']:.1f} | {s['itl_ms_median']:.2f} / "
+              f"{s['itl_ms_p99']:.2f} | {t['prefill']['overhead_us_median']:.0f} | "
+              f"{t['decode']['overhead_us_median']:.0f} |")
+    kv = ray_["kv"]
+    print(f"KV between the nodes: {kv['bytes_per_s'] / 1e6:.1f} MB/s ({kv['blocks_per_run']} blocks, "
+          f"{kv['bytes_per_run']} bytes per run, {kv['run_ms_median']:.2f} ms; same node: {kv['same_node']})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ray_bench.json").write_bytes(orjson.dumps({"machine": machine_description(), "args": {
+        k: str(v) for k, v in vars(args).items()}, "results": results}, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()

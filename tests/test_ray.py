@@ -1,0 +1,263 @@
+"""`--distributed-executor-backend ray` on a two-node Ray cluster on this machine, every address 127.0.0.1:
+prefill units on one node and decode units on the other give transformers' greedy tokens through the HTTP
+API; an abort while blocks are copied frees them on both nodes; a decode actor killed mid-stream ends its
+streams with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"     # NOTE: read once, when ray is imported: nodes take 127.0.0.1
+
+import openai  # noqa: E402
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from aiohttp.test_utils import TestServer  # noqa: E402
+from ray._private import ray_constants  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pdserve.engine.args import add_engine_args, engine_config_from_args  # noqa: E402
+from pdserve.engine.core.messages import FinishReason, Request  # noqa: E402
+from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray import compute as ray_compute  # noqa: E402
+from pdserve.engine.ray.compute import RayCompute  # noqa: E402
+from pdserve.engine.ray.units import actor_options  # noqa: E402
+from pdserve.server.app import create_app  # noqa: E402
+from pdserve.server.config import ServerConfig  # noqa: E402
+from pdserve.server.systemd import render_unit  # noqa: E402
+from tests.models import demo_checkpoint, engine_config  # noqa: E402
+from tests.test_engine_modes import assert_pools_free, collect, prompts, transformers_model  # noqa: F401, E402
+from tests.test_supervisor import until  # noqa: E402
+
+LOOPBACK = "127.0.0.1"
+NODE = dict(num_cpus=2, object_store_memory=100 * 2**20)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes on loopback: the head advertises pdserve_prefill, the other pdserve_decode."""
+    assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before this module: it would use this host's IP"
+    nodes = Cluster(initialize_head=True, head_node_args=NODE | dict(include_dashboard=False,
+                                                                     resources={"pdserve_prefill": 1}))
+    decode_node = nodes.add_node(**NODE, resources={"pdserve_decode": 1})
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        assert {node["NodeManagerAddress"] for node in ray.nodes()} == {LOOPBACK}
+        yield nodes, decode_node.node_id
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+ENGINE_CONFIG = engine_config(demo_checkpoint(), mode="disaggregated", distributed_executor_backend="ray",
+                              prefill_threads=1, decode_threads=1, max_prefill_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def engine(cluster):
+    built = Engine(ENGINE_CONFIG)
+    yield built
+    built.close()
+
+
+def test_units_ask_for_their_role_nodes_and_their_threads_or_a_gpu():
+    cluster = {"CPU": 4.0, "pdserve_decode": 1.0}
+    assert actor_options("decode", "cpu", 3, cluster)["resources"] == {"pdserve_decode": 0.001}
+    assert actor_options("decode", "cpu", 3, cluster)["num_cpus"] == 3
+    assert "resources" not in actor_options("prefill", "cpu", 1, cluster)        # no prefill nodes: anywhere
+    assert actor_options("prefill", "cuda", 8, cluster)["num_gpus"] == 1
+
+
+def test_the_options_are_checked_together():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--distributed-executor-backend", "ray",
+                                                        "--ray-address", "10.0.0.1:6379"]))
+    assert (config.distributed_executor_backend, config.ray_address) == ("ray", "10.0.0.1:6379")
+    with pytest.raises(ValueError, match="--ray-address needs --distributed-executor-backend ray"):
+        engine_config_from_args(parser.parse_args(["--ray-address", "10.0.0.1:6379"]))
+    with pytest.raises(ValueError, match="drop --workers"):
+        engine_config_from_args(parser.parse_args(["--distributed-executor-backend", "ray", "--workers", "process"]))
+
+
+def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_http(
+        cluster, engine, transformers_model):  # noqa: F811
+    _, decode_node = cluster
+    prefill_unit, decode_unit = engine.units.prefill, engine.units.decode
+    assert isinstance(prefill_unit, RayCompute) and isinstance(decode_unit, RayCompute)
+    assert decode_unit.where["node_id"] == decode_node != prefill_unit.where["node_id"]
+    assert {prefill_unit.where["ip"], decode_unit.where["ip"]} == {LOOPBACK}
+    batch = prompts([5, 90, 37, 140], seed=3)
+
+    async def scenario():
+        server = TestServer(create_app(ServerConfig(engine=engine.config), engine), host=LOOPBACK)
+        await server.start_server()
+        try:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+            replies = await asyncio.gather(*(client.completions.create(
+                model=engine.model_name, prompt=list(p), max_tokens=12, temperature=0, logprobs=0) for p in batch))
+            return [r.choices[0].logprobs.tokens for r in replies]
+        finally:
+            await server.close()
+
+    texts = asyncio.run(scenario())
+    for prompt, tokens in zip(batch, texts):
+        expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                               min_new_tokens=12)[0, len(prompt):].tolist()
+        assert tokens == [engine.tokenizer.decode([t]) for t in expected]
+    assert_pools_free(engine)
+
+
+def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
+    long_prompt = prompts([1000], seed=5)[0]                     # 32 chunks of 32, each copied to the decode node
+
+    async def scenario():
+        await engine.start()
+        try:
+            stream = engine.submit(Request("cut", long_prompt, LONG))
+            prefill = engine.coordinator.prefill[0]
+            await until(lambda: "cut" in prefill.outgoing and prefill.outgoing["cut"].transfers, 60)
+            assert not prefill.outgoing["cut"].seq.done               # mid-prefill: its copies are in flight
+            assert engine.coordinator.decode[0].blocks.num_used > 0   # the decode node's reservation
+            await stream.aclose()
+            await until(lambda: all(a.blocks.num_used == 0 for a in engine.actors), 60)
+            after, _ = await collect(engine.submit(Request("after", prompts([10], seed=2)[0], LONG)))
+            assert len(after) == LONG.max_tokens
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())
+    assert_pools_free(engine)
+
+
+def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(cluster, engine):
+    _, decode_node = cluster
+    victim = engine.units.decode
+    first_pid = victim.where["pid"]
+    reference = prompts([10], seed=2)[0]
+
+    async def scenario():
+        await engine.start()
+        try:
+            before, _ = await collect(engine.submit(Request("before", reference, LONG)))
+            streams = [engine.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            firsts = await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            assert all(event.finish_reason is None for event in firsts)        # decoding on the decode node
+            os.kill(first_pid, signal.SIGKILL)
+            events = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
+            ends = [([t for e in evs for t in e.token_ids], evs[-1].finish_reason) for evs in events]
+            await until(lambda: engine.healthy(), 120)
+            after, reason = await asyncio.wait_for(collect(engine.submit(Request("after", reference, LONG))), 120)
+            return ends, [evs[-1] for evs in events], before, after, reason
+        finally:
+            await engine.stop()
+
+    ends, errors, before, after, reason = asyncio.run(scenario())
+    assert [r for _, r in ends] == [FinishReason.ERROR] * 2
+    assert all(e.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
+               for e in errors)
+    assert all(len(tokens) < LONG.max_tokens for tokens, _ in ends)
+    assert engine.units.decode.lost is None                              # the fresh actor serves
+    assert victim.where["pid"] != first_pid and victim.where["node_id"] == decode_node
+    assert reason is FinishReason.LENGTH and after == before
+    assert engine.supervisor.restarts == 1
+    assert_pools_free(engine)
+
+
+def test_an_idle_decode_actor_killed_fails_the_next_hand_off_with_its_name_and_node(engine):
+    victim, prefill = engine.units.decode, engine.units.prefill
+    prefill_pid = prefill.where["pid"]
+
+    async def scenario():
+        await engine.start()
+        try:
+            os.kill(victim.where["pid"], signal.SIGKILL)                  # no step of its own notices
+            stream = engine.submit(Request("doomed", prompts([70], seed=4)[0], LONG))
+            events = await asyncio.wait_for(collect_events(stream), 60)
+            await until(lambda: engine.healthy(), 120)
+            after, _ = await asyncio.wait_for(collect(engine.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return events[-1], after
+        finally:
+            await engine.stop()
+
+    last, after = asyncio.run(scenario())
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
+    assert "is lost" in last.error
+    assert len(after) == LONG.max_tokens
+    assert prefill.where["pid"] == prefill_pid and prefill.lost is None       # the sender was not restarted
+    assert_pools_free(engine)
+
+
+async def collect_events(stream) -> list:
+    return [event async for event in stream]
+
+
+def test_a_silent_decode_actor_loses_its_lease_and_is_started_again(cluster, monkeypatch):
+    monkeypatch.setattr(ray_compute, "LEASE_S", 2.0)             # NOTE: 10 s in service
+    silent = Engine(ENGINE_CONFIG)
+    frozen = silent.units.decode.where["pid"]
+
+    async def scenario():
+        await silent.start()
+        try:
+            streams = [silent.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            os.kill(frozen, signal.SIGSTOP)                         # alive to Ray, answering nothing
+            ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
+            await until(lambda: silent.healthy(), 120)
+            after, _ = await asyncio.wait_for(collect(silent.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return [events[-1] for events in ends], after
+        finally:
+            await silent.stop()
+
+    try:
+        lasts, after = asyncio.run(scenario())
+    finally:
+        silent.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGKILL)
+    assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 2
+    assert all("decode unit's Ray actor on node 127.0.0.1" in e.error and "within the 2 s lease" in e.error
+               for e in lasts)
+    assert len(after) == LONG.max_tokens and silent.units.decode.where["pid"] != frozen
+
+
+def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_one(cluster, engine):
+    nodes, _ = cluster
+    victim = engine.units.decode
+    lost_node = next(n for n in nodes.worker_nodes if n.node_id == victim.where["node_id"])
+
+    async def scenario():
+        await engine.start()
+        try:
+            streams = [engine.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            nodes.remove_node(lost_node, allow_graceful=False)             # its raylet and workers die
+            ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 120)
+            new_node = nodes.add_node(**NODE, resources={"pdserve_decode": 1})
+            await until(lambda: engine.healthy(), 180)
+            after, _ = await asyncio.wait_for(collect(engine.submit(Request("after", prompts([9])[0], LONG))), 120)
+            return [events[-1] for events in ends], new_node.node_id, after
+        finally:
+            await engine.stop()
+
+    lasts, new_node, after = asyncio.run(scenario())
+    assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 2
+    assert all("decode unit's Ray actor on node 127.0.0.1" in e.error for e in lasts)
+    assert victim.where["node_id"] == new_node and len(after) == LONG.max_tokens
+    assert_pools_free(engine)
+
+
+def test_the_systemd_unit_joins_the_local_ray_node():
+    unit = render_unit(["--distributed-executor-backend", "ray"], user="ray", ray=True).splitlines()
+    for line in ("After=ray.service", "Wants=ray.service", "PrivateTmp=no", "ReadWritePaths=/tmp/ray",
+                 "Environment=RAY_AUTH_MODE=token", "User=ray"):
+        assert line in unit, line
+    assert "PrivateTmp=yes" in render_unit(["--model", "demo:tiny"]).splitlines()
