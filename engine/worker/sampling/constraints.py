@@ -84,7 +84,7 @@ class RowConstraints:
         self.model_dir, self.vocab_size = model_dir, vocab_size
         self.eos_token_ids = tuple(sorted(t for t in eos_token_ids if t < vocab_size))
         self.words = (vocab_size + 31) // 32
-        self._eos_only = torch.zeros(self.words, dtype=torch.int32)    # [W]: only the EOS tokens allowed
+        self._eos_only = np.zeros(self.words, dtype=np.int32)           # [W]: only the EOS tokens allowed
         for eos in self.eos_token_ids:
             self._eos_only[eos // 32] |= _bit(eos % 32)
         self.matchers: dict[int, LLMatcher] = {}
@@ -150,14 +150,16 @@ class RowConstraints:
         self.pending.clear()
 
     def _fill(self, rows: list[int], grammar_rows: list[int]) -> torch.Tensor:
-        bitmask = torch.zeros(len(grammar_rows), self.words, dtype=torch.int32)
+        """The bitmask [G, W] of the grammar rows (numpy on this helper thread: a torch op here would start a
+        second OpenMP team beside the forward's)."""
+        bitmask = np.zeros((len(grammar_rows), self.words), dtype=np.int32)
         matchers = [(self.matchers[rows[i]], g) for g, i in enumerate(grammar_rows)]
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), self.words * 4, len(grammar_rows))
-        empty = (~bitmask.any(dim=1)).tolist()
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, self.words * 4, len(grammar_rows))
+        empty = (~bitmask.any(axis=1)).tolist()
         ended = [g for g, (matcher, _) in enumerate(matchers) if empty[g] or matcher.is_error()]
         if ended:                                           # NOTE: a broken grammar ends the output
             bitmask[ended] = self._eos_only
-        return bitmask
+        return torch.from_numpy(bitmask)
 
 
 def _bit(index: int) -> int:
