@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.messages import TokenEvent, TokenLogprob
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.server.tool_calls import ToolCall, ToolCallStream, Tools, forced_calls, parse_auto
+from pdserve.server.tool_call_stream import ToolCallStream
+from pdserve.server.tool_calls import ToolCall, Tools, forced_calls, parse_auto
 
 
 @dataclass(frozen=True, slots=True)

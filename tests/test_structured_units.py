@@ -13,7 +13,8 @@ from llguidance.numpy import apply_token_bitmask_inplace
 
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.engine.worker.sampling.constraints import unpack_bitmask
-from pdserve.server.tool_calls import ToolCallStream, Tools, choose_parser, parse_auto, template_messages
+from pdserve.server.tool_call_stream import ToolCallStream
+from pdserve.server.tool_calls import Tools, choose_parser, parse_auto, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOLS = Tools((WEATHER,), "auto")
