@@ -5,13 +5,15 @@
 
 Both request kinds produce exactly `--max-tokens` tokens: unconstrained ones ignore EOS, constrained ones
 follow a schema (an array of at least 1000 objects) that cannot end sooner, so tok/s compare like for
-like. The first-token delays go through the server's grammar compiler (build + check, cached by spec) and
+like; each batch size is first run briefly with both kinds (the first steps at a new shape are much slower),
+and each run also reports the process's CPU time per token. The first-token delays go through the server's grammar compiler (build + check, cached by spec) and
 the engine (the runner compiles its matcher on first sight), each schema new by a unique property name.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -26,6 +28,7 @@ from pdserve.engine.llm import new_event_loop
 from pdserve.engine.text.grammar import grammar_tokenizer
 from pdserve.server.structured import GrammarCompiler, OutputFormat
 
+WARM_UP_TOKENS = 16
 PROMPT = "List some records of people as JSON."
 ENDLESS = {"type": "array", "minItems": 1000, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
@@ -37,17 +40,18 @@ def schema_format(schema: dict) -> OutputFormat:
     return OutputFormat("json", orjson.dumps(schema).decode(), "bench")
 
 
-async def run_batch(engine: Engine, prompt: tuple[int, ...], params: SamplingParams, batch: int) -> tuple[int, float]:
-    """(output tokens, seconds) of `batch` requests submitted together."""
+async def run_batch(engine: Engine, prompt: tuple[int, ...], params: SamplingParams,
+                    batch: int) -> tuple[int, float, float]:
+    """(output tokens, seconds, CPU seconds of this process) of `batch` requests submitted together."""
     async def one(i: int) -> int:
         tokens = 0
         async for event in engine.submit(Request(f"bench-{uuid.uuid4().hex}", prompt, params)):
             tokens += len(event.token_ids)
         return tokens
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     counts = await asyncio.gather(*(one(i) for i in range(batch)))
-    return sum(counts), time.perf_counter() - started
+    return sum(counts), time.perf_counter() - started, time.process_time() - cpu_started
 
 
 async def first_token_seconds(engine: Engine, compiler: GrammarCompiler, prompt: tuple[int, ...],
@@ -71,14 +75,14 @@ async def measure(engine: Engine, args: argparse.Namespace) -> dict:
         grammar = await compiler.grammar(schema_format(ENDLESS))
         kinds = {"unconstrained": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
                  "json_schema": SamplingParams(max_tokens=args.max_tokens, temperature=0.0, grammar=grammar)}
-        await run_batch(engine, prompt, kinds["json_schema"], 1)                      # warm up both paths
-        await run_batch(engine, prompt, kinds["unconstrained"], 1)
         rows = []
         for batch in args.batches:
+            for params in kinds.values():          # warm up: the first steps of a batch size build its kernels
+                await run_batch(engine, prompt, dataclasses.replace(params, max_tokens=WARM_UP_TOKENS), batch)
             for kind, params in kinds.items():
-                tokens, seconds = await run_batch(engine, prompt, params, batch)
+                tokens, seconds, cpu_seconds = await run_batch(engine, prompt, params, batch)
                 rows.append({"batch": batch, "kind": kind, "tokens": tokens, "seconds": seconds,
-                             "tok_per_s": tokens / seconds})
+                             "tok_per_s": tokens / seconds, "cpu_ms_per_token": cpu_seconds / tokens * 1e3})
         delays = {"new": [], "cached": []}
         for i in range(args.schemas):
             schema = {"type": "object", "required": [f"field_{uuid.uuid4().hex[:8]}"],
@@ -109,10 +113,10 @@ def main() -> None:
         engine.close()
     machine = machine_description()
     print(machine)
-    print("| batch | requests | tokens | tok/s |")
-    print("|---:|---|---:|---:|")
+    print("| batch | requests | tokens | tok/s | CPU ms / token |")
+    print("|---:|---|---:|---:|---:|")
     for r in result["rows"]:
-        print(f"| {r['batch']} | {r['kind']} | {r['tokens']} | {r['tok_per_s']:.1f} |")
+        print(f"| {r['batch']} | {r['kind']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['cpu_ms_per_token']:.2f} |")
     by = {(r["batch"], r["kind"]): r["tok_per_s"] for r in result["rows"]}
     ratios = ", ".join(f"batch {b}: {by[b, 'json_schema'] / by[b, 'unconstrained']:.3f}" for b in args.batches)
     delays = result["first_token_seconds"]

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.messages import TokenEvent, TokenLogprob
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.server.tool_calls import ToolCall, ToolCallStream, Tools, forced_calls, parse_auto
+from pdserve.server.tool_call_stream import ToolCallStream
+from pdserve.server.tool_calls import ToolCall, Tools, forced_calls, parse_auto
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +100,9 @@ class ChatFormat:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
-        text, calls, first = delta.text, [], 0
+        text, calls = delta.text, []
         if self.tools is not None:
             stream = self._streams.setdefault(index, ToolCallStream(self.tools, self.parser))
-            first = stream.sent
             text, calls = stream.feed(delta.text)
             if finish_reason is not None:
                 rest, more = stream.finish()
@@ -110,7 +110,7 @@ class ChatFormat:
                 finish_reason = "tool_calls" if stream.sent and finish_reason == "stop" else finish_reason
         message = {"content": text} if text or finish_reason is None else {}
         if calls:
-            message["tool_calls"] = [call.body(first + i) for i, call in enumerate(calls)]
+            message["tool_calls"] = calls
         return self._chunk(index, message, self.logprobs(delta.logprobs) if with_logprobs else None,
                            finish_reason)
 

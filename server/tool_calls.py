@@ -194,14 +194,14 @@ def parse_auto(text: str, parser: str, names: frozenset[str]) -> tuple[str, list
         if start < 0:
             return text, []
         calls = [c for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[start:], re.S)
-                 if (c := _call(body, names, "arguments")) is not None]
+                 if (c := read_call(body, names, "arguments")) is not None]
         return (text[:start].strip(), calls) if calls else (text, [])
     body = text.strip().removeprefix(PYTHON_TAG)
-    calls = [_call(part, names, "parameters") for part in _json_objects(body)]
+    calls = [read_call(part, names, "parameters") for part in _json_objects(body)]
     return ("", calls) if calls and all(c is not None for c in calls) else (text, [])
 
 
-def _call(body: str, names: frozenset[str], arguments_key: str) -> ToolCall | None:
+def read_call(body: str, names: frozenset[str], arguments_key: str) -> ToolCall | None:
     try:
         data = json.loads(body)
     except json.JSONDecodeError:
@@ -227,80 +227,3 @@ def _json_objects(text: str) -> list[str]:
         parts.append(text[at:end])
         at = end
     return parts
-
-
-class ToolCallStream:
-    """What one streamed choice shows while its tool calls are being written. A forced choice sends each
-    call as soon as its JSON closes, `auto` with hermes as soon as its `</tool_call>` comes; content is
-    shown until a call may have started; `finish` parses the whole text and sends the calls not sent yet
-    (llama3_json's all). Calls come numbered in order (`sent` so far)."""
-
-    def __init__(self, tools: Tools, parser: str) -> None:
-        self.tools, self.parser = tools, parser
-        self.text, self.shown = "", 0
-        self.scanned = 0                 # end of the last call read (forced: 0 before the array)
-        self.sent = 0
-
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """(content to show now, calls complete now)."""
-        self.text += delta
-        if self.tools.forced:
-            return "", self._count(self._closed_calls())
-        safe = self._safe_length()
-        shown, self.shown = self.text[self.shown:safe], max(self.shown, safe)
-        return shown, self._count(self._closed_hermes_calls()) if self.parser == "hermes" else []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content not shown yet, the calls not sent yet)."""
-        if self.tools.forced:
-            calls = self._count(self._closed_calls())
-            return ("", calls) if self.sent else (self.text, [])
-        content, calls = parse_auto(self.text, self.parser, self.tools.names)
-        if not calls:
-            return self.text[self.shown:], []
-        return content[self.shown:] if len(content) > self.shown else "", self._count(calls[self.sent:])
-
-    def _count(self, calls: list[ToolCall]) -> list[ToolCall]:
-        self.sent += len(calls)
-        return calls
-
-    def _closed_hermes_calls(self) -> list[ToolCall]:
-        """Calls of offered tools in `<tool_call>` blocks closed since the last look."""
-        calls = []
-        while (start := self.text.find(HERMES_START, self.scanned)) >= 0:
-            end = self.text.find(HERMES_END, start)
-            if end < 0:
-                break
-            if (call := _call(self.text[start + len(HERMES_START):end].strip(), self.tools.names, "arguments")):
-                calls.append(call)
-            self.scanned = end + len(HERMES_END)
-        return calls
-
-    def _closed_calls(self) -> list[ToolCall]:
-        """The forced array's calls whose JSON has closed since the last look (the grammar writes compact JSON)."""
-        calls, decoder = [], json.JSONDecoder()
-        while True:
-            at = self.scanned
-            if at == 0 and not self.text.startswith("["):
-                return calls
-            if at > 0 and self.text[at:at + 1] != ",":
-                return calls
-            try:
-                call, end = decoder.raw_decode(self.text, at + 1)
-            except json.JSONDecodeError:
-                return calls
-            calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False), new_call_id()))
-            self.scanned = end
-
-    def _safe_length(self) -> int:
-        """How much of the text cannot be part of a tool call."""
-        if self.parser == "llama3_json":
-            stripped = self.text.lstrip()
-            return 0 if not stripped or stripped[0] in "{<" else len(self.text)
-        start = self.text.find(HERMES_START)
-        if start >= 0:
-            return start
-        for keep in range(min(len(HERMES_START) - 1, len(self.text)), 0, -1):
-            if HERMES_START.startswith(self.text[-keep:]):
-                return len(self.text) - keep
-        return len(self.text)

@@ -13,7 +13,8 @@ from llguidance.numpy import apply_token_bitmask_inplace
 
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.engine.worker.sampling.constraints import unpack_bitmask
-from pdserve.server.tool_calls import ToolCallStream, Tools, choose_parser, parse_auto, template_messages
+from pdserve.server.tool_call_stream import ToolCallStream
+from pdserve.server.tool_calls import Tools, choose_parser, parse_auto, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOLS = Tools((WEATHER,), "auto")
@@ -43,26 +44,58 @@ def test_a_stream_never_shows_any_part_of_a_call(cut):
     rest, calls = stream.finish()
     assert shown + rest == "Sure." and len(calls) == 0 and stream.sent == 1
     early = ToolCallStream(TOOLS, "hermes")
-    assert early.feed(text)[1][0].name == "get_weather" and early.feed("<tool_call>" + CALL)[1] == []
+    assert early.feed(text)[1][0]["function"]["name"] == "get_weather" and early.feed("<tool_call>" + CALL)[1] == []
     assert len(early.finish()[1]) == 1 and early.sent == 2          # the unclosed last one, at the end
     plain = ToolCallStream(TOOLS, "hermes")
     assert "".join(plain.feed(c)[0] for c in "a <tool b") + plain.finish()[0] == "a <tool b"
 
 
-@pytest.mark.parametrize("cut", [1, 5])
-def test_a_forced_stream_sends_each_call_once_its_json_closes(cut):
-    first, second = '{"name":"get_weather","arguments":{"city":"Oslo"}}', '{"name":"get_weather","arguments":{}}'
+@pytest.mark.parametrize("cut", [1, 5, 1000])
+def test_a_forced_stream_sends_arguments_as_they_are_written(cut):
+    first, second = '{"name":"get_weather","arguments":{"city":"Os\\"lo}","n":[1,{"a":"]"}]}}', \
+        '{"name":"get_weather","arguments":{}}'
     text = f"[{first},{second}]"
-    stream, sent = ToolCallStream(Tools((WEATHER,), "required"), "hermes"), []
+    stream, entries = ToolCallStream(Tools((WEATHER,), "required"), "hermes"), []
     for i in range(0, len(text), cut):
-        content, calls = stream.feed(text[i:i + cut])
-        assert content == ""
-        sent += [(i + cut, call) for call in calls]
+        content, deltas = stream.feed(text[i:i + cut])
+        assert content == "" and len({d["index"] for d in deltas}) == len(deltas)     # one entry per call
+        entries += [(i + cut, d) for d in deltas]
     assert stream.finish() == ("", [])
-    assert [json.loads(call.arguments) for _, call in sent] == [{"city": "Oslo"}, {}]
-    assert sent[0][0] <= len(first) + 1 + cut          # the first call went before the second closed
+    heads = [(at, d) for at, d in entries if "id" in d]
+    assert [(d["index"], d["type"], d["function"]["name"]) for _, d in heads] == [(0, "function", "get_weather"),
+                                                                                (1, "function", "get_weather")]
+    assert heads[0][0] < len(first) // 2 + cut          # the name went out before the arguments were written
+    arguments = ["".join(d["function"]["arguments"] for _, d in entries if d["index"] == k) for k in (0, 1)]
+    assert [json.loads(a) for a in arguments] == [{"city": 'Os"lo}', "n": [1, {"a": "]"}]}, {}]
+    if cut == 1:
+        assert len([d for _, d in entries if d["index"] == 0]) > 10         # fragment by fragment
     cut_short = ToolCallStream(Tools((WEATHER,), "required"), "hermes")
     assert cut_short.feed('[{"name":"get_wea')[1] == [] and cut_short.finish() == ('[{"name":"get_wea', [])
+
+
+def test_streamed_forced_calls_assemble_in_the_openai_client_as_the_response_has_them():
+    """Chunks of ChatFormat fed to the official client's own stream assembly give the non-streamed calls."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from pdserve.server.openai_format import ChatFormat, Choice, Delta
+
+    tools = Tools((WEATHER,), "required")
+    text = '[{"name":"get_weather","arguments":{"city":"Oslo","days":[1,2]}},{"name":"get_weather","arguments":{}}]'
+    chat = ChatFormat("chatcmpl-1", "smollm2", 0, str, tools)
+    state = ChatCompletionStreamState()
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    chunks = [chat.first_chunk(0)] + [chat.chunk(0, Delta(piece), False, "stop" if i == len(pieces) - 1 else None)
+                                      for i, piece in enumerate(pieces)]
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    whole = ChatFormat("chatcmpl-1", "smollm2", 0, str, tools).response(
+        [Choice(0, 0, text=[text], finish_reason="stop")], {}, False)["choices"][0]
+    assert streamed.finish_reason == whole["finish_reason"] == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == \
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]]
+    assert sum(1 for chunk in chunks for d in chunk["choices"][0]["delta"].get("tool_calls", ()) if d["index"] == 0) > 3
 
 
 def test_the_parser_follows_the_template():
