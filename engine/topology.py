@@ -13,7 +13,8 @@ from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, Lendi
 from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.actors.colocated import ColocatedActor
 from pdserve.engine.actors.decode import DecodeActor
-from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.coordinator.planner import PlacementPolicy
 from pdserve.engine.actors.prefill import PrefillActor
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from pdserve.engine.actors.placement import LoadState, PlacementPolicy, StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.coordinator.planner import LoadState, PlacementPolicy
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """`--mode adaptive`: one engine that places each prefill and lends idle compute.
 
 The decode actor also prefills, in its own steps and chunked under a budget from the placement
-policy (`pdserve.engine.actors.placement`), the prompts that are cheaper here; the coordinator applies the
+policy (`pdserve.engine.coordinator.planner`), the prompts that are cheaper here; the coordinator applies the
 policy when the actor takes a prompt and sends the others to a prefill unit. On CPU the two actors' cores are one pool of threads: a side with nothing to
 do lends its cores to the other, which takes them at its next step launch and gives them back at
 the launch after the lender has work again (measured: switching thread counts per step costs
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.actors.decode import DecodeActor
-from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.actors.prefill import PrefillActor
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.messages import Abort, Request
@@ -64,7 +64,7 @@ class LendingPrefillActor(PrefillActor):
 class AdaptiveDecodeActor(DecodeActor):
     """Decodes, and prefills the prompts the coordinator's placement keeps here; borrows idle prefill cores."""
 
-    def __init__(self, *args, policy: PlacementPolicy, cost: StepCostModel, share: CoreShare | None,
+    def __init__(self, *args, policy, cost: StepCostModel, share: CoreShare | None,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.policy, self.cost, self.share = policy, cost, share

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
 from pdserve.engine.actors.base import Actor
-from pdserve.engine.actors.placement import LoadState
+from pdserve.engine.coordinator.planner import LoadState
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence

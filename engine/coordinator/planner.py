@@ -25,7 +25,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
+from pdserve.engine.actors.step_cost import StepCostModel
 
 BACKLOG_STEPS = 4            # a local queue that needs more steps than this at the ITL budget: throughput mode
 MAX_LOCAL_PREFILL_LENGTH = 1000   # NVIDIA Dynamo's default max_local_prefill_length (tokens)
@@ -34,36 +34,6 @@ TAIL_FRACTION = 0.01         # stalls in at most this share of decode steps leav
 STALL_FACTOR = 2.0           # a decode step longer than this many ITL targets is a stall
 WHOLE_PROMPT_TARGETS = 1.5   # on shared cores a step may carry a whole short prompt up to this many targets,
 #                              clear of the stall line so that such steps never count as stalls
-
-
-@dataclass(slots=True)
-class StepCostModel:
-    """Seconds of one step on one compute unit, fit by exponentially weighted least squares."""
-
-    decay: float = 0.97
-    ridge: float = 1e-3
-    _fits: dict[int, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
-
-    def observe(self, threads: int, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        a, b, n = self._fits.get(threads, (np.zeros((3, 3)), np.zeros(3), 0))
-        x = np.array([1.0, decode_rows, prefill_tokens])
-        self._fits[threads] = (self.decay * a + np.outer(x, x), self.decay * b + seconds * x, n + 1)
-
-    def coefficients(self, threads: int) -> np.ndarray | None:
-        """(fixed, per decode row, per prefill token) seconds, or None before three observations."""
-        fit = self._fits.get(threads) or next((f for t, f in sorted(self._fits.items(), reverse=True)), None)
-        if fit is None or fit[2] < 3:
-            return None
-        a, b, _ = fit
-        return np.maximum(np.linalg.solve(a + self.ridge * np.eye(3), b), 0.0)
-
-    def predict(self, threads: int, decode_rows: int, prefill_tokens: int) -> float | None:
-        c = self.coefficients(threads)
-        return None if c is None else float(c @ [1.0, decode_rows, prefill_tokens])
-
-    def seconds_per_prefill_token(self, threads: int) -> float | None:
-        c = self.coefficients(threads)
-        return None if c is None or c[2] <= 0 else float(c[2])
 
 
 @dataclass(frozen=True, slots=True)
