@@ -30,8 +30,8 @@ def hf_checkpoint(arch: str) -> Path:
 
 def engine_config(model: Path, **overrides) -> EngineConfig:
     """float32, a small KV budget; `max_prefill_tokens`, `max_num_seqs` etc. pass through."""
-    scheduler_keys = {"max_prefill_tokens", "max_num_seqs", "max_model_len", "max_queue", "itl_target_ms",
-                      "max_local_prefill_length"}
+    scheduler_keys = {"max_prefill_tokens", "max_num_seqs", "max_model_len", "max_queue", "ttft_slo_ms",
+                      "itl_slo_ms"}
     cache_keys = {"block_size", "kv_cache_memory", "kv_watermark", "enable_prefix_caching"}
     scheduler = replace(SchedulerConfig(max_model_len=2048),
                         **{k: overrides.pop(k) for k in list(overrides) if k in scheduler_keys})

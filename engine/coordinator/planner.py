@@ -1,196 +1,229 @@
-"""Adaptive placement: where a prompt is prefilled, and how much prefill a decode step may carry.
+"""The SLO planner of adaptive mode: one rule, from stated SLOs and measured step costs.
 
-A measured cost model decides, under one absolute limit. Each compute unit's step time is fit
-online as `fixed + per_decode_row * D + per_prefill_token * P` (one fit per thread count); from it:
+For each candidate action the step cost models (`pdserve.engine.actors.step_cost`) predict the TTFT of
+the prompts waiting and the ITL of the streams decoding; the planner takes the action with the fewest
+predicted SLO misses and, among equals, the most tokens per second (DistServe's goodput, then throughput).
 
-- the decode unit's prefill budget per step: the prefill tokens that keep a decode step within the
-  ITL target (`--itl-target-ms`; by default twice the decode-only step), or, when the local queue
-  would otherwise take more than a few steps to drain, as many as the limit allows (throughput
-  first once requests pile up, as colocated serving does). Where the two actors share the CPU's
-  cores and no target is given, a local queue goes into one step whole. While rows decode and a
-  long prompt is queued, the budget never exceeds `--max-local-prefill-length`, however slow the
-  decode step; otherwise it is at most the full `max_prefill_tokens`;
-- per request, while rows decode: a prompt whose uncached tokens exceed the max local prefill
-  length goes to the prefill actor (NVIDIA Dynamo's conditional disaggregation), unless that
-  actor is so far behind that it could not even start on the prompt before the decode unit had
-  its first token (Dynamo's max_prefill_queue_size, measured in seconds); a shorter prompt is
-  prefilled locally when it fits one step's budget, else where its first token comes sooner
-  (local chunks at that budget, or the prefill actor's backlog plus the prompt at its measured
-  rate). Prefix-cache hits on either pool lower that side's cost: a conversation's next turn goes
-  where its history is.
+The actions, for the prompts a decode unit may prefill itself:
+
+- a local chunk of `c` tokens in each decode step, for a few `c`: the largest chunk whose step keeps
+  the ITL SLO, and the whole queue in one step (up to `--max-prefill-tokens`, the runner's step size);
+- waiting: no prefill while the streams decode, then the whole queue once the longest of them may
+  have ended (its `max_tokens`); never for a prompt already past its TTFT SLO;
+- for a new prompt, a remote prefill on a prefill unit: its queue there at its measured rate, while the
+  decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
+- lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
+
+A stream misses the ITL SLO when a step it decodes in is predicted past it; a prompt misses the TTFT
+SLO when its first token is predicted past it, counted from its arrival. Tokens per second are the
+tokens decoded and the prompt tokens served (cached ones too) until the action's last first token. Nothing here reads a clock: the
+coordinator hands in how long each prompt has waited.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.coordinator.slo import Slos
 
-BACKLOG_STEPS = 4            # a local queue that needs more steps than this at the ITL budget: throughput mode
-MAX_LOCAL_PREFILL_LENGTH = 1000   # NVIDIA Dynamo's default max_local_prefill_length (tokens)
-STALL_WINDOW = 500           # decode steps over which stalls are counted
-TAIL_FRACTION = 0.01         # stalls in at most this share of decode steps leave the p99 ITL alone
-STALL_FACTOR = 2.0           # a decode step longer than this many ITL targets is a stall
-WHOLE_PROMPT_TARGETS = 1.5   # on shared cores a step may carry a whole short prompt up to this many targets,
-#                              clear of the stall line so that such steps never count as stalls
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A prompt waiting for its first token."""
+
+    tokens: int                      # prompt tokens still to compute (prefix-cache hits excluded)
+    waited: float = 0.0              # seconds since it arrived
+    length: int = 0                  # its prompt's tokens, cached ones included (0: `tokens`)
+
+    @property
+    def served(self) -> int:
+        return self.length or self.tokens
 
 
 @dataclass(frozen=True, slots=True)
 class LoadState:
-    """What a placement decision reads off the two actors."""
+    """What a decision reads off a decode unit and the prefill unit it would hand a prompt to."""
 
-    decode_rows: int                 # sequences decoding on the decode unit
-    local_queued_tokens: int         # prompt tokens waiting for a local prefill
-    remote_backlog_tokens: int       # prompt tokens queued on or being prefilled by the prefill actor
-    decode_threads: int
-    prefill_threads: int
-    long_queued: bool = False        # a local queued prompt is longer than the max local prefill length
+    decode_rows: int                         # sequences decoding on the decode unit
+    local_queue: tuple[Waiting, ...] = ()    # prompts queued there for a local prefill, in order
+    remote_backlog_tokens: int = 0           # prompt tokens queued on or being prefilled by the prefill unit
+    decode_threads: int | None = None        # threads of a decode step while the prefill unit works
+    decode_threads_alone: int | None = None  # ... while it idles (its cores lent; the same off CPU)
+    prefill_threads: int | None = None       # threads of a prefill step while the decode unit works
+    prefill_busy: bool = False
+    decode_context: int = 0                  # KV tokens the decoding rows read per step
+    decode_remaining: int = 0                # the most tokens a decoding row may still take (0: unknown)
+
+    @property
+    def local_threads(self) -> int | None:
+        return self.decode_threads if self.prefill_busy else self.decode_threads_alone
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
-    local: bool
-    reason: str
+class Prediction:
+    """One candidate action and what the cost models predict it causes."""
 
-
-@dataclass(slots=True)
-class StallCounter:
-    """How many of the last STALL_WINDOW decode steps ran past their stall threshold."""
-
-    _stalled: deque[bool] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
-    stalls: int = 0
-
-    def record(self, stalled: bool) -> None:
-        if len(self._stalled) == STALL_WINDOW:
-            self.stalls -= self._stalled[0]
-        self._stalled.append(stalled)
-        self.stalls += stalled
-
-    def room_for(self, more: int) -> bool:
-        """Whether `more` stalls keep the window's share of stalls within TAIL_FRACTION."""
-        return self.stalls + more <= TAIL_FRACTION * STALL_WINDOW
-
-
-class PlacementPolicy:
-    def __init__(self, decode_cost: StepCostModel, prefill_cost: StepCostModel, max_prefill_tokens: int,
-                 itl_target: float | None = None, max_local_prefill_length: int | None = None,
-                 min_local_chunk: int = 32, shared_cores: bool = False) -> None:
-        self.decode_cost, self.prefill_cost = decode_cost, prefill_cost
-        self.shared_cores = shared_cores
-        self.stalls = StallCounter()
-        self.max_prefill_tokens = max_prefill_tokens
-        self.itl_target = itl_target
-        self.max_local = min(max_local_prefill_length or MAX_LOCAL_PREFILL_LENGTH, max_prefill_tokens)
-        self.min_local_chunk = min(min_local_chunk, self.max_local)
-
-    def step_budget(self, state: LoadState) -> int:
-        """Prefill tokens the decode unit's next step may carry."""
-        if state.decode_rows == 0:
-            return self.max_prefill_tokens
-        itl_budget = self._itl_budget(state)
-        queued = state.local_queued_tokens
-        if itl_budget is None or queued > itl_budget * BACKLOG_STEPS or self.whole_local_queue:
-            return self._piled_up_budget(state)
-        if itl_budget < queued <= self._one_step_budget(state):
-            return queued                                          # the whole queue now, short of a stall
-        return itl_budget
-
-    def _target(self, decode_step: float) -> float:
-        """The ITL target for a step whose decode-only part takes `decode_step` seconds."""
-        return self.itl_target if self.itl_target is not None else 2.0 * decode_step
-
-    def _itl_budget(self, state: LoadState, targets: float = 1.0) -> int | None:
-        """Prefill tokens that keep a decode step within `targets` ITL targets (at most the max local
-        prefill length); None when nothing decodes or no step costs are measured yet."""
-        c = self.decode_cost.coefficients(state.decode_threads) if state.decode_rows else None
-        if c is None or c[2] <= 0:
-            return None
-        decode_step = float(c[0] + c[1] * state.decode_rows)
-        tokens = int((targets * self._target(decode_step) - decode_step) / c[2])
-        return max(self.min_local_chunk, min(tokens, self.max_local))
-
-    def _piled_up_budget(self, state: LoadState) -> int:
-        """A queue taken whole or for throughput: a long prompt's chunks stay within the max local
-        prefill length; short prompts alone go in up to `max_prefill_tokens`, as colocated serving
-        takes them (with the limit, a burst took twice the steps to admit: commit b4c0716; its figures are
-        bench/RESULTS.md, "Serving modes")."""
-        return self.max_local if state.long_queued else self.max_prefill_tokens
+    action: str                      # "local", "wait" or "remote"
+    chunk: int                       # prefill tokens per decode step (local), 0 otherwise
+    ttft_misses: int
+    itl_misses: int
+    tokens_per_second: float
+    first_token: float               # seconds until the last first token it decides
+    step: float                      # the decode step meanwhile (seconds)
 
     @property
-    def whole_local_queue(self) -> bool:
-        """On shared cores with the default ITL target a local queue goes into the next step whole (a
-        long prompt's chunks within the max local prefill length), as colocated serving takes it: there,
-        chunking a short prompt delays its first token by a decode step per extra chunk and, measured,
-        moves no ITL percentile (measured with commit 3c3e9b3: median TTFT 1.35-1.38x colocated's before it,
-        0.92-0.99x after). An explicit `--itl-target-ms` is kept."""
-        return self.shared_cores and self.itl_target is None
+    def misses(self) -> int:
+        return self.ttft_misses + self.itl_misses
 
-    def _one_step_budget(self, state: LoadState) -> int | None:
-        """The most prefill one step takes for a short local queue: the whole queue (above; a prompt
-        up to the max local prefill length fits), or on shared cores up to WHOLE_PROMPT_TARGETS
-        targets, clear of a stall; else within the target."""
-        if self.whole_local_queue:
-            return self.max_local
-        return self._itl_budget(state, WHOLE_PROMPT_TARGETS if self.shared_cores else 1.0)
+    def describe(self) -> str:
+        what = f"local chunks of {self.chunk}" if self.action == "local" else self.action
+        return (f"{what}: {self.ttft_misses} TTFT + {self.itl_misses} ITL misses, first token in "
+                f"{self.first_token:.3f}s, steps of {self.step * 1e3:.1f} ms, {self.tokens_per_second:.0f} tok/s")
 
-    def place(self, local_tokens: int, remote_tokens: int, state: LoadState) -> Placement:
-        """Where to prefill a prompt needing `local_tokens` here or `remote_tokens` on the prefill actor."""
-        if state.decode_rows == 0:
-            return Placement(True, "nothing decodes: the decode unit prefills at full budget")
-        if local_tokens > self.max_local:
-            return self._place_long(local_tokens, state)
-        budget = self._itl_budget(state)
-        if budget is None:
-            return Placement(True, "no step costs measured yet")
-        one_step = self._one_step_budget(state)
-        if local_tokens <= one_step:
-            return Placement(True, f"{local_tokens} tokens fit one decode step's budget of {one_step}")
-        local, remote = self._local_ttft(local_tokens, budget, state), self._remote_ttft(remote_tokens, state)
-        if remote is None or local <= remote:
-            return Placement(True, f"first token sooner here ({local:.2f}s vs {_s(remote)} remote)")
-        return Placement(False, f"first token sooner on the prefill actor ({remote:.2f}s vs {local:.2f}s here)")
 
-    def record_decode_step(self, threads: int, decode_rows: int, seconds: float, carried_long: bool) -> None:
-        """A step of the decode unit that decoded `decode_rows` rows: a stall when it carried a chunk of a
-        prompt longer than the max local prefill length (the stalls the long-prompt rule spends) and ran
-        past STALL_FACTOR ITL targets (the target is what a step within the ITL budget takes)."""
-        decode_only = self.decode_cost.predict(threads, decode_rows, 0)
-        if decode_only is not None:
-            self.stalls.record(carried_long and seconds > STALL_FACTOR * self._target(decode_only))
+@dataclass(frozen=True, slots=True)
+class Decision:
+    chosen: Prediction
+    candidates: tuple[Prediction, ...] = ()
 
-    def _place_long(self, local_tokens: int, state: LoadState) -> Placement:
-        """Longer than the max local prefill length: remote, unless the prefill actor's backlog alone
-        outlasts the whole local prefill at the ITL budget (its queue is long: Dynamo's
-        max_prefill_queue_size, in measured seconds instead of a count), or, where the two actors
-        share the CPU's cores, unless its chunks would stall so few decode steps that the tail ITL
-        does not move: a remote prefill there takes half the cores from every decode step meanwhile."""
-        chunks = math.ceil(local_tokens / self.max_local)
-        if self.shared_cores and self.stalls.room_for(chunks):
-            return Placement(True, f"{local_tokens} tokens, {chunks} stalled steps stay within "
-                                   f"{TAIL_FRACTION:.0%} of the last {STALL_WINDOW} ({self.stalls.stalls} so far)")
-        budget, wait = self._itl_budget(state), self._remote_ttft(0, state)
-        local = None if budget is None else self._local_ttft(local_tokens, budget, state)
-        if wait is not None and local is not None and wait > local:
-            return Placement(True, f"{local_tokens} tokens, but the prefill actor is {wait:.2f}s behind "
-                                   f"(first token here in {local:.2f}s)")
-        return Placement(False, f"{local_tokens} tokens exceed the max local prefill length of {self.max_local}")
+    @property
+    def local(self) -> bool:
+        return self.chosen.action != "remote"
 
-    def _local_ttft(self, tokens: int, budget: int, state: LoadState) -> float:
-        steps = math.ceil((state.local_queued_tokens + tokens) / budget)
-        return steps * self.decode_cost.predict(state.decode_threads, state.decode_rows, budget)
+    @property
+    def reason(self) -> str:
+        others = "; ".join(p.describe() for p in self.candidates if p is not self.chosen)
+        return self.chosen.describe() + (f" (over {others})" if others else "")
 
-    def _remote_ttft(self, tokens: int, state: LoadState) -> float | None:
-        """The prefill actor's measured rate; before it has run, the decode unit's (same cores, its threads)."""
-        cost = self.prefill_cost if self.prefill_cost.coefficients(state.prefill_threads) is not None \
-            else self.decode_cost
-        per_token = cost.seconds_per_prefill_token(state.prefill_threads)
-        fixed = cost.predict(state.prefill_threads, 0, 0)
-        if per_token is None or fixed is None:
+
+def best(candidates: Sequence[Prediction]) -> Prediction:
+    """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
+    return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
+
+
+class Planner:
+    """Decides for decode units with the SLOs `slos`; every step cost comes from the models handed in."""
+
+    def __init__(self, slos: Slos, max_prefill_tokens: int) -> None:
+        self.slos = slos
+        self.max_prefill_tokens = max_prefill_tokens      # NOTE: the runner's step size: a hard limit
+
+    # the prefill a decode step carries
+    def step_budget(self, state: LoadState, decode: StepCostModel) -> Decision:
+        """How many prefill tokens the decode unit's next step carries for its local queue."""
+        unmeasured = Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0)
+        if not state.local_queue or decode.coefficients(state.local_threads) is None:
+            return Decision(unmeasured)
+        candidates = self._local_candidates(state.local_queue, state, decode, state.local_threads)
+        return Decision(best(candidates), tuple(candidates))
+
+    # where a new prompt is prefilled
+    def place(self, local_tokens: int, remote_tokens: int, state: LoadState, decode: StepCostModel,
+              prefill: StepCostModel | None, length: int = 0) -> Decision:
+        """Prefill a new prompt of `length` tokens here (`local_tokens` to compute) or on the prefill unit
+        (`remote_tokens`); `length` 0: the larger of the two."""
+        if decode.coefficients(state.local_threads) is None:
+            return Decision(Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0))
+        length = length or max(local_tokens, remote_tokens)
+        queue = (*state.local_queue, Waiting(local_tokens, 0.0, length))
+        candidates = self._local_candidates(queue, state, decode, state.local_threads)
+        remote = self._remote(remote_tokens, length, state, decode, prefill)
+        if remote is not None:
+            candidates.append(remote)
+        return Decision(best(candidates), tuple(candidates))
+
+    # lending cores
+    def lend(self, cost: StepCostModel, own: int, total: int, decode_rows: int, prefill_tokens: int,
+             context: int, partner_slo: float) -> bool:
+        """Whether a unit whose partner idles steps on `total` threads instead of its `own`: when that is
+        predicted faster (unmeasured: try it), and the step stays within the partner's SLO (the partner's
+        next work waits for it to end)."""
+        if not cost.measured(own) or not cost.measured(total):
+            return True
+        borrowed = cost.predict(total, decode_rows, prefill_tokens, context)
+        return borrowed < cost.predict(own, decode_rows, prefill_tokens, context) and borrowed <= partner_slo
+
+    # predictions
+    def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
+                          threads: int | None) -> list[Prediction]:
+        total = max(1, sum(w.tokens for w in queue))
+        whole = min(total, self.max_prefill_tokens)
+        chunks = [min(c, total) for c in (self._fitting_chunk(state, decode, threads), whole) if c > 0]
+        candidates = [self._local(queue, c, state, decode, threads) for c in dict.fromkeys(chunks)]
+        if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
+            candidates.append(self._wait(queue, state, decode, threads))
+        return candidates
+
+    def _fitting_chunk(self, state: LoadState, decode: StepCostModel, threads: int | None) -> int:
+        """The most prefill tokens a decode step carries within the ITL SLO (all of a step without rows)."""
+        if not state.decode_rows:
+            return self.max_prefill_tokens
+        per_token = decode.seconds_per_prefill_token(threads)
+        alone = decode.predict(threads, state.decode_rows, 0, state.decode_context)
+        if not per_token:
+            return self.max_prefill_tokens
+        return max(0, min(self.max_prefill_tokens, int((self.slos.itl - alone) / per_token)))
+
+    def _local(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
+               threads: int | None, delay: float = 0.0) -> Prediction:
+        """The queue prefilled in chunks of `chunk` tokens per decode step, after `delay` seconds."""
+        rows, context = state.decode_rows, state.decode_context
+        step = decode.predict(threads, rows, chunk, context)
+        total = max(1, sum(w.tokens for w in queue))
+        full, last = divmod(total, chunk)
+        last_step = decode.predict(threads, rows, last, context) if last else 0.0
+        done, ttft_misses = 0, 0
+        for waiting in queue:
+            done += waiting.tokens
+            steps = math.ceil(done / chunk)
+            at = delay + (steps * step if steps <= full else full * step + last_step)
+            ttft_misses += waiting.waited + at > self.slos.ttft
+        horizon = delay + full * step + last_step
+        itl_misses = rows if rows and max(step, last_step) > self.slos.itl else 0
+        tokens = rows * (full + bool(last)) + sum(w.served for w in queue)
+        return Prediction("local", chunk, ttft_misses, itl_misses, tokens / horizon if horizon else 0.0,
+                          horizon, step)
+
+    def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
+              threads: int | None) -> Prediction:
+        """No prefill while the streams decode; the whole queue once the longest may have ended."""
+        rows = state.decode_rows
+        alone = decode.predict(threads, rows, 0, state.decode_context)
+        drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
+        whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
+        later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
+        itl_misses = rows if alone > self.slos.itl else 0
+        tokens = rows * state.decode_remaining + sum(w.served for w in queue)
+        return Prediction("wait", 0, later.ttft_misses, itl_misses, tokens / later.first_token, later.first_token,
+                          alone)
+
+    def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
+                prefill: StepCostModel | None) -> Prediction | None:
+        """The prompt prefilled on the prefill unit after its backlog; the local queue meanwhile on the decode
+        unit's own cores (the prefill unit is busy then). None when no step cost is measured for it."""
+        cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
+        if cost.coefficients(state.prefill_threads) is None:
             return None
-        queued = state.remote_backlog_tokens + tokens
-        return queued * per_token + math.ceil(queued / self.max_prefill_tokens) * fixed
+        first_token = self._prefill_seconds(state.remote_backlog_tokens + tokens, cost, state.prefill_threads)
+        rows = state.decode_rows
+        step = decode.predict(state.decode_threads, rows, 0, state.decode_context) if rows else 0.0
+        ttft_misses, rate = int(first_token > self.slos.ttft), length / first_token if first_token else 0.0
+        if state.local_queue:
+            meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
+                                                    state.decode_threads))
+            ttft_misses += meanwhile.ttft_misses
+            step = max(step, meanwhile.step)
+            served = sum(w.served for w in state.local_queue)
+            rate += served / meanwhile.first_token if meanwhile.first_token else 0.0
+        rate += rows / step if step else 0.0
+        itl_misses = rows if rows and step > self.slos.itl else 0
+        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
 
+    def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
+        """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
+        full, last = divmod(tokens, self.max_prefill_tokens)
+        seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
+        return seconds + (cost.predict(threads, 0, last) if last else 0.0)
 
-def _s(seconds: float | None) -> str:
-    return "unmeasured" if seconds is None else f"{seconds:.2f}s"
