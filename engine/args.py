@@ -20,8 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
     g.add_argument("--mode", choices=("adaptive", "disaggregated", "colocated"), default=None,
-                   help="adaptive (default): the decode actor prefills what is cheaper there and hands "
-                        "long prompts to the prefill actor; an idle side lends its CPU cores to the other. "
+                   help="adaptive (default): an SLO planner prefills each prompt on the decode unit (in chunks "
+                        "sized to --itl-slo-ms) or the prefill unit, whichever its step costs predict misses "
+                        "fewer SLOs, and an idle side lends its CPU cores to the other. "
                         "disaggregated: prefill and decode on their own devices/cores, always. colocated: one "
                         "actor mixes both phases. The fixed modes are the A/B baselines")
     g.add_argument("--ttft-slo-ms", type=float, default=None,
