@@ -31,7 +31,9 @@ from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
-PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
+PREFILL_SHARE_OF_SHARED_DEVICE = 0.25   # a device's KV budget for its prefill units next to decode units: capped at
+#                                         what four max-length prompts use (_pools), it only bounds that cap; deriving it
+#                                         needs the pool sizer to hand the decode units what prefill cannot use
 MODES = ("adaptive", "disaggregated", "colocated")
 WORKERS = ("thread", "process")
 

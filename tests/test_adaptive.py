@@ -8,8 +8,11 @@ import random
 import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.coordinator.planner import Planner, Waiting
+from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
 from tests.test_async_scheduling import joining_every_step
@@ -170,4 +173,20 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
     assert any(n == total for steps, n in threads if steps < arrived_at)            # lent before
     assert all(n == own for steps, n in threads if starts[0] < steps < starts[-1])   # given back during it
     assert_pools_free(engine)
+    engine.close()
+
+
+def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
+    prefill, decode = engine.actors
+    decode.local.add(Sequence(Request("queued", prompts([40])[0], GREEDY, arrival_time=100.0)))
+    planner = Planner(Slos(ttft=1.0, itl=0.05), 2048)
+    misses = {}
+    for now in (100.2, 103.5):                             # a virtual clock, as a simulator hands in
+        engine.coordinator.clock = lambda: now
+        state = engine.coordinator.load(decode, decode_rows=2)
+        assert state.local_queue == (Waiting(40, pytest.approx(now - 100.0), 40),)
+        misses[now] = planner.step_budget(state, decode.cost).chosen.ttft_misses
+    assert misses == {100.2: 0, 103.5: 1}                 # past its TTFT SLO only by the later clock
+    decode.local.remove(decode.local.find("queued"))
     engine.close()

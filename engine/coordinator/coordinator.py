@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
 from pdserve.engine.actors.base import Actor
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
@@ -212,6 +213,9 @@ class Coordinator:
                                  slos.itl if prefilling else slos.ttft)
         return total if lend else own
 
+    def _lent(self, cost: StepCostModel, own: int, total: int, rows: int, tokens: int, context: int, partner_slo: float) -> int:
+        return total if self.planner.lend(cost, own, total, rows, tokens, context, partner_slo) else own
+
     def _log(self, what: str, decision: Decision) -> None:
         """Log a decision at debug level when its kind of action changes."""
         if self._last_choice.get(what) != decision.chosen.action:
@@ -230,11 +234,15 @@ class Coordinator:
                       for s in decode.local.sequences())
         running = decode.scheduler.running
         rows = len(running) if decode_rows is None else decode_rows
-        share = decode.share
-        prefill_threads = share and (share.prefill_own if rows or queue else share.total)
-        return LoadState(rows, queue, prefill.backlog_tokens(), share and share.decode_own,
-                         share and share.total, prefill_threads, prefill.busy,
-                         decode_context=sum(s.num_computed_tokens for s in running),
+        share, context = decode.share, sum(s.num_computed_tokens for s in running)
+        decode_alone = prefill_alone = None
+        if share is not None and self.planner is not None:     # the threads a step gets while its partner idles
+            slos, tokens = self.planner.slos, self.planner.max_prefill_tokens
+            decode_alone = self._lent(decode.cost, share.decode_own, share.total, rows, 0, context, slos.ttft)
+            prefill_alone = self._lent(prefill.cost, share.prefill_own, share.total, 0, tokens, 0, slos.itl)
+        return LoadState(rows, queue, prefill.backlog_tokens(), share and share.decode_own, decode_alone,
+                         share and (share.prefill_own if rows or queue else prefill_alone), prefill.busy,
+                         decode_context=context,
                          decode_remaining=max((s.params.max_tokens - len(s.output_token_ids) for s in running),
                                               default=0))
 
