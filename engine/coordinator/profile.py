@@ -1,10 +1,9 @@
-"""Start-up profile: a few synthetic steps on every unit, timed on the unit itself, before any request.
+"""Start-up profile: a few synthetic steps on a unit, timed on the unit itself, before any request.
 
-The steps go through the unit's own compute (its thread and cores, or its worker process), each at
-every thread count the unit may step with, and feed that unit's step cost model: the planner decides
-from measured costs from the first request on, and the SLOs not set are derived from them
-(`pdserve.engine.coordinator.slo`). Each step runs twice and the second is observed (the first may
-pay one-time costs: allocations, lazily built kernels).
+The steps go through the unit's own compute (its thread and cores, or its worker process) at the
+thread counts given, and feed a step cost model the SLOs not set are derived from
+(`pdserve.engine.coordinator.slo`). A first, untimed step pays the one-time costs (allocations, lazily
+built kernels).
 """
 from __future__ import annotations
 
@@ -47,16 +46,23 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
                        seed: int = 0) -> int:
     """Run and observe the profile steps of one unit; returns the steps observed."""
-    rng, unit, observed = random.Random(seed), profile.unit, 0
+    rng, observed = random.Random(seed), 0
+    shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
     for threads in profile.thread_counts:
-        for shape in profile_shapes(sched, max_model_len, profile.decodes, profile.prefills):
-            for _ in range(2):
-                step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng)
-                outcome = await unit.submit(StepWork(step, threads=threads))
-                await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows))))
+        await _run(profile.unit, shapes[0], threads, vocab_size, rng)          # untimed: one-time costs
+        for shape in shapes:
+            outcome = await _run(profile.unit, shape, threads, vocab_size, rng)
             decoding = shape.kind == "decode"
             profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
                                  0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
                                  context=shape.num_seqs * shape.context if decoding else 0)
             observed += 1
     return observed
+
+
+async def _run(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
+    """One synthetic step of `shape` on `unit`, its rows given back after; its StepOutcome."""
+    step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng)
+    outcome = await unit.submit(StepWork(step, threads=threads))
+    await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows))))
+    return outcome
