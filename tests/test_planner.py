@@ -167,7 +167,7 @@ def test_slo_defaults_are_derived_from_the_measured_steps():
     itl_step, ttft_step = 0.005 + 0.016 + 0.004 * 16 * 512 / 1000, 0.02 + 0.0004 * 512
     assert slos.itl == pytest.approx(HEADROOM * itl_step, rel=0.01)
     assert slos.ttft == pytest.approx(HEADROOM * ttft_step, rel=0.01)
-    assert "decode-only step of 16 rows at context 512" in slos.itl_source
+    assert "decode-only step predicted for 16 rows at context 512" in slos.itl_source
     assert "prefill step of 512 tokens" in slos.ttft_source
     set_ = derive_slos(SchedulerConfig(ttft_slo_ms=800, itl_slo_ms=40), 4096, None)
     assert (set_.ttft, set_.itl, set_.ttft_source, set_.itl_source) == (0.8, 0.04, "set", "set")

@@ -18,6 +18,10 @@ from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
 
+MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
+#                              process (~4.5 bytes a token) stays within a socket buffer
+
+
 @dataclass(frozen=True, slots=True)
 class UnitProfile:
     """What to run on one unit: which phases it steps, and with how many threads (None: its own)."""
@@ -30,13 +34,16 @@ class UnitProfile:
 
 
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
-    """Decode-only steps of one row and of a full batch (short and long contexts), prefill steps of one token,
-    half and a full prefill step: the points that separate the cost model's four coefficients."""
+    """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
+    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step: the points that separate
+    the cost model's four coefficients. A full batch at the long context is predicted from them, not run:
+    each step's message stays small (its rows' tokens travel to a worker process)."""
     rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
     shapes = []
     if decodes:
         shapes += [StepShape("decode", 1, 1, context=1), StepShape("decode", rows, 1, context=1),
-                   StepShape("decode", rows, 1, context=context)]
+                   StepShape("decode", 1, 1, context=context),
+                   StepShape("decode", rows, 1, context=max(1, min(context, MESSAGE_TOKENS // rows)))]
     if prefills:
         tokens = prefill_step_tokens(sched, max_model_len)
         shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]

@@ -65,7 +65,8 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
         step = _measured(measured and measured.decode.predict(measured.decode_threads, rows, 0, rows * context),
                          "--itl-slo-ms")
         itl = HEADROOM * step * 1e3
-        itl_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms decode-only step of {rows} rows at context {context}"
+        itl_source = (f"{HEADROOM:g} x the {step * 1e3:.1f} ms decode-only step predicted for {rows} rows at "
+                      f"context {context}")
     if ttft is None:
         step = _measured(measured and measured.prefill.predict(measured.prefill_threads, 0, tokens), "--ttft-slo-ms")
         ttft = HEADROOM * step * 1e3
