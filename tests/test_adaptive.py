@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import pytest
@@ -189,4 +190,22 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
         misses[now] = planner.step_budget(state, decode.cost).chosen.ttft_misses
     assert misses == {100.2: 0, 103.5: 1}                 # past its TTFT SLO only by the later clock
     decode.local.remove(decode.local.find("queued"))
+    engine.close()
+
+
+def test_derived_slos_are_logged_once_at_start_with_their_source(caplog):
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=16, max_prefill_tokens=64))
+    assert engine.slos is None and engine.coordinator.planner is None        # nothing measured before start
+
+    async def one():
+        return await collect(engine.submit(Request("r", prompts([12])[0], GREEDY)))
+
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.engine"):
+        tokens, _ = asyncio.run(run_engine(engine, one()))
+    assert len(tokens) == GREEDY.max_tokens
+    logged = [r.getMessage() for r in caplog.records if "SLO" in r.getMessage()]
+    assert len(logged) == 1 and logged[0] == engine.slos.describe()
+    assert "decode-only step predicted for 16 rows at context 64" in logged[0]
+    assert "prefill step of 64 tokens" in logged[0]
+    assert engine.coordinator.planner.slos is engine.slos
     engine.close()

@@ -10,6 +10,7 @@ import pytest
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Waiting
+from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.config import SchedulerConfig
 
@@ -187,3 +188,13 @@ def test_the_slos_are_engine_options_and_the_itl_target_is_gone():
             engine_config_from_args(parser.parse_args([option, "0"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--itl-target-ms", "50"])
+
+
+def test_the_profile_measures_a_full_batch_in_small_step_messages():
+    sched = SchedulerConfig(max_num_seqs=256, max_prefill_tokens=4096)
+    shapes = profile_shapes(sched, 8192, decodes=True, prefills=True)
+    assert all(s.num_seqs * (s.context + s.new_tokens) <= MESSAGE_TOKENS + s.num_seqs * 1 for s in shapes
+               if s.kind == "decode")
+    assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
+    assert [s.new_tokens for s in shapes if s.kind == "prefill"] == [1, 2048, 4096]
+    assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
