@@ -20,18 +20,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
     g.add_argument("--mode", choices=("adaptive", "disaggregated", "colocated"), default=None,
-                   help="adaptive (default): the decode actor prefills what is cheaper there and hands "
-                        "long prompts to the prefill actor; an idle side lends its CPU cores to the other. "
+                   help="adaptive (default): an SLO planner prefills each prompt on the decode unit (in chunks "
+                        "sized to --itl-slo-ms) or the prefill unit, whichever its step costs predict misses "
+                        "fewer SLOs, and an idle side lends its CPU cores to the other. "
                         "disaggregated: prefill and decode on their own devices/cores, always. colocated: one "
                         "actor mixes both phases. The fixed modes are the A/B baselines")
-    g.add_argument("--itl-target-ms", type=float, default=None,
-                   help="adaptive mode: keep a decode step carrying local prefill within this time "
-                        "(default: twice the measured decode-only step)")
-    g.add_argument("--max-local-prefill-length", type=int, default=None,
-                   help="adaptive mode: while sequences decode, a prompt with more uncached tokens than this "
-                        "goes to the prefill actor unless its queue is already long, and no decode step "
-                        "carries more prefill tokens than this (default: 1000, NVIDIA Dynamo's; at most "
-                        "--max-prefill-tokens)")
+    g.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="time to first token each request should meet: adaptive mode places prompts to meet it, "
+                        "and /metrics counts the requests that do (goodput) (default: twice a prefill step of "
+                        "--max-prefill-tokens tokens, measured at start-up)")
+    g.add_argument("--itl-slo-ms", type=float, default=None,
+                   help="time between two tokens of a stream each request should meet (its mean, for goodput): "
+                        "adaptive mode sizes the prefill a decode step carries to meet it (default: twice a "
+                        "decode-only step of --max-num-seqs rows, measured at start-up)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ...; a comma-separated list runs one prefill unit per entry (cuda:0,cuda:1; "
                         "cpu,cpu splits the prefill cores between two units; colocated mode: one colocated unit "
@@ -109,8 +110,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     _positive(args, "block_size", "max_num_seqs", "max_prefill_tokens", "max_queue")
     if args.block_size & (args.block_size - 1) or args.block_size < 8:
         raise ValueError("--block-size must be a power of two >= 8")
-    if args.max_local_prefill_length is not None:
-        _positive(args, "max_local_prefill_length")
+    for name in ("ttft_slo_ms", "itl_slo_ms"):
+        if getattr(args, name) is not None:
+            _positive(args, name)
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 disables it)")
     _check_distributed(args)
@@ -130,8 +132,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                  itl_target_ms=args.itl_target_ms,
-                                  max_local_prefill_length=args.max_local_prefill_length),
+                                  ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms),
     )
 
 

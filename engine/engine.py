@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.actors.base import Actor
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
+from pdserve.engine.coordinator.planner import Planner
+from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
+from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.messages import (
     EngineStats,
     FinishReason,
@@ -27,7 +31,7 @@ from pdserve.engine.supervisor import Supervisor
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import load_units, make_plan, unit_names, wire_actor, wire_actors
+from pdserve.engine.topology import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -101,6 +105,7 @@ class Engine:
         load = _unit_loader(config)
         self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
         self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
+        self._slos: Slos | None = None
         self.coordinator = self._wire()
         pool_tokens = min(unit.num_blocks * unit.block_size for unit in self.units.all())
         self.max_model_len = min(self.plan.max_model_len, pool_tokens)
@@ -116,9 +121,19 @@ class Engine:
         """Every actor: the prefill units' in unit order, then the decode (or colocated) units'."""
         return self.coordinator.actors
 
+    @property
+    def slos(self) -> Slos | None:
+        """The TTFT and ITL SLOs in effect (set, or derived at the first `start()`); None before it."""
+        return self._slos
+
+    def _planner(self) -> Planner | None:
+        if self.mode != "adaptive" or self._slos is None:
+            return None
+        return Planner(self._slos, self.config.scheduler.max_prefill_tokens)
+
     def _wire(self) -> Coordinator:
         prefill, decode = wire_actors(self.config, self.plan, self.units, self._on_step)
-        coordinator = Coordinator(self.mode, prefill, decode)
+        coordinator = Coordinator(self.mode, prefill, decode, self._planner())
         for role, actors in (("prefill", prefill), ("colocated" if self.mode == "colocated" else "decode", decode)):
             for index, (actor, name) in enumerate(zip(actors, unit_names(role, len(actors)))):
                 actor.index, actor.unit_name = index, name
@@ -126,10 +141,31 @@ class Engine:
         return coordinator
 
     async def start(self) -> None:
+        if self._slos is None:
+            self._slos = derive_slos(self.config.scheduler, self.plan.max_model_len, await self._measure())
+            logger.info("%s", self._slos.describe())
+            self.coordinator.planner = self._planner()
         for actor in self.actors:
             actor.start()
         self.supervisor.start()
         self._running = True
+
+    async def _measure(self) -> MeasuredUnits | None:
+        """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
+        when an SLO is to be derived; None when both are set. The profile's cost models are its own: the
+        units' cost models (routing, the planner) learn from serving steps alone, as they did before."""
+        sched = self.config.scheduler
+        if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:
+            return None
+        share, units = core_share(self.plan), self.units
+        colocated = not units.prefills
+        decode = UnitProfile(units.decode, StepCostModel(), True, colocated,
+                             share and (share.decode_own,) or (None,))
+        prefill = decode if colocated else UnitProfile(units.prefill, StepCostModel(), False, True,
+                                                       share and (share.prefill_own,) or (None,))
+        for profile in (decode,) if colocated else (decode, prefill):
+            await profile_unit(profile, sched, self.plan.max_model_len, self.model_config.vocab_size)
+        return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
 
     async def stop(self) -> None:
         """Abort every unfinished request and stop the actors, holding no KV block (the model stays loaded)."""

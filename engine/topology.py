@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, Lendi
 from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.actors.colocated import ColocatedActor
 from pdserve.engine.actors.decode import DecodeActor
-from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.actors.prefill import PrefillActor
 from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
@@ -31,7 +31,9 @@ from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
 logger = logging.getLogger(__name__)
 
-PREFILL_SHARE_OF_SHARED_DEVICE = 0.25
+PREFILL_SHARE_OF_SHARED_DEVICE = 0.25   # a device's KV budget for its prefill units next to decode units: capped at
+#                                         what four max-length prompts use (_pools), it only bounds that cap; deriving it
+#                                         needs the pool sizer to hand the decode units what prefill cannot use
 MODES = ("adaptive", "disaggregated", "colocated")
 WORKERS = ("thread", "process")
 
@@ -175,6 +177,7 @@ class Units:
     decodes: tuple[Compute, ...]
     prefills: tuple[Compute, ...] = ()
     shared: tuple = ()               # what the units step over or were spawned with: closed last
+    costs: dict = field(default_factory=dict)   # (role, index) -> its StepCostModel: kept over actor restarts
 
     @property
     def decode(self) -> Compute:
@@ -186,6 +189,10 @@ class Units:
 
     def all(self) -> tuple[Compute, ...]:
         return (*self.prefills, *self.decodes)
+
+    def cost(self, role: str, index: int) -> StepCostModel:
+        """Unit `index` of `role` ("prefill", or "decode" for decode and colocated units): its step cost model."""
+        return self.costs.setdefault((role, index), StepCostModel())
 
     def close(self) -> None:
         for unit in self.all():
@@ -325,15 +332,17 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
             return PrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching)
         return DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
                            config.speculative)
-    share = CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if plan.lending else None
-    cost = StepCostModel()
+    share = core_share(plan)
+    cost = units.cost(role, index)
     if role == "prefill":
         return LendingPrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching, cost=cost, share=share)
-    itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
-    policy = PlacementPolicy(cost, StepCostModel(), sched.max_prefill_tokens, itl_target,
-                             sched.max_local_prefill_length, shared_cores=share is not None)
     return AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                               config.speculative, policy=policy, cost=cost, share=share)
+                               config.speculative, cost=cost, share=share)
+
+
+def core_share(plan: Plan) -> CoreShare | None:
+    """The thread counts the two units of a lending plan step with; None without lending."""
+    return CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if plan.lending else None
 
 
 def _overlap(config: EngineConfig, device: torch.device, speculative=None) -> bool:

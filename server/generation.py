@@ -169,6 +169,15 @@ class Generation:
     def _observe_finished(self, choice: Choice, now: float) -> None:
         self.metrics.observe_finished(choice.finish_reason, choice.num_prompt_tokens, choice.num_output_tokens,
                                       now - self.start)
+        if self.engine.slos is not None:
+            self.metrics.observe_slos(self.engine.slos, choice.finish_reason, *self._latencies(choice))
+
+    def _latencies(self, choice: Choice) -> tuple[float | None, float | None]:
+        """(TTFT, mean inter-token latency) of a finished choice; None where it has no such interval."""
+        if choice.first_token_at is None:
+            return None, None
+        ttft, gaps = choice.first_token_at - self.start, choice.num_output_tokens - 1
+        return ttft, (choice.last_token_at - choice.first_token_at) / gaps if gaps > 0 else None
 
     def _with_usage_field(self, chunk: dict) -> dict:
         return {**chunk, "usage": None} if self.parsed.include_usage else chunk

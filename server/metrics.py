@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.messages import EngineStats, FinishReason
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -139,8 +140,15 @@ class Metrics:
                                          "grammar (cache misses only)", buckets=COMPILE_BUCKETS, registry=r)
         self.grammar_mask = Histogram("pdserve_grammar_mask_seconds", "Host time of one step's token masks "
                                       "(steps with constrained rows)", buckets=MASK_BUCKETS, registry=r)
+        self.slo_checked = Counter("pdserve_requests_slo_checked", "Finished requests judged against the TTFT and "
+                                   "ITL SLOs (finish reason stop, length or error; aborted ones are not)", registry=r)
+        self.slo_met = Counter("pdserve_requests_slo_met", "Judged requests within the SLO: ttft, itl (their mean "
+                               "inter-token latency), or both (goodput: rate() of slo=\"both\")", ["slo"], registry=r)
+        self.slo_seconds = Gauge("pdserve_slo_seconds", "The SLOs in effect", ["slo"], registry=r)
         for reason in FinishReason:
             self.finished.labels(reason.value)
+        for slo in ("ttft", "itl", "both"):
+            self.slo_met.labels(slo)
         r.register(EngineCollector(stats))
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, e2e: float) -> None:
@@ -148,6 +156,20 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.e2e.observe(e2e)
+
+    def observe_slos(self, slos: Slos, finish_reason: str, ttft: float | None, itl: float | None) -> None:
+        """Judge one finished request (`ttft` None: no token came; `itl` None: fewer than two tokens, met)."""
+        self.slo_seconds.labels("ttft").set(slos.ttft)
+        self.slo_seconds.labels("itl").set(slos.itl)
+        if finish_reason == FinishReason.ABORT.value:
+            return
+        self.slo_checked.inc()
+        ok = finish_reason != FinishReason.ERROR.value
+        ttft_met = ok and ttft is not None and ttft <= slos.ttft
+        itl_met = ok and (itl is None or itl <= slos.itl)
+        for slo, met in (("ttft", ttft_met), ("itl", itl_met), ("both", ttft_met and itl_met)):
+            if met:
+                self.slo_met.labels(slo).inc()
 
     def drain_transfer_times(self) -> None:
         for seconds in self._transfer_times():

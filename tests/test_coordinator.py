@@ -15,7 +15,7 @@ from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
-from tests.models import engine_config, hf_checkpoint
+from tests.models import SLOS_SET, engine_config, hf_checkpoint
 from tests.test_engine_modes import abort_after, assert_pools_free, collect, prompts, run_engine, wait_idle
 
 MODES = ("colocated", "disaggregated", "adaptive")
@@ -121,7 +121,7 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
 def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_serves_again(workers, fault,
                                                                                            monkeypatch, llama3):
     monkeypatch.setenv(faults.ENV, f"decode1:{fault}@4")
-    engine = four_units("disaggregated", workers=workers)
+    engine = four_units("disaggregated", workers=workers, **SLOS_SET)
     monkeypatch.delenv(faults.ENV)
     batch = prompts([12, 40, 7, 25, 60, 18, 33, 9], seed=17)
     health_while_down = []

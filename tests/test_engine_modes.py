@@ -13,7 +13,7 @@ import transformers
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from tests.models import demo_checkpoint, engine_config
+from tests.models import SLOS_SET, demo_checkpoint, engine_config
 
 MODES = ("disaggregated", "colocated")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -174,7 +174,7 @@ def test_short_prompt_gets_first_token_before_long_prompt_finishes_prefill(mode)
 
 
 def test_event_loop_keeps_ticking_during_a_long_prefill():
-    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=2048))
+    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", max_prefill_tokens=2048, **SLOS_SET))
     prefill_runner = engine.actors[0].runner
     step_windows = []
     original_execute = prefill_runner.execute
@@ -210,7 +210,7 @@ def test_event_loop_keeps_ticking_during_a_long_prefill():
 
 
 def test_health_reports_an_actor_stuck_in_one_step():
-    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated"))
+    engine = Engine(engine_config(demo_checkpoint(), mode="disaggregated", **SLOS_SET))
     decode, release = engine.actors[1], threading.Event()
     real_execute = decode.runner.execute
 

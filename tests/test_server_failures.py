@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 
 import aiohttp
 import openai
 import orjson
 
 from pdserve.engine.engine import Engine
+from tests.models import SLO_FLAGS, SLOS_SET
 from pdserve.engine.worker import faults
 from tests.test_server_api import client, engine_config, serve  # noqa: F401  (fixtures)
 from tests.test_server_shutdown import server_process, stream_body  # noqa: F401  (fixtures)
@@ -18,7 +20,8 @@ from tests.test_server_shutdown import server_process, stream_body  # noqa: F401
 
 async def test_after_a_restart_the_server_is_healthy_and_answers(serve, tiny_model_dir, monkeypatch):
     monkeypatch.setenv(faults.ENV, "decode:raise@3")
-    engine = Engine(engine_config(tiny_model_dir, "disaggregated"))
+    config = engine_config(tiny_model_dir, "disaggregated")
+    engine = Engine(replace(config, scheduler=replace(config.scheduler, **SLOS_SET)))
     monkeypatch.delenv(faults.ENV)
     base = await serve(engine)
     async with client(base) as c:
@@ -40,7 +43,7 @@ async def test_after_a_restart_the_server_is_healthy_and_answers(serve, tiny_mod
 async def test_a_dead_engine_fails_the_stream_refuses_the_rest_and_exits_1(server_process, tiny_model_dir,
                                                                            monkeypatch):
     monkeypatch.setenv(faults.ENV, "decode:raise@3")
-    server = server_process("--on-worker-failure", "exit", "--mode", "disaggregated")
+    server = server_process("--on-worker-failure", "exit", "--mode", "disaggregated", *SLO_FLAGS)
     notes: list[bytes] = []
     await server.wait_for(b"READY=1", notes)
     async with aiohttp.ClientSession() as session:

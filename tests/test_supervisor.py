@@ -11,7 +11,7 @@ from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine, EngineStopped
 from pdserve.engine.worker import faults
-from tests.models import demo_checkpoint, engine_config
+from tests.models import SLOS_SET, demo_checkpoint, engine_config
 from tests.test_engine_modes import assert_pools_free, collect, prompts, run_engine
 
 MODES = ("adaptive", "disaggregated", "colocated")
@@ -23,7 +23,7 @@ FAILING_UNIT = {"adaptive": "decode", "disaggregated": "decode", "colocated": "c
 def build(mode: str, monkeypatch, fault: str | None = None, **overrides) -> Engine:
     if fault is not None:
         monkeypatch.setenv(faults.ENV, fault)
-    engine = Engine(engine_config(demo_checkpoint(), mode=mode, **overrides))
+    engine = Engine(engine_config(demo_checkpoint(), mode=mode, **SLOS_SET, **overrides))
     monkeypatch.delenv(faults.ENV, raising=False)
     return engine
 

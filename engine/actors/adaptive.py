@@ -1,19 +1,20 @@
-"""`--mode adaptive`: one engine that places each prefill and lends idle compute.
+"""`--mode adaptive`: one engine whose coordinator places each prefill and lends idle compute.
 
-The decode actor also prefills, in its own steps and chunked under a budget from the placement
-policy (`pdserve.engine.actors.placement`), the prompts that are cheaper here; the coordinator applies the
-policy when the actor takes a prompt and sends the others to a prefill unit. On CPU the two actors' cores are one pool of threads: a side with nothing to
-do lends its cores to the other, which takes them at its next step launch and gives them back at
-the launch after the lender has work again (measured: switching thread counts per step costs
-nothing, and an idle OpenMP team does not steal a busy thread's core: measured with 5507e67, which
-added lending; bench/RESULTS.md, "Serving modes", shows what lending gives on the saturated load).
+The decode actor also prefills, in its own steps and in chunks of the size the coordinator's SLO
+planner (`pdserve.engine.coordinator.planner`) picks, the prompts the planner keeps here; the
+coordinator decides when the actor takes a prompt and sends the others to a prefill unit. On CPU
+the two actors' cores are one pool of threads: a side whose partner has nothing to do may step on
+both sides' cores, when the planner predicts that faster (each unit's cost model keeps one fit per
+thread count); it gives them back at the launch after the partner has work again (measured:
+switching thread counts per step costs nothing, and an idle OpenMP team does not steal a busy
+thread's core: measured with 5507e67, which added lending; bench/RESULTS.md, "Serving modes").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.engine.actors.decode import DecodeActor
-from pdserve.engine.actors.placement import PlacementPolicy, StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.actors.prefill import PrefillActor
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.messages import Abort, Request
@@ -33,15 +34,14 @@ class CoreShare:
         return self.prefill_own + self.decode_own
 
 
-def borrowed_threads(actor: PrefillActor | DecodeActor, own: int | None) -> int | None:
-    """Threads for `actor`'s next step: every core while its partner (the coordinator knows which) has
-    nothing to do (counted as a lent step), else its own; None on GPUs (`own` None: nothing is lent by
-    thread count)."""
+def step_threads(actor: PrefillActor | DecodeActor, batch: Batch, own: int | None) -> int | None:
+    """Threads for `actor`'s next step, as the coordinator's planner decides (a step on more than its own is
+    counted as a lent step); None on GPUs (`own` None: nothing is lent by thread count)."""
     if own is None:
         return None
-    lent = not actor.port.partner_busy(actor)
-    actor.lent_steps += lent
-    return actor.share.total if lent else own
+    threads = actor.port.step_threads(actor, batch, own, actor.share.total)
+    actor.lent_steps += threads > own
+    return threads
 
 
 class LendingPrefillActor(PrefillActor):
@@ -51,8 +51,8 @@ class LendingPrefillActor(PrefillActor):
         super().__init__(*args, **kwargs)
         self.cost, self.share = cost, share
 
-    def step_threads(self) -> int | None:
-        return borrowed_threads(self, self.share and self.share.prefill_own)
+    def step_threads(self, batch: Batch) -> int | None:
+        return step_threads(self, batch, self.share and self.share.prefill_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds)
@@ -62,13 +62,12 @@ class LendingPrefillActor(PrefillActor):
 
 
 class AdaptiveDecodeActor(DecodeActor):
-    """Decodes, and prefills the prompts the coordinator's placement keeps here; borrows idle prefill cores."""
+    """Decodes, and prefills the prompts the coordinator's planner keeps here; borrows idle prefill cores."""
 
-    def __init__(self, *args, policy: PlacementPolicy, cost: StepCostModel, share: CoreShare | None,
-                 **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.policy, self.cost, self.share = policy, cost, share
-        self.local = PrefillScheduler(self.blocks, self.policy.max_prefill_tokens, self.max_num_seqs,
+    def __init__(self, unit, config, *args, cost: StepCostModel, share: CoreShare | None, **kwargs) -> None:
+        super().__init__(unit, config, *args, **kwargs)
+        self.cost, self.share = cost, share
+        self.local = PrefillScheduler(self.blocks, config.max_prefill_tokens, self.max_num_seqs,
                                       pool_max_seqs=self.max_num_seqs, watermark=self.kv_watermark)
 
     # placement (decided by the coordinator when this actor takes the prompt, on its own queue)
@@ -93,18 +92,16 @@ class AdaptiveDecodeActor(DecodeActor):
     # stepping
     def schedule(self) -> Batch | None:
         self._admit_landed()
-        return mixed_batch(self.scheduler, self.local, lambda rows: self.policy.step_budget(self.port.load(self, rows)))
+        return mixed_batch(self.scheduler, self.local, lambda rows: self.port.step_budget(self, rows))
 
-    def step_threads(self) -> int | None:
-        return borrowed_threads(self, self.share and self.share.decode_own)
+    def step_threads(self, batch: Batch) -> int | None:
+        return step_threads(self, batch, self.share and self.share.decode_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         drafts = sum(len(d) for d in batch.verify_drafts)      # verified like prefill tokens
-        self.cost.observe(threads, len(batch.decode) + len(batch.verify),
-                          sum(c.num_tokens for c in batch.chunks) + drafts, seconds)
-        if batch.decode:
-            carried_long = any(c.seq.num_tokens > self.policy.max_local for c in batch.chunks)
-            self.policy.record_decode_step(threads, len(batch.decode), seconds, carried_long)
+        rows = (*batch.decode, *batch.verify)
+        self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks) + drafts, seconds,
+                          context=sum(s.num_computed_tokens for s in rows))
 
     def drop(self, seq: Sequence) -> None:
         self.local.remove(seq)

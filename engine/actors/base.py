@@ -52,8 +52,11 @@ class Port(Protocol):
     def place(self, actor: "Actor", seq: Sequence) -> bool:
         """Adaptive mode: True to prefill `seq` on `actor`'s unit; False: the coordinator sent it elsewhere."""
 
-    def load(self, actor: "Actor", decode_rows: int | None = None):
-        """Adaptive mode: the LoadState a decode unit's placement policy reads."""
+    def step_budget(self, actor: "Actor", decode_rows: int) -> int | None:
+        """Adaptive mode: prefill tokens decode unit `actor`'s next step carries (None: a full prefill step)."""
+
+    def step_threads(self, actor: "Actor", batch: Batch, own: int, total: int) -> int:
+        """CPU core lending: threads for `actor`'s next step, its `own` or every one (`total`)."""
 
     def partner_busy(self, actor: "Actor") -> bool:
         """Whether the unit `actor` would borrow cores from is busy (CPU core lending)."""
@@ -74,8 +77,11 @@ class NoPort:
     def place(self, actor: "Actor", seq: Sequence) -> bool:
         return True
 
-    def load(self, actor: "Actor", decode_rows: int | None = None):
-        raise RuntimeError(f"the {actor.unit_name} actor is not wired to a coordinator")
+    def step_budget(self, actor: "Actor", decode_rows: int) -> int | None:
+        return None
+
+    def step_threads(self, actor: "Actor", batch: Batch, own: int, total: int) -> int:
+        return own
 
     def partner_busy(self, actor: "Actor") -> bool:
         return True
@@ -251,7 +257,7 @@ class Actor(abc.ABC):
         for seq in batch.sequences():
             seq.last_step = step_id
         work = self.prepare(batch)
-        future = self.unit.submit(replace(work, threads=self.step_threads()))
+        future = self.unit.submit(replace(work, threads=self.step_threads(batch)))
         self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
         self.step_seconds += time.perf_counter() - started
         return True
@@ -303,12 +309,12 @@ class Actor(abc.ABC):
         """What the compute unit runs for `batch`, built on the loop."""
         return StepWork(self.plan.step_input(batch))
 
-    def step_threads(self) -> int | None:
-        """CPU threads for the next step (None: keep the compute thread's own); lending overrides it."""
+    def step_threads(self, batch: Batch) -> int | None:
+        """CPU threads for `batch`'s step (None: keep the compute thread's own); lending overrides it."""
         return None
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        """A finished step's compute time (the cost model of adaptive placement listens here)."""
+        """A finished step's compute time (the step cost model of adaptive mode listens here)."""
 
     # bookkeeping shared by the actors
     def cache_landed(self, batch: Batch) -> None:

@@ -9,14 +9,17 @@ posts a preempted sequence (routed to a prefill unit again) and says when it fre
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
 from pdserve.engine.actors.base import Actor
-from pdserve.engine.actors.placement import LoadState
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
 logger = logging.getLogger(__name__)
@@ -35,13 +38,17 @@ class Route:
 
 
 class Coordinator:
-    def __init__(self, mode: str, prefill: list[Actor], decode: list[Actor]) -> None:
-        """`prefill` and `decode` actors by unit index; colocated mode: its actors in `decode`, none in `prefill`."""
+    def __init__(self, mode: str, prefill: list[Actor], decode: list[Actor], planner: Planner | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`prefill` and `decode` actors by unit index; colocated mode: its actors in `decode`, none in `prefill`.
+        Adaptive mode decides with `planner` (None until the SLOs are known: every prompt stays local);
+        `clock` is the time requests' arrival times are on (a simulator hands in its virtual one)."""
         self.mode = mode
         self.prefill, self.decode = list(prefill), list(decode)
+        self.planner, self.clock = planner, clock
         self.table: dict[str, Route] = {}
         self.down: set[str] = set()          # unit names failing or restarting: routing skips them
-        self._last_placement: bool | None = None
+        self._last_choice: dict[str, str] = {}
         for actor in self.actors:
             actor.port = self
 
@@ -84,9 +91,9 @@ class Coordinator:
     def _prefill_rate(actor: Actor) -> float | None:
         """Measured seconds per prefill token on `actor`'s unit (adaptive mode's cost models), else None."""
         if isinstance(actor, LendingPrefillActor):
-            return actor.cost.seconds_per_prefill_token(actor.share.prefill_own if actor.share else 1)
+            return actor.cost.seconds_per_prefill_token(actor.share and actor.share.prefill_own)
         if isinstance(actor, AdaptiveDecodeActor):
-            return actor.cost.seconds_per_prefill_token(actor.share.decode_own if actor.share else 1)
+            return actor.cost.seconds_per_prefill_token(actor.share and actor.share.decode_own)
         return None
 
     def abort(self, request_id: str) -> None:
@@ -135,7 +142,7 @@ class Coordinator:
         decoding) will decode in its steps."""
         if not isinstance(actor, AdaptiveDecodeActor):
             return None
-        return actor.cost.predict(actor.share.decode_own if actor.share else 1, actor.blocks.num_sequences + 1, 0)
+        return actor.cost.predict(actor.share and actor.share.decode_own, actor.blocks.num_sequences + 1, 0)
 
     def post(self, message) -> None:
         if isinstance(message, KVHandoff):
@@ -166,22 +173,18 @@ class Coordinator:
         for prefill in self.prefill:
             prefill.poke()
 
-    # adaptive placement (Port)
+    # adaptive placement (Port): the planner decides, on the decode unit's queue now
     def place(self, actor: Actor, seq: Sequence) -> bool:
         """Whether decode unit `actor` prefills `seq` itself; else it goes to the prefill unit with the
-        earliest predicted first token. The decode unit's placement policy decides, on its queue now."""
+        earliest predicted first token."""
         route = self.table.get(seq.request_id)
         index = self._first_token_unit(self.prefill, seq)
-        if route is None or index is None:      # aborted (its Abort follows), or no prefill unit up
-            return True
+        if route is None or index is None or self.planner is None:   # aborted (its Abort follows), no prefill
+            return True                                               # unit up, or not started
         prefill = self.prefill[index]
-        policy = actor.policy
-        policy.prefill_cost = prefill.cost      # NOTE: the remote side of this decision is that unit's cost model
-        decision = policy.place(uncached_tokens(actor.blocks, seq), uncached_tokens(prefill.blocks, seq),
-                                self._load(actor, prefill))
-        if decision.local != self._last_placement:
-            logger.debug("placement %s: %s", "local" if decision.local else "remote", decision.reason)
-            self._last_placement = decision.local
+        decision = self.planner.place(uncached_tokens(actor.blocks, seq), uncached_tokens(prefill.blocks, seq),
+                                      self._load(actor, prefill), actor.cost, prefill.cost, seq.num_tokens)
+        self._log("placement", decision)
         if decision.local:
             route.decode = actor.index
             return True
@@ -190,20 +193,58 @@ class Coordinator:
         prefill.send(Preempted(seq.request, tuple(seq.output_token_ids)) if seq.output_token_ids else seq.request)
         return False
 
+    def step_budget(self, actor: Actor, decode_rows: int) -> int | None:
+        """Prefill tokens decode unit `actor`'s next step carries, as the planner predicts best."""
+        if self.planner is None:
+            return None
+        decision = self.planner.step_budget(self.load(actor, decode_rows), actor.cost)
+        self._log("step budget", decision)
+        return decision.chosen.chunk
+
+    def step_threads(self, actor: Actor, batch, own: int, total: int) -> int:
+        """Core lending: every core for `actor`'s step while the unit it borrows from idles, when the planner
+        predicts the step faster so (and within the partner's SLO: the partner waits for it to end)."""
+        if self.partner_busy(actor) or self.planner is None:
+            return own
+        slos, prefilling = self.planner.slos, actor in self.prefill
+        context = sum(s.num_computed_tokens for s in batch.decode)
+        tokens = sum(c.num_tokens for c in batch.chunks)
+        lend = self.planner.lend(actor.cost, own, total, len(batch.decode), tokens, context,
+                                 slos.itl if prefilling else slos.ttft)
+        return total if lend else own
+
+    def _lent(self, cost: StepCostModel, own: int, total: int, rows: int, tokens: int, context: int, partner_slo: float) -> int:
+        return total if self.planner.lend(cost, own, total, rows, tokens, context, partner_slo) else own
+
+    def _log(self, what: str, decision: Decision) -> None:
+        """Log a decision at debug level when its kind of action changes."""
+        if self._last_choice.get(what) != decision.chosen.action:
+            self._last_choice[what] = decision.chosen.action
+            logger.debug("%s %s: %s", what, decision.chosen.action, decision.reason)
+
     def load(self, actor: Actor, decode_rows: int | None = None) -> LoadState:
-        """What decode unit `actor`'s policy reads for its step budget: the least loaded live prefill unit."""
+        """What the planner reads for decode unit `actor`'s step budget: the least loaded live prefill unit."""
         live = [p for p in self.prefill if self.up(p)] or self.prefill
         return self._load(actor, min(live, key=lambda p: p.backlog_tokens()), decode_rows)
 
     def _load(self, decode: AdaptiveDecodeActor, prefill: LendingPrefillActor,
               decode_rows: int | None = None) -> LoadState:
-        queued = list(decode.local.sequences())
-        rows = len(decode.scheduler) if decode_rows is None else decode_rows
-        share = decode.share
-        return LoadState(rows, sum(s.num_tokens - s.num_computed_tokens for s in queued), prefill.backlog_tokens(),
-                         share.total if share and not prefill.busy else share.decode_own if share else 1,
-                         share.prefill_own if share else 1,
-                         long_queued=any(s.num_tokens > decode.policy.max_local for s in queued))
+        now = self.clock()
+        queue = tuple(Waiting(s.num_tokens - s.num_computed_tokens, _waited(s, now), s.num_tokens)
+                      for s in decode.local.sequences())
+        running = decode.scheduler.running
+        rows = len(running) if decode_rows is None else decode_rows
+        share, context = decode.share, sum(s.num_computed_tokens for s in running)
+        decode_alone = prefill_alone = None
+        if share is not None and self.planner is not None:     # the threads a step gets while its partner idles
+            slos, tokens = self.planner.slos, self.planner.max_prefill_tokens
+            decode_alone = self._lent(decode.cost, share.decode_own, share.total, rows, 0, context, slos.ttft)
+            prefill_alone = self._lent(prefill.cost, share.prefill_own, share.total, 0, tokens, 0, slos.itl)
+        return LoadState(rows, queue, prefill.backlog_tokens(), share and share.decode_own, decode_alone,
+                         share and (share.prefill_own if rows or queue else prefill_alone), prefill.busy,
+                         decode_context=context,
+                         decode_remaining=max((s.params.max_tokens - len(s.output_token_ids) for s in running),
+                                              default=0))
 
     def partner_busy(self, actor: Actor) -> bool:
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
@@ -246,3 +287,9 @@ class Coordinator:
     def units(self) -> list[tuple[str, str, bool]]:
         """(unit name, role, up) of every unit."""
         return [(a.unit_name, a.name, self.up(a) and a.alive) for a in self.actors]
+
+
+def _waited(seq: Sequence, now: float) -> float:
+    """Seconds since `seq`'s request arrived (0 for one that carries no arrival time)."""
+    arrival = seq.request.arrival_time
+    return max(0.0, now - arrival) if arrival > 0 else 0.0

@@ -20,6 +20,6 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queue: int = 1024
-    itl_target_ms: float | None = None   # adaptive mode's decode step target; None: twice the decode-only step
-    max_local_prefill_length: int | None = None   # adaptive mode: longer prompts go remote while rows decode;
-    #                                              None: 1000 (NVIDIA Dynamo's), at most max_prefill_tokens
+    ttft_slo_ms: float | None = None     # time to first token the planner aims for and goodput counts;
+    #                                      None: derived at start-up (engine.coordinator.slo)
+    itl_slo_ms: float | None = None      # time between two tokens of a stream, likewise

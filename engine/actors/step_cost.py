@@ -1,0 +1,62 @@
+"""The step cost model: seconds of one step on one compute unit, fit online from the steps it ran.
+
+    seconds = fixed + per_decode_row x D + per_prefill_token x P + per_context_token x K
+
+`D` rows decoding, `P` prefill tokens, `K` KV tokens the decoding rows read (their contexts). One fit
+per CPU thread count, so a step on borrowed cores is predicted from steps that ran on as many: core
+sharing is measured, not assumed. The adaptive actors feed it; the coordinator's planner reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens: the ridge term then weighs the four alike
+FEATURES = 4
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Seconds of one step on one compute unit, fit by exponentially weighted least squares."""
+
+    decay: float = 0.97
+    ridge: float = 1e-3
+    _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+
+    def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
+                context: int = 0) -> None:
+        a, b, n = self._fits.get(threads, (np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES), 0))
+        x = _features(decode_rows, prefill_tokens, context)
+        self._fits[threads] = (self.decay * a + np.outer(x, x), self.decay * b + seconds * x, n + 1)
+
+    def measured(self, threads: int | None) -> bool:
+        """At least three steps observed at `threads` (a fit of its own, not another count's)."""
+        fit = self._fits.get(threads)
+        return fit is not None and fit[2] >= 3
+
+    def coefficients(self, threads: int | None) -> np.ndarray | None:
+        """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
+        (unmeasured there: the most threads measured), or None before three observations."""
+        fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
+                                                                      reverse=True)), None)
+        if fit is None or fit[2] < 3:
+            return None
+        a, b, _ = fit
+        return np.maximum(np.linalg.solve(a + self.ridge * np.eye(FEATURES), b), 0.0)
+
+    def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0) -> float | None:
+        c = self.coefficients(threads)
+        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context))
+
+    def seconds_per_prefill_token(self, threads: int | None) -> float | None:
+        c = self.coefficients(threads)
+        return None if c is None or c[2] <= 0 else float(c[2])
+
+
+def _features(decode_rows: int, prefill_tokens: int, context: int) -> np.ndarray:
+    return np.array([1.0, decode_rows, prefill_tokens, context / CONTEXT_UNIT])
+
+
+def _by_threads(item: tuple) -> int:
+    return item[0] or 0

@@ -1,0 +1,229 @@
+"""The SLO planner of adaptive mode: one rule, from stated SLOs and measured step costs.
+
+For each candidate action the step cost models (`pdserve.engine.actors.step_cost`) predict the TTFT of
+the prompts waiting and the ITL of the streams decoding; the planner takes the action with the fewest
+predicted SLO misses and, among equals, the most tokens per second (DistServe's goodput, then throughput).
+
+The actions, for the prompts a decode unit may prefill itself:
+
+- a local chunk of `c` tokens in each decode step, for a few `c`: the largest chunk whose step keeps
+  the ITL SLO, and the whole queue in one step (up to `--max-prefill-tokens`, the runner's step size);
+- waiting: no prefill while the streams decode, then the whole queue once the longest of them may
+  have ended (its `max_tokens`); never for a prompt already past its TTFT SLO;
+- for a new prompt, a remote prefill on a prefill unit: its queue there at its measured rate, while the
+  decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
+- lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
+
+A stream misses the ITL SLO when a step it decodes in is predicted past it; a prompt misses the TTFT
+SLO when its first token is predicted past it, counted from its arrival. Tokens per second are the
+tokens decoded and the prompt tokens served (cached ones too) until the action's last first token. Nothing here reads a clock: the
+coordinator hands in how long each prompt has waited.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.coordinator.slo import Slos
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A prompt waiting for its first token."""
+
+    tokens: int                      # prompt tokens still to compute (prefix-cache hits excluded)
+    waited: float = 0.0              # seconds since it arrived
+    length: int = 0                  # its prompt's tokens, cached ones included (0: `tokens`)
+
+    @property
+    def served(self) -> int:
+        return self.length or self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LoadState:
+    """What a decision reads off a decode unit and the prefill unit it would hand a prompt to."""
+
+    decode_rows: int                         # sequences decoding on the decode unit
+    local_queue: tuple[Waiting, ...] = ()    # prompts queued there for a local prefill, in order
+    remote_backlog_tokens: int = 0           # prompt tokens queued on or being prefilled by the prefill unit
+    decode_threads: int | None = None        # threads of a decode step while the prefill unit works
+    decode_threads_alone: int | None = None  # ... while it idles (its cores lent; the same off CPU)
+    prefill_threads: int | None = None       # threads of a prefill step while the decode unit works
+    prefill_busy: bool = False
+    decode_context: int = 0                  # KV tokens the decoding rows read per step
+    decode_remaining: int = 0                # the most tokens a decoding row may still take (0: unknown)
+
+    @property
+    def local_threads(self) -> int | None:
+        return self.decode_threads if self.prefill_busy else self.decode_threads_alone
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate action and what the cost models predict it causes."""
+
+    action: str                      # "local", "wait" or "remote"
+    chunk: int                       # prefill tokens per decode step (local), 0 otherwise
+    ttft_misses: int
+    itl_misses: int
+    tokens_per_second: float
+    first_token: float               # seconds until the last first token it decides
+    step: float                      # the decode step meanwhile (seconds)
+
+    @property
+    def misses(self) -> int:
+        return self.ttft_misses + self.itl_misses
+
+    def describe(self) -> str:
+        what = f"local chunks of {self.chunk}" if self.action == "local" else self.action
+        return (f"{what}: {self.ttft_misses} TTFT + {self.itl_misses} ITL misses, first token in "
+                f"{self.first_token:.3f}s, steps of {self.step * 1e3:.1f} ms, {self.tokens_per_second:.0f} tok/s")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    chosen: Prediction
+    candidates: tuple[Prediction, ...] = ()
+
+    @property
+    def local(self) -> bool:
+        return self.chosen.action != "remote"
+
+    @property
+    def reason(self) -> str:
+        others = "; ".join(p.describe() for p in self.candidates if p is not self.chosen)
+        return self.chosen.describe() + (f" (over {others})" if others else "")
+
+
+def best(candidates: Sequence[Prediction]) -> Prediction:
+    """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
+    return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
+
+
+class Planner:
+    """Decides for decode units with the SLOs `slos`; every step cost comes from the models handed in."""
+
+    def __init__(self, slos: Slos, max_prefill_tokens: int) -> None:
+        self.slos = slos
+        self.max_prefill_tokens = max_prefill_tokens      # NOTE: the runner's step size: a hard limit
+
+    # the prefill a decode step carries
+    def step_budget(self, state: LoadState, decode: StepCostModel) -> Decision:
+        """How many prefill tokens the decode unit's next step carries for its local queue."""
+        unmeasured = Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0)
+        if not state.local_queue or decode.coefficients(state.local_threads) is None:
+            return Decision(unmeasured)
+        candidates = self._local_candidates(state.local_queue, state, decode, state.local_threads)
+        return Decision(best(candidates), tuple(candidates))
+
+    # where a new prompt is prefilled
+    def place(self, local_tokens: int, remote_tokens: int, state: LoadState, decode: StepCostModel,
+              prefill: StepCostModel | None, length: int = 0) -> Decision:
+        """Prefill a new prompt of `length` tokens here (`local_tokens` to compute) or on the prefill unit
+        (`remote_tokens`); `length` 0: the larger of the two."""
+        if decode.coefficients(state.local_threads) is None:
+            return Decision(Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0))
+        length = length or max(local_tokens, remote_tokens)
+        queue = (*state.local_queue, Waiting(local_tokens, 0.0, length))
+        candidates = self._local_candidates(queue, state, decode, state.local_threads)
+        remote = self._remote(remote_tokens, length, state, decode, prefill)
+        if remote is not None:
+            candidates.append(remote)
+        return Decision(best(candidates), tuple(candidates))
+
+    # lending cores
+    def lend(self, cost: StepCostModel, own: int, total: int, decode_rows: int, prefill_tokens: int,
+             context: int, partner_slo: float) -> bool:
+        """Whether a unit whose partner idles steps on `total` threads instead of its `own`: when that is
+        predicted faster (unmeasured: try it), and the step stays within the partner's SLO (the partner's
+        next work waits for it to end)."""
+        if not cost.measured(own) or not cost.measured(total):
+            return True
+        borrowed = cost.predict(total, decode_rows, prefill_tokens, context)
+        return borrowed < cost.predict(own, decode_rows, prefill_tokens, context) and borrowed <= partner_slo
+
+    # predictions
+    def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
+                          threads: int | None) -> list[Prediction]:
+        total = max(1, sum(w.tokens for w in queue))
+        whole = min(total, self.max_prefill_tokens)
+        chunks = [min(c, total) for c in (self._fitting_chunk(state, decode, threads), whole) if c > 0]
+        candidates = [self._local(queue, c, state, decode, threads) for c in dict.fromkeys(chunks)]
+        if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
+            candidates.append(self._wait(queue, state, decode, threads))
+        return candidates
+
+    def _fitting_chunk(self, state: LoadState, decode: StepCostModel, threads: int | None) -> int:
+        """The most prefill tokens a decode step carries within the ITL SLO (all of a step without rows)."""
+        if not state.decode_rows:
+            return self.max_prefill_tokens
+        per_token = decode.seconds_per_prefill_token(threads)
+        alone = decode.predict(threads, state.decode_rows, 0, state.decode_context)
+        if not per_token:
+            return self.max_prefill_tokens
+        return max(0, min(self.max_prefill_tokens, int((self.slos.itl - alone) / per_token)))
+
+    def _local(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
+               threads: int | None, delay: float = 0.0) -> Prediction:
+        """The queue prefilled in chunks of `chunk` tokens per decode step, after `delay` seconds."""
+        rows, context = state.decode_rows, state.decode_context
+        step = decode.predict(threads, rows, chunk, context)
+        total = max(1, sum(w.tokens for w in queue))
+        full, last = divmod(total, chunk)
+        last_step = decode.predict(threads, rows, last, context) if last else 0.0
+        done, ttft_misses = 0, 0
+        for waiting in queue:
+            done += waiting.tokens
+            steps = math.ceil(done / chunk)
+            at = delay + (steps * step if steps <= full else full * step + last_step)
+            ttft_misses += waiting.waited + at > self.slos.ttft
+        horizon = delay + full * step + last_step
+        itl_misses = rows if rows and max(step, last_step) > self.slos.itl else 0
+        tokens = rows * (full + bool(last)) + sum(w.served for w in queue)
+        return Prediction("local", chunk, ttft_misses, itl_misses, tokens / horizon if horizon else 0.0,
+                          horizon, step)
+
+    def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
+              threads: int | None) -> Prediction:
+        """No prefill while the streams decode; the whole queue once the longest may have ended."""
+        rows = state.decode_rows
+        alone = decode.predict(threads, rows, 0, state.decode_context)
+        drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
+        whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
+        later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
+        itl_misses = rows if alone > self.slos.itl else 0
+        tokens = rows * state.decode_remaining + sum(w.served for w in queue)
+        return Prediction("wait", 0, later.ttft_misses, itl_misses, tokens / later.first_token, later.first_token,
+                          alone)
+
+    def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
+                prefill: StepCostModel | None) -> Prediction | None:
+        """The prompt prefilled on the prefill unit after its backlog; the local queue meanwhile on the decode
+        unit's own cores (the prefill unit is busy then). None when no step cost is measured for it."""
+        cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
+        if cost.coefficients(state.prefill_threads) is None:
+            return None
+        first_token = self._prefill_seconds(state.remote_backlog_tokens + tokens, cost, state.prefill_threads)
+        rows = state.decode_rows
+        step = decode.predict(state.decode_threads, rows, 0, state.decode_context) if rows else 0.0
+        ttft_misses, rate = int(first_token > self.slos.ttft), length / first_token if first_token else 0.0
+        if state.local_queue:
+            meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
+                                                    state.decode_threads))
+            ttft_misses += meanwhile.ttft_misses
+            step = max(step, meanwhile.step)
+            served = sum(w.served for w in state.local_queue)
+            rate += served / meanwhile.first_token if meanwhile.first_token else 0.0
+        rate += rows / step if step else 0.0
+        itl_misses = rows if rows and step > self.slos.itl else 0
+        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
+
+    def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
+        """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
+        full, last = divmod(tokens, self.max_prefill_tokens)
+        seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
+        return seconds + (cost.predict(threads, 0, last) if last else 0.0)
+

@@ -1,0 +1,75 @@
+"""Start-up profile: a few synthetic steps on a unit, timed on the unit itself, before any request.
+
+The steps go through the unit's own compute (its thread and cores, or its worker process) at the
+thread counts given, and feed a step cost model the SLOs not set are derived from
+(`pdserve.engine.coordinator.slo`). A first, untimed step pays the one-time costs (allocations, lazily
+built kernels).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.coordinator.slo import prefill_step_tokens, profile_context
+from pdserve.engine.worker.compute import Compute
+from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
+from pdserve.engine.worker.step import StepInput, StepWork
+
+
+MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
+#                              process (~4.5 bytes a token) stays within a socket buffer
+
+
+@dataclass(frozen=True, slots=True)
+class UnitProfile:
+    """What to run on one unit: which phases it steps, and with how many threads (None: its own)."""
+
+    unit: Compute
+    cost: StepCostModel
+    decodes: bool
+    prefills: bool
+    thread_counts: tuple[int | None, ...] = (None,)
+
+
+def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
+    """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
+    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step: the points that separate
+    the cost model's four coefficients. A full batch at the long context is predicted from them, not run:
+    each step's message stays small (its rows' tokens travel to a worker process)."""
+    rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
+    shapes = []
+    if decodes:
+        shapes += [StepShape("decode", 1, 1, context=1), StepShape("decode", rows, 1, context=1),
+                   StepShape("decode", 1, 1, context=context),
+                   StepShape("decode", rows, 1, context=max(1, min(context, MESSAGE_TOKENS // rows)))]
+    if prefills:
+        tokens = prefill_step_tokens(sched, max_model_len)
+        shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]
+    return shapes
+
+
+async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
+                       seed: int = 0) -> int:
+    """Run and observe the profile steps of one unit; returns the steps observed."""
+    rng, observed = random.Random(seed), 0
+    shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
+    for threads in profile.thread_counts:
+        await _run(profile.unit, shapes[0], threads, vocab_size, rng)          # untimed: one-time costs
+        for shape in shapes:
+            outcome = await _run(profile.unit, shape, threads, vocab_size, rng)
+            decoding = shape.kind == "decode"
+            profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
+                                 0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
+                                 context=shape.num_seqs * shape.context if decoding else 0)
+            observed += 1
+    return observed
+
+
+async def _run(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
+    """One synthetic step of `shape` on `unit`, its rows given back after; its StepOutcome."""
+    step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng)
+    outcome = await unit.submit(StepWork(step, threads=threads))
+    await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows))))
+    return outcome

@@ -1,0 +1,80 @@
+"""The service-level objectives the planner serves and goodput counts: TTFT and ITL, in seconds.
+
+Each is the user's (`--ttft-slo-ms`, `--itl-slo-ms`) or derived once at start-up from the step times
+measured on this machine (`pdserve.engine.coordinator.profile`):
+
+- ITL: twice a decode-only step of a full batch (`--max-num-seqs` rows, each at a context of one full
+  prefill step) on the decode unit's own cores. Every batch the engine admits then meets it, with as
+  much time again for prefill riding along in that step (Sarathi-Serve's stall-free chunk budget).
+- TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the
+  colocated unit in that mode): a prompt as long as one prefill step gets its first token in time
+  even when it queues behind one other such prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.core.config import SchedulerConfig
+
+HEADROOM = 2.0               # the derived SLOs: the measured step, and as much again (see above)
+
+
+@dataclass(frozen=True, slots=True)
+class Slos:
+    """The effective SLOs, in seconds, and where each came from."""
+
+    ttft: float
+    itl: float
+    ttft_source: str = "set"         # "set" (the user's option) or how it was derived
+    itl_source: str = "set"
+
+    def describe(self) -> str:
+        return (f"TTFT SLO {self.ttft * 1e3:.1f} ms ({self.ttft_source}), "
+                f"ITL SLO {self.itl * 1e3:.1f} ms ({self.itl_source})")
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredUnits:
+    """What the SLOs are derived from: the decode and prefill units' cost models and their own threads."""
+
+    decode: StepCostModel
+    decode_threads: int | None
+    prefill: StepCostModel
+    prefill_threads: int | None
+
+
+def profile_context(sched: SchedulerConfig, max_model_len: int) -> int:
+    """The context of each row of the full batch the ITL SLO is derived at: one full prefill step."""
+    return max(1, min(sched.max_prefill_tokens, max_model_len - 2))
+
+
+def prefill_step_tokens(sched: SchedulerConfig, max_model_len: int) -> int:
+    return max(1, min(sched.max_prefill_tokens, max_model_len - 1))
+
+
+def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUnits | None) -> Slos:
+    """The user's SLOs where set, else derived from `measured` (see the module docstring).
+
+    Raises ValueError when an SLO is not set and nothing was measured to derive it from."""
+    ttft, itl = sched.ttft_slo_ms, sched.itl_slo_ms
+    rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
+    tokens = prefill_step_tokens(sched, max_model_len)
+    itl_source = ttft_source = "set"
+    if itl is None:
+        step = _measured(measured and measured.decode.predict(measured.decode_threads, rows, 0, rows * context),
+                         "--itl-slo-ms")
+        itl = HEADROOM * step * 1e3
+        itl_source = (f"{HEADROOM:g} x the {step * 1e3:.1f} ms decode-only step predicted for {rows} rows at "
+                      f"context {context}")
+    if ttft is None:
+        step = _measured(measured and measured.prefill.predict(measured.prefill_threads, 0, tokens), "--ttft-slo-ms")
+        ttft = HEADROOM * step * 1e3
+        ttft_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms prefill step of {tokens} tokens"
+    return Slos(ttft / 1e3, itl / 1e3, ttft_source, itl_source)
+
+
+def _measured(seconds: float | None, option: str) -> float:
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"{option} is not set and no step was measured to derive it from")
+    return seconds

@@ -1,0 +1,200 @@
+"""The SLO planner on seeded cost models: deterministic decisions that follow the predicted SLO misses,
+then throughput; core lending from predicted costs; the SLO defaults derived from measured steps."""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.coordinator.planner import LoadState, Planner, Waiting
+from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
+from pdserve.engine.coordinator.slo import HEADROOM, MeasuredUnits, Slos, derive_slos
+from pdserve.engine.core.config import SchedulerConfig
+
+SLOS = Slos(ttft=1.0, itl=0.05)
+
+
+def linear_cost(fixed: float, per_row: float, per_token: float, threads=(None,), noise: float = 0.0,
+                seed: int = 0) -> StepCostModel:
+    """A cost model fed observations of a known linear step cost (within `noise`) at each thread count."""
+    rng, cost = random.Random(seed), StepCostModel()
+    for threads_ in threads:
+        for _ in range(40):
+            rows, tokens = rng.randrange(0, 32), rng.choice([0, 0, 16, 64, 512])
+            seconds = (fixed + per_row * rows + per_token * tokens) * rng.uniform(1 - noise, 1 + noise)
+            cost.observe(threads_, rows, tokens, seconds)
+    return cost
+
+
+def decode_cost(**kwargs) -> StepCostModel:
+    return linear_cost(0.02, 0.001, 0.0005, **kwargs)       # 30 ms at 10 rows, 0.5 ms a prefill token
+
+
+def state(rows=10, queue=(), backlog=0, prefill_busy=False, remaining=0) -> LoadState:
+    return LoadState(rows, tuple(queue), backlog, prefill_busy=prefill_busy, decode_remaining=remaining)
+
+
+def test_a_long_prompt_goes_remote_when_local_chunks_would_miss_the_slos():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0005)
+    decision = planner.place(1000, 1000, state(), decode_cost(), prefill)
+    assert not decision.local
+    local = {p.chunk: p for p in decision.candidates if p.action == "local"}
+    fitting = local[40]                              # (50 ms - 30 ms) / 0.5 ms: the step keeps the ITL SLO
+    assert fitting.itl_misses == 0 and fitting.ttft_misses == 1        # 25 steps of 50 ms: past 1 s
+    assert local[1000].itl_misses == 10 and local[1000].ttft_misses == 0      # one 530 ms step stalls every row
+    assert decision.chosen.misses == 0 and decision.chosen.first_token == pytest.approx(0.51, rel=0.05)
+    assert "remote" in decision.reason and "local chunks of 40" in decision.reason
+
+
+def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    slow_prefill = linear_cost(0.01, 0.0, 0.002)       # e.g. the prefill unit on one core, decode on two
+    decision = planner.place(30, 30, state(), decode_cost(), slow_prefill)
+    assert decision.local and decision.chosen.chunk == 30 and decision.chosen.misses == 0
+    assert decision.chosen.step == pytest.approx(0.045, rel=0.05)
+    backlogged = planner.place(30, 30, state(backlog=3000), decode_cost(), linear_cost(0.01, 0.0, 0.0005))
+    assert backlogged.local                            # the prefill unit is 1.5 s behind: its first token would miss
+
+
+def test_with_nothing_decoding_a_prompt_is_prefilled_locally_at_the_full_budget():
+    planner = Planner(SLOS, max_prefill_tokens=512)
+    decision = planner.place(2000, 2000, state(rows=0), decode_cost(), decode_cost())     # two alike units
+    assert decision.local and decision.chosen.chunk == 512          # no stream to stall: a tie, kept here
+    assert planner.step_budget(state(rows=0, queue=[Waiting(2000)]), decode_cost()).chosen.chunk == 512
+
+
+def test_the_step_budget_keeps_a_decode_step_within_the_itl_slo_until_ttft_misses_outnumber_the_streams():
+    planner, cost = Planner(SLOS, max_prefill_tokens=2048), decode_cost()
+    budget = planner.step_budget(state(queue=[Waiting(100)]), cost).chosen
+    assert budget.chunk == 40 and cost.predict(None, 10, budget.chunk) == pytest.approx(0.05, rel=0.05)
+    assert planner.step_budget(state(queue=[Waiting(25)]), cost).chosen.chunk == 25       # fits whole
+    planner = Planner(Slos(ttft=1.5, itl=0.05), max_prefill_tokens=2048)
+    piled = planner.step_budget(state(rows=2, queue=[Waiting(100)] * 20), cost)   # chunks of 56: the last 4 miss
+    fitting = next(p for p in piled.candidates if p.chunk == 56)
+    assert fitting.ttft_misses == 4 and fitting.itl_misses == 0
+    assert piled.chosen.chunk == 2000 and (piled.chosen.ttft_misses, piled.chosen.itl_misses) == (0, 2)
+    fewer = planner.step_budget(state(rows=2, queue=[Waiting(100)] * 15), cost)    # every one in time at 56
+    assert fewer.chosen.chunk == 56 and fewer.chosen.misses == 0
+
+
+def test_without_a_cheaper_prefill_unit_a_prompt_waits_for_the_streams_to_end_rather_than_stall_them():
+    planner = Planner(Slos(ttft=1.0, itl=0.0301), max_prefill_tokens=2048)   # a decode step alone: 30 ms
+    cost = decode_cost()
+    waiting = planner.step_budget(state(queue=[Waiting(300)], remaining=20), cost)    # they end in 0.6 s
+    assert waiting.chosen.action == "wait" and waiting.chosen.chunk == 0 and waiting.chosen.misses == 0
+    assert all(p.itl_misses == 10 for p in waiting.candidates if p.action == "local")
+    assert waiting.chosen.first_token == pytest.approx(0.6 + 0.02 + 0.15, rel=0.05)
+    long_streams = planner.step_budget(state(queue=[Waiting(300)], remaining=100), cost)     # 3 s: a miss,
+    assert long_streams.chosen.action == "wait" and long_streams.chosen.ttft_misses == 1     # fewer than 10
+    late = planner.step_budget(state(queue=[Waiting(300, waited=1.2)], remaining=20), cost)
+    assert late.chosen.action == "local" and late.chosen.chunk == 300     # past its TTFT SLO: served now
+    unknown = planner.step_budget(state(queue=[Waiting(300)]), cost)      # no stream's length known: no wait
+    assert {p.action for p in unknown.candidates} == {"local"}
+    placed = planner.place(300, 300, state(remaining=20), cost, linear_cost(0.01, 0.0, 0.01))   # remote: 3 s
+    assert placed.local and placed.chosen.action == "wait"
+    cheaper = planner.place(300, 300, state(remaining=20), cost, linear_cost(0.01, 0.0, 0.0005))
+    assert not cheaper.local                       # 0.16 s there, and the streams keep their rhythm
+
+
+def test_decisions_are_deterministic_for_a_seeded_cost_model():
+    def decisions(seed: int) -> list[tuple[str, int]]:
+        planner = Planner(SLOS, max_prefill_tokens=1024)
+        decode = decode_cost(noise=0.05, seed=seed)
+        prefill = linear_cost(0.02, 0.0, 0.0006, noise=0.05, seed=seed)    # a little slower a token
+        cases = [(0, 500, state(rows=0)), (30, 30, state()), (400, 400, state()), (400, 400, state(backlog=4000)),
+                 (400, 40, state(backlog=300)), (200, 200, state(queue=[Waiting(900, 0.2)]))]
+        return [(d.chosen.action, d.chosen.chunk) for d in
+                (planner.place(local, remote, s, decode, prefill) for local, remote, s in cases)]
+
+    assert decisions(7) == decisions(7)
+    assert [action for action, _ in decisions(7)] == [
+        "local",     # nothing decodes: the decode unit on every core
+        "remote",    # fits a step, but the idle prefill unit does it alongside: more tokens per second
+        "remote",    # 400 tokens: 10 steps at the fitting chunk here, 0.2 s there
+        "local",     # the prefill unit is 2 s behind: its first token would miss
+        "remote",    # the prefill pool has most of it cached
+        "remote"]    # behind a local queue of 900 tokens: there it meets the TTFT SLO
+
+
+def test_uncached_tokens_decide_where_a_conversations_next_turn_goes():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0005)
+    assert planner.place(20, 2000, state(), decode_cost(), prefill).local        # its history is cached here
+    assert not planner.place(2000, 20, state(), decode_cost(), prefill).local    # it is cached there
+
+
+def test_before_any_step_is_measured_every_prompt_stays_local_at_the_full_budget():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    decision = planner.place(1500, 1500, state(), StepCostModel(), StepCostModel())
+    assert decision.local and decision.chosen.chunk == 2048
+    assert planner.step_budget(state(queue=[Waiting(1500)]), StepCostModel()).chosen.chunk == 2048
+
+
+def test_lending_is_decided_from_the_predicted_step_on_each_thread_count():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    scaling = StepCostModel()                       # two threads: half the time
+    for rows, tokens in [(1, 0), (8, 0), (16, 64), (4, 512), (0, 256)]:
+        scaling.observe(1, rows, tokens, 0.01 + 0.002 * rows + 0.001 * tokens)
+        scaling.observe(2, rows, tokens, (0.01 + 0.002 * rows + 0.001 * tokens) / 2)
+    assert planner.lend(scaling, 1, 2, 8, 0, 0, partner_slo=0.05)
+    assert not planner.lend(scaling, 1, 2, 0, 512, 0, partner_slo=0.05)      # 0.26 s: the partner would wait past it
+    flat = StepCostModel()                          # a tiny step: a second thread only adds its overhead
+    for rows in (1, 4, 8, 16):
+        flat.observe(1, rows, 0, 0.001)
+        flat.observe(2, rows, 0, 0.0015)
+    assert not planner.lend(flat, 1, 2, 8, 0, 0, partner_slo=0.05)
+    assert planner.lend(StepCostModel(), 1, 2, 8, 0, 0, partner_slo=0.05)    # unmeasured: try it
+
+
+def test_context_tokens_are_a_coefficient_of_their_own():
+    cost = StepCostModel()
+    for rows, context in [(1, 100), (8, 800), (8, 8000), (16, 4000), (4, 16000), (2, 200)]:
+        cost.observe(None, rows, 0, 0.01 + 0.001 * rows + 0.002 * context / 1000, context=context)
+    assert cost.predict(None, 8, 0, context=20_000) == pytest.approx(0.01 + 0.008 + 0.04, rel=0.02)
+
+
+def test_slo_defaults_are_derived_from_the_measured_steps():
+    sched = SchedulerConfig(max_num_seqs=16, max_prefill_tokens=512)
+    decode, prefill = StepCostModel(), StepCostModel()
+    for rows, context in [(1, 1), (16, 16), (16, 16 * 512), (4, 100)]:
+        decode.observe(1, rows, 0, 0.005 + 0.001 * rows + 0.004 * context / 1000, context=context)
+    for tokens in (1, 256, 512):
+        prefill.observe(1, 0, tokens, 0.02 + 0.0004 * tokens)
+    slos = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1))
+    itl_step, ttft_step = 0.005 + 0.016 + 0.004 * 16 * 512 / 1000, 0.02 + 0.0004 * 512
+    assert slos.itl == pytest.approx(HEADROOM * itl_step, rel=0.01)
+    assert slos.ttft == pytest.approx(HEADROOM * ttft_step, rel=0.01)
+    assert "decode-only step predicted for 16 rows at context 512" in slos.itl_source
+    assert "prefill step of 512 tokens" in slos.ttft_source
+    set_ = derive_slos(SchedulerConfig(ttft_slo_ms=800, itl_slo_ms=40), 4096, None)
+    assert (set_.ttft, set_.itl, set_.ttft_source, set_.itl_source) == (0.8, 0.04, "set", "set")
+    with pytest.raises(ValueError, match="--itl-slo-ms is not set"):
+        derive_slos(SchedulerConfig(ttft_slo_ms=800), 4096, MeasuredUnits(StepCostModel(), 1, prefill, 1))
+
+
+def test_the_slos_are_engine_options_and_the_itl_target_is_gone():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    sched = engine_config_from_args(parser.parse_args([])).scheduler
+    assert sched.ttft_slo_ms is None and sched.itl_slo_ms is None
+    sched = engine_config_from_args(parser.parse_args(["--ttft-slo-ms", "900", "--itl-slo-ms", "60"])).scheduler
+    assert (sched.ttft_slo_ms, sched.itl_slo_ms) == (900.0, 60.0)
+    for option in ("--ttft-slo-ms", "--itl-slo-ms"):
+        with pytest.raises(ValueError, match=f"{option} must be positive"):
+            engine_config_from_args(parser.parse_args([option, "0"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--itl-target-ms", "50"])
+
+
+def test_the_profile_measures_a_full_batch_in_small_step_messages():
+    sched = SchedulerConfig(max_num_seqs=256, max_prefill_tokens=4096)
+    shapes = profile_shapes(sched, 8192, decodes=True, prefills=True)
+    assert all(s.num_seqs * (s.context + s.new_tokens) <= MESSAGE_TOKENS + s.num_seqs * 1 for s in shapes
+               if s.kind == "decode")
+    assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
+    assert [s.new_tokens for s in shapes if s.kind == "prefill"] == [1, 2048, 4096]
+    assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
