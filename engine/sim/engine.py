@@ -26,7 +26,7 @@ class Target:
     memory sizes the pools) or this machine's measured units (`plan` and their pools' `num_blocks`)."""
 
     shape: ModelShape
-    cost: object
+    cost: object                              # one cost model for every unit, or a tuple: one per unit
     hardware: Hardware | None = None
     plan: Plan | None = None
     num_blocks: tuple[int, ...] = ()          # measured: per unit, prefill units first
@@ -86,18 +86,21 @@ def simulated_units(config: EngineConfig, plan: Plan, target: Target) -> Units:
     timelines: dict[tuple, Timeline] = {}
     size, per_block = config.cache.block_size, block_bytes(target, config.cache.block_size)
 
+    costs = iter(target.cost if isinstance(target.cost, tuple) else (target.cost,) * len(blocks))
+
     def unit(device: torch.device, cores: tuple[int, ...], n: int, links: int) -> SimCompute:
         compute = timelines.setdefault((str(device), cores if device.type == "cpu" else ()), Timeline())
-        return SimCompute(UnitModel(device, n, size, eos, token, target.cost, compute,
+        return SimCompute(UnitModel(device, n, size, eos, token, next(costs), compute,
                                     tuple(Timeline() for _ in range(links)), per_block, max(len(cores), 1)))
 
     prefill_blocks, decode_blocks = blocks[:len(plan.prefill_devices)], blocks[len(plan.prefill_devices):]
     if colocated:
         return Units(tuple(unit(d, c, n, 0) for d, c, n in
                            zip(plan.prefill_devices, plan.prefill_unit_cores, prefill_blocks)))
+    prefills = [unit(d, c, n, len(plan.decode_devices)) for d, c, n in
+                zip(plan.prefill_devices, plan.prefill_unit_cores, prefill_blocks)]      # NOTE: first, as costs are
     decodes = tuple(unit(d, c, n, 0) for d, c, n in zip(plan.decode_devices, plan.decode_unit_cores, decode_blocks))
-    prefills = tuple(unit(d, c, n, len(decodes)) for d, c, n in
-                     zip(plan.prefill_devices, plan.prefill_unit_cores, prefill_blocks))
+    prefills = tuple(prefills)
     return Units(decodes, prefills)
 
 
