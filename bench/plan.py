@@ -1,0 +1,148 @@
+"""`pdserve plan`: for a model, N devices of one kind, a workload and SLOs, simulate colocated data
+parallelism, every xPyD split (fixed and adaptive), rank them by goodput and print the `pdserve serve`
+command line of the best (docs/planning.md).
+
+    pdserve plan --hardware h200 --devices 8 --model-shape llama-8b --dataset-name mixed \\
+        --num-prompts 400 --request-rate 20 --slo ttft_ms=500 itl_ms=100
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, replace
+
+from pdserve.bench import loadtest
+from pdserve.bench.simulate import Simulation, simulate
+from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
+from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
+from pdserve.engine.sim.engine import Target
+from pdserve.engine.sim.hardware import HARDWARE
+from pdserve.engine.sim.shapes import NAMED_SHAPES
+
+DEFAULT_SLO = ("ttft_ms=500", "itl_ms=100")   # a chat service's targets; state your own with --slo
+PLACED = {"--mode", "--prefill-device", "--decode-device"}    # what a candidate decides
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str                        # colocated x8, 2P6D, adaptive 2P6D
+    mode: str
+    prefill_device: str
+    decode_device: str | None
+
+    def flags(self) -> list[str]:
+        flags = ["--mode", self.mode, "--prefill-device", self.prefill_device]
+        return flags + (["--decode-device", self.decode_device] if self.decode_device else [])
+
+
+def candidates(devices: int) -> list[Candidate]:
+    """Colocated on every device; with two or more, each split into x prefill and N - x decode devices,
+    disaggregated and adaptive."""
+    every = ",".join(f"cuda:{i}" for i in range(devices))
+    found = [Candidate(f"colocated x{devices}", "colocated", every, None)]
+    for x in range(1, devices):
+        prefill = ",".join(f"cuda:{i}" for i in range(x))
+        decode = ",".join(f"cuda:{i}" for i in range(x, devices))
+        found += [Candidate(f"{x}P{devices - x}D", "disaggregated", prefill, decode),
+                  Candidate(f"adaptive {x}P{devices - x}D", "adaptive", prefill, decode)]
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_workload_arguments(parser)
+    add_traffic_arguments(parser)
+    loadtest.add_metric_arguments(parser)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--hardware", choices=sorted(HARDWARE), default="h200", help="the GPU every device is")
+    g.add_argument("--devices", type=int, default=2, help="how many of them the deployment has")
+    g.add_argument("--model-shape", choices=sorted(NAMED_SHAPES), default=None,
+                   help="a published model shape, no weights needed (default: --model's config.json)")
+    g.add_argument("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
+                   help="fixed host and launch time added to every simulated step")
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    candidate: Candidate
+    simulation: Simulation
+
+
+def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int) -> list[Ranked]:
+    """Every candidate simulated, best first: most goodput, then most output tok/s."""
+    runs = []
+    for candidate in candidates(devices):
+        placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
+                         decode_device=candidate.decode_device)
+        runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
+    return sorted(runs, key=lambda r: (-(r.simulation.summary["request_goodput"] or 0.0),
+                                       -r.simulation.summary["output_throughput"]))
+
+
+def table(ranked: list[Ranked]) -> str:
+    lines = ["| config | goodput (req/s) | within SLO | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in ranked:
+        s = r.simulation.summary
+        lines.append(f"| {r.candidate.name} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
+                     f"{s['output_throughput']:.0f} | {s['median_ttft_ms']:.1f} / {s['p99_ttft_ms']:.1f} | "
+                     f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def serve_command(args: argparse.Namespace, candidate: Candidate) -> list[str]:
+    """`pdserve serve` with the candidate's placement and every engine option given here that is not a default."""
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    command = ["pdserve", "serve", "--model", args.model or f"PATH/TO/{args.model_shape or 'MODEL'}"]
+    for action in engine._actions:
+        flag = action.option_strings[0] if action.option_strings else None
+        value = getattr(args, action.dest, None)
+        if flag is None or flag in PLACED or action.dest == "model" or value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            command.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:
+            command.append(flag)
+        else:
+            command += [flag, str(value)]
+    return command + candidate.flags()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Rank the placements, print the table and the recommended command; 2 on bad options."""
+    args.slo = args.slo or list(DEFAULT_SLO)
+    try:
+        if args.devices < 1:
+            raise ValueError("--devices must be at least 1")
+        if args.step_overhead_ms < 0:
+            raise ValueError("--step-overhead-ms must be non-negative")
+        config = engine_config_from_args(args)
+        options = loadtest.options_from_args(args)
+        from pdserve.bench.simulate import model_shape
+
+        shape = model_shape(args.model_shape, config.model)
+        hardware = HARDWARE[args.hardware]
+        target = Target(shape, Roofline(shape, hardware, overhead=args.step_overhead_ms / 1e3), hardware)
+        ranked = rank(config, target, options, args.devices)
+    except (ValueError, OSError) as error:
+        print(f"pdserve plan: error: {error}", file=sys.stderr)
+        return 2
+    slo = " ".join(args.slo)
+    print(f"{shape.name} on {args.devices} x {hardware.name} ({hardware.link}); goodput within {slo}; simulated")
+    print(table(ranked))
+    print("recommended: " + shlex.join(serve_command(args, ranked[0].candidate)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
