@@ -178,3 +178,42 @@ def test_plan_lists_every_split():
     assert [c.name for c in plan.candidates(3)] == ["colocated x3", "1P2D", "adaptive 1P2D", "2P1D", "adaptive 2P1D"]
     assert plan.candidates(3)[3].flags() == ["--mode", "disaggregated", "--prefill-device", "cuda:0,cuda:1",
                                              "--decode-device", "cuda:2"]
+
+
+async def test_the_result_json_has_the_keys_of_a_real_bench_run(tiny_model_dir, tmp_path):
+    from aiohttp.test_utils import TestServer
+
+    from pdserve.engine.engine import Engine
+    from pdserve.server.app import create_app
+    from pdserve.server.config import ServerConfig
+
+    workload = ["--dataset-name", "mixed", "--short-input-len", "8", "--long-input-len", "40", "--output-len", "4",
+                "--num-prompts", "4", "--request-rate", "50", "--slo", "ttft_ms=60000", "itl_ms=60000"]
+    config = EngineConfig(model=str(tiny_model_dir), mode="colocated", cache=CacheConfig(kv_cache_memory="32MiB"),
+                          scheduler=SchedulerConfig(max_model_len=128))
+    engine = Engine(config)
+    server = TestServer(create_app(ServerConfig(engine=config), engine))
+    await server.start_server()
+    try:
+        parser = argparse.ArgumentParser()
+        loadtest.add_arguments(parser)
+        bench_args = parser.parse_args(["--base-url", str(server.make_url("")).rstrip("/"), "--disable-tqdm",
+                                        "--result-json", str(tmp_path / "bench.json"), *workload])
+        assert await loadtest._run(bench_args, loadtest.options_from_args(bench_args)) == 0
+    finally:
+        await server.close()
+        engine.close()
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    sim_args = parser.parse_args(["--hardware", "h100", "--model-shape", "llama-13b", "--mode", "colocated",
+                                  "--prefill-device", "cuda:0", "--result-json", str(tmp_path / "sim.json"),
+                                  *workload])
+    await asyncio.to_thread(simulate.run, sim_args)
+    measured, predicted = (json.loads((tmp_path / name).read_text()) for name in ("bench.json", "sim.json"))
+    assert predicted.keys() == measured.keys()
+    assert predicted["summary"].keys() == measured["summary"].keys()
+    assert [r.keys() for r in predicted["requests"]] == [r.keys() for r in measured["requests"]]
+    assert [r["kind"] for r in predicted["requests"]] == [r["kind"] for r in measured["requests"]]
+    assert predicted["workload"] == measured["workload"] and predicted["traffic"] == measured["traffic"]
+    table = simulate.compare_table(predicted["summary"], measured["summary"])
+    assert "| request_throughput |" in table and "x |" in table
