@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         options = loadtest.options_from_args(args)
+        measured = read_summary(args.compare) if args.compare else None
         target = target_from_args(args, config)
         simulation = simulate(config, target, options, options.workload.tokens_per_word)
     except (ValueError, OSError) as error:
@@ -132,9 +133,21 @@ def run(args: argparse.Namespace) -> int:
                                   else "completions")
         write_json(args.result_json, result_document(label, endpoint, options.traffic, options.workload, summary,
                                                      simulation.result.records, arguments_dict(args)))
-    if args.compare:
-        print(compare_table(summary, json.loads(Path(args.compare).read_text())["summary"]))
+    if measured is not None:
+        print(f"predicted (this simulation) vs measured ({args.compare}):")
+        print(compare_table(summary, measured))
     return 0 if summary["completed"] else 1
+
+
+def read_summary(path: str) -> dict:
+    """The summary of a `pdserve bench --result-json` file; ValueError when it is not one."""
+    try:
+        summary = json.loads(Path(path).read_text())["summary"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"--compare {path}: not a pdserve bench --result-json file ({error})") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"--compare {path}: its summary is not an object")
+    return summary
 
 
 COMPARED = ("request_throughput", "request_goodput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",

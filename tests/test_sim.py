@@ -217,3 +217,51 @@ async def test_the_result_json_has_the_keys_of_a_real_bench_run(tiny_model_dir, 
     assert predicted["workload"] == measured["workload"] and predicted["traffic"] == measured["traffic"]
     table = simulate.compare_table(predicted["summary"], measured["summary"])
     assert "| request_throughput |" in table and "x |" in table
+
+
+def _own_options(add_arguments) -> set[str]:
+    """The options a command adds beyond the engine's and `pdserve bench`'s workload, traffic and metrics."""
+    from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
+    from pdserve.engine.args import add_engine_args
+
+    def names(*adders) -> set[str]:
+        parser = argparse.ArgumentParser()
+        for add in adders:
+            add(parser)
+        return {name for action in parser._actions for name in action.option_strings} - {"-h", "--help"}
+
+    inherited = names(add_engine_args, add_workload_arguments, add_traffic_arguments, loadtest.add_metric_arguments)
+    return names(add_arguments) - inherited
+
+
+def test_the_readme_table_has_one_row_per_simulate_and_plan_option():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("| simulate / plan option |")[1].split("\n\n")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = [name for row in rows for name in re.findall(r"`(--[a-z0-9-]+)`", row.split("|")[1])]
+    assert sorted(named) == sorted(set(named)) == sorted(_own_options(simulate.add_arguments)
+                                                         | _own_options(plan.add_arguments))
+
+
+def test_measured_hardware_profiles_the_real_units_and_reuses_the_profile(tiny_model_dir, tmp_path, capsys):
+    profile, bench = tmp_path / "profile.json", tmp_path / "bench.json"
+    argv = ["--hardware", "measured", "--model", str(tiny_model_dir), "--mode", "colocated", "--max-num-seqs", "4",
+            "--max-prefill-tokens", "64", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+            "--dataset-name", "mixed", "--short-input-len", "8", "--long-input-len", "40", "--output-len", "4",
+            "--num-prompts", "6", "--profile-json", str(profile)]
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    assert simulate.run(parser.parse_args(argv + ["--result-json", str(bench)])) == 0
+    units = json.loads(profile.read_text())["units"]
+    assert [u["role"] for u in units] == ["colocated"] and units[0]["num_blocks"] > 0
+    assert all(c >= 0 for fits in units[0]["cost"]["coefficients"].values() for c in fits)
+    first = json.loads(bench.read_text())["requests"]
+    assert simulate.run(parser.parse_args(argv + ["--compare", str(bench)])) == 0      # read back, not measured
+    assert "| request_throughput |" in capsys.readouterr().out
+    assert simulate.run(parser.parse_args(argv + ["--result-json", str(bench)])) == 0
+    assert json.loads(bench.read_text())["requests"] == first
+    assert simulate.run(parser.parse_args(argv + ["--compare", str(profile)])) == 2
+    assert "not a pdserve bench --result-json" in capsys.readouterr().err

@@ -93,7 +93,7 @@ def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: i
         rows = sorted({1, 4, 16, min(max_num_seqs, 32)})
         shapes += [Synthetic("decode", n, 1, context=c) for n in rows for c in (32, long_context)]
     if role == "colocated":
-        shapes += [Synthetic("mixed", 9, min(128, budget), context=256)]
+        shapes += [Synthetic("mixed", 9, min(128, budget), context=long_context)]
     return shapes
 
 
