@@ -72,19 +72,29 @@ class Ranked:
 
 
 def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int) -> list[Ranked]:
-    """Every candidate simulated, best first: most goodput, then most output tok/s."""
+    """Every candidate simulated, best first: most goodput, then most headroom under the SLO, then tok/s."""
     runs = []
     for candidate in candidates(devices):
         placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
                          decode_device=candidate.decode_device)
         runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
     return sorted(runs, key=lambda r: (-(r.simulation.summary["request_goodput"] or 0.0),
+                                       headroom(r.simulation.summary, options.slo),
                                        -r.simulation.summary["output_throughput"]))
+
+
+SLO_P99 = {"ttft": "p99_ttft_ms", "itl": "p99_itl_ms", "tpot": "p99_tpot_ms", "e2el": "p99_e2el_ms"}
+
+
+def headroom(summary: dict, slo: dict[str, float]) -> float:
+    """The p99 that comes closest to its SLO bound, as a share of the bound: among placements of equal
+    goodput the one with the most room left (the lowest) ranks first."""
+    return max((summary.get(SLO_P99[name], 0.0) / bound for name, bound in slo.items()), default=0.0)
 
 
 def table(ranked: list[Ranked]) -> str:
     lines = ["| config | goodput (req/s) | within SLO | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|"]     # ranked: goodput, then headroom under the SLO, then tok/s
     for r in ranked:
         s = r.simulation.summary
         lines.append(f"| {r.candidate.name} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "

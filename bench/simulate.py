@@ -107,6 +107,21 @@ def simulate(config: EngineConfig, target: Target, options: loadtest.Options, to
     return run_virtual(main())
 
 
+def units_line(engine: SimEngine) -> str:
+    """What each simulated unit did: steps, the share of the simulated time (warm-ups included) it was busy,
+    and what the coordinator sent it."""
+    parts, units = [], (*engine.units.prefills, *engine.units.decodes)
+    span = max((start + seconds for unit in units for start, seconds in unit.steps), default=0.0)
+    for actor, unit in zip(engine.coordinator.actors, units):
+        stats = actor.stats()
+        busy = sum(seconds for _, seconds in unit.steps)
+        placed = f", {stats.local_prefills} local / {stats.remote_prefills} remote prefills" \
+            if stats.local_prefills or stats.remote_prefills else ""
+        parts.append(f"{actor.unit_name}: {stats.steps} steps, busy {busy / span if span else 0.0:.0%}, "
+                     f"{stats.routed_prefill} prompts routed here{placed}")
+    return "Simulated units: " + "; ".join(parts)
+
+
 def _label(args: argparse.Namespace, target: Target, engine: SimEngine) -> str:
     where = target.hardware.name if target.hardware else "measured"
     return args.label or f"simulated {target.shape.name} on {where}, {engine.mode}"
@@ -127,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     label = _label(args, target, engine)
     print(format_summary(summary, options.percentiles, title=f"Simulated: {label}"))
     print(format_turns(summary))
+    print(units_line(engine))
     if args.result_json:
         endpoint = EndpointConfig(f"simulate:{target.hardware.name if target.hardware else MEASURED}",
                                   target.shape.name, "chat" if options.workload.name in (MULTITURN, "edit")
