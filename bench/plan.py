@@ -72,13 +72,15 @@ class Ranked:
 
 
 def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int) -> list[Ranked]:
-    """Every candidate simulated, best first: most goodput, then most headroom under the SLO, then tok/s."""
+    """Every candidate simulated, best first: most goodput (within 1% counts as equal: a run's length moves it
+    that much), then most headroom under the SLO, then tok/s."""
     runs = []
     for candidate in candidates(devices):
         placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
                          decode_device=candidate.decode_device)
         runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
-    return sorted(runs, key=lambda r: (-(r.simulation.summary["request_goodput"] or 0.0),
+    best = max(r.simulation.summary["request_goodput"] or 0.0 for r in runs) or 1.0
+    return sorted(runs, key=lambda r: (-round((r.simulation.summary["request_goodput"] or 0.0) / best, 2),
                                        headroom(r.simulation.summary, options.slo),
                                        -r.simulation.summary["output_throughput"]))
 
