@@ -265,6 +265,9 @@ def test_measured_hardware_profiles_the_real_units_and_reuses_the_profile(tiny_m
     assert json.loads(bench.read_text())["requests"] == first
     assert simulate.run(parser.parse_args(argv + ["--compare", str(profile)])) == 2
     assert "not a pdserve bench --result-json" in capsys.readouterr().err
+    other = [a if a != "colocated" else "disaggregated" for a in argv]
+    assert simulate.run(parser.parse_args(other)) == 2
+    assert "--profile-json" in capsys.readouterr().err
 
 
 def test_equal_goodput_ranks_by_the_headroom_under_the_slo():

@@ -8,6 +8,7 @@ import logging
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -29,23 +30,24 @@ REPEATS = 3                      # the median of three runs of each step: one pr
 def measured_target(config: EngineConfig, profile_json: str | None = None) -> Target:
     """The Target of this machine's units for `config`: read from `profile_json` when that file exists (and
     was written for the same plan), else measured now (and written there when a path is given)."""
+    if config.workers != "thread":
+        raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
+                         "steps the same model runner; its pipe adds a little per step)")
     model = resolve_model(config.model)
     model_config = ModelConfig.from_dir(model.path)
     eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
     plan = make_plan(config, model_config)
-    shape = ModelShape.from_model_config(model_config)
-    shape = ModelShape(**{f: getattr(shape, f) for f in shape.__slots__} | {"eos_token_ids": tuple(sorted(eos))})
+    shape = replace(ModelShape.from_model_config(model_config), eos_token_ids=tuple(sorted(eos)))
     path = Path(profile_json) if profile_json else None
     if path is not None and path.is_file():
         data = json.loads(path.read_text())
-        if data["mode"] != plan.mode or len(data["units"]) != len(plan.prefill_devices) + len(
-                () if plan.mode == "colocated" else plan.decode_devices):
-            raise ValueError(f"--profile-json {path} was measured for another plan ({data['mode']}); "
+        if data.get("setup") != setup(config, model.path, plan):
+            raise ValueError(f"--profile-json {path} was measured for another setup ({data.get('setup')}); "
                              "delete it to measure again")
     else:
         units = on_single_threaded_loader(load_units, config, model_config, plan, eos)
         try:
-            data = {"mode": plan.mode, "model": str(model.path), "units": profile_units(config, plan, units)}
+            data = {"setup": setup(config, model.path, plan), "units": profile_units(config, plan, units)}
         finally:
             units.close()
         if path is not None:
@@ -54,6 +56,14 @@ def measured_target(config: EngineConfig, profile_json: str | None = None) -> Ta
     costs = tuple(FittedCost.from_json(unit["cost"]) for unit in data["units"])
     return Target(shape, costs, plan=plan, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
                   dtype_bytes=plan.dtype.itemsize)
+
+
+def setup(config: EngineConfig, model_dir: Path, plan) -> str:
+    """What a profile's figures depend on: the model, mode, devices, cores, dtype and weight quantization."""
+    devices = ",".join(map(str, plan.prefill_devices)) + "/" + ",".join(map(str, plan.decode_devices))
+    cores = f"{plan.prefill_unit_cores}/{plan.decode_unit_cores}"
+    return (f"{model_dir} {plan.mode} {devices} cores {cores} {str(plan.dtype).removeprefix('torch.')} "
+            f"quantization {config.quantization} kernels {config.cpu_kernels}")
 
 
 def profile_units(config: EngineConfig, plan, units: Units) -> list[dict]:
