@@ -17,6 +17,7 @@ from pdserve.bench.simulate import Simulation, simulate
 from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.sim.clock import SimulationStalled
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
 from pdserve.engine.sim.engine import Target
 from pdserve.engine.sim.hardware import HARDWARE
@@ -68,21 +69,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True, slots=True)
 class Ranked:
     candidate: Candidate
-    simulation: Simulation
+    simulation: Simulation | None
+    error: str = ""                  # why the candidate cannot run (e.g. the model does not fit a unit)
 
 
 def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int) -> list[Ranked]:
     """Every candidate simulated, best first: most goodput (within 1% counts as equal: a run's length moves it
-    that much), then most headroom under the SLO, then tok/s."""
-    runs = []
+    that much), then most headroom under the SLO, then tok/s; those that cannot run last."""
+    runs, failed = [], []
     for candidate in candidates(devices):
         placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
                          decode_device=candidate.decode_device)
-        runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
+        try:
+            runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
+        except (ValueError, SimulationStalled) as error:
+            failed.append(Ranked(candidate, None, str(error)))
+    if not runs:
+        raise ValueError(f"no placement can run: {failed[0].error}")
     best = max(r.simulation.summary["request_goodput"] or 0.0 for r in runs) or 1.0
     return sorted(runs, key=lambda r: (-round((r.simulation.summary["request_goodput"] or 0.0) / best, 2),
                                        headroom(r.simulation.summary, options.slo),
-                                       -r.simulation.summary["output_throughput"]))
+                                       -r.simulation.summary["output_throughput"])) + failed
 
 
 SLO_P99 = {"ttft": "p99_ttft_ms", "itl": "p99_itl_ms", "tpot": "p99_tpot_ms", "e2el": "p99_e2el_ms"}
@@ -98,6 +105,9 @@ def table(ranked: list[Ranked]) -> str:
     lines = ["| config | goodput (req/s) | within SLO | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
              "|---|---:|---:|---:|---:|---:|"]     # ranked: goodput, then headroom under the SLO, then tok/s
     for r in ranked:
+        if r.simulation is None:
+            lines.append(f"| {r.candidate.name} | cannot run: {r.error} | | | | |")
+            continue
         s = r.simulation.summary
         lines.append(f"| {r.candidate.name} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
                      f"{s['output_throughput']:.0f} | {s['median_ttft_ms']:.1f} / {s['p99_ttft_ms']:.1f} | "

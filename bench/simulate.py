@@ -23,7 +23,7 @@ from pdserve.bench.turn_metrics import format_turns
 from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sim.clock import run_virtual
+from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
 from pdserve.engine.sim.engine import SimEngine, Target
 from pdserve.engine.sim.hardware import HARDWARE, HARDWARE_CHOICES, MEASURED
@@ -138,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"pdserve simulate: error: {error}", file=sys.stderr)
         return 2
+    except SimulationStalled as error:
+        print(f"pdserve simulate: the simulated engine stopped serving: {error}", file=sys.stderr)
+        return 1
     summary, engine = simulation.summary, simulation.engine
     label = _label(args, target, engine)
     print(format_summary(summary, options.percentiles, title=f"Simulated: {label}"))

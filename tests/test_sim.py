@@ -275,3 +275,13 @@ def test_equal_goodput_ranks_by_the_headroom_under_the_slo():
     roomy = {"p99_ttft_ms": 200.0, "p99_itl_ms": 5.0}
     tight = {"p99_ttft_ms": 100.0, "p99_itl_ms": 40.0}
     assert plan.headroom(roomy, slo) == pytest.approx(0.2) and plan.headroom(tight, slo) == pytest.approx(0.8)
+
+
+def test_plan_says_why_no_placement_fits(capsys):
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    # Llama-2-13B keeps 819,200 bytes of KV per token: one 4096-token sequence needs 3.1 GiB of a 1 GiB pool
+    args = parser.parse_args(["--hardware", "l40s", "--devices", "2", "--model-shape", "llama-13b",
+                              "--kv-cache-memory", "1GiB", "--num-prompts", "2"])
+    assert plan.run(args) == 2
+    assert "no placement can run" in capsys.readouterr().err
