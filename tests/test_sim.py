@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -65,6 +66,7 @@ def test_a_fit_recovers_linear_step_costs_and_never_goes_negative():
     assert fit(samples) == pytest.approx(truth, rel=1e-6)
     cost = FittedCost({1: fit(samples), 4: (1.0, 0, 0, 0, 0)}, copy_bandwidth=1e9)
     assert cost.seconds(StepShape(), threads=3) == pytest.approx(1.0)          # nearest measured count
+    assert replace(cost, overhead=0.5).seconds(StepShape(), threads=4) == pytest.approx(1.5)
     assert FittedCost.from_json(json.loads(json.dumps(cost.to_json()))) == cost
     noisy = [(s, t - 0.01 * s.decode_rows) for s, t in samples]             # would need a negative coefficient
     assert min(fit(noisy)) >= 0.0

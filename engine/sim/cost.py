@@ -85,10 +85,11 @@ class FittedCost:
     coefficients: Mapping[int, tuple[float, ...]]
     copy_bandwidth: float
     synchronous_copies: bool = True          # CPU units copy inside the step (the torch backend)
+    overhead: float = 0.0                    # host work per step beyond the runner's (--step-overhead-ms)
 
     def seconds(self, s: StepShape, threads: int | None = None) -> float:
         c = self.coefficients[self._key(threads)]
-        return sum(w * x for w, x in zip(c, features(s)))
+        return sum(w * x for w, x in zip(c, features(s))) + self.overhead
 
     def _key(self, threads: int | None) -> int:
         if threads in self.coefficients:

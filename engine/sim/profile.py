@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 REPEATS = 3                      # the median of three runs of each step: one preempted run does not count
 
 
-def measured_target(config: EngineConfig, profile_json: str | None = None) -> Target:
+def measured_target(config: EngineConfig, profile_json: str | None = None, overhead: float = 0.0) -> Target:
     """The Target of this machine's units for `config`: read from `profile_json` when that file exists (and
-    was written for the same plan), else measured now (and written there when a path is given)."""
+    was written for the same setup), else measured now (and written there when a path is given); `overhead`
+    seconds are added to every step."""
     if config.workers != "thread":
         raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
                          "steps the same model runner; its pipe adds a little per step)")
@@ -53,7 +54,7 @@ def measured_target(config: EngineConfig, profile_json: str | None = None) -> Ta
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(data, indent=1) + "\n")
-    costs = tuple(FittedCost.from_json(unit["cost"]) for unit in data["units"])
+    costs = tuple(replace(FittedCost.from_json(unit["cost"]), overhead=overhead) for unit in data["units"])
     return Target(shape, costs, plan=plan, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
                   dtype_bytes=plan.dtype.itemsize)
 
