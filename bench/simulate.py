@@ -128,7 +128,7 @@ def units_line(engine: SimEngine) -> str:
 
 def _label(args: argparse.Namespace, target: Target, engine: SimEngine) -> str:
     where = target.hardware.name if target.hardware else "measured"
-    return args.label or f"simulated {target.shape.name} on {where}, {engine.mode}"
+    return args.label or f"{target.shape.name} on {where}, {engine.mode} (simulated)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     summary, engine = simulation.summary, simulation.engine
     label = _label(args, target, engine)
-    print(format_summary(summary, options.percentiles, title=f"Simulated: {label}"))
+    print(format_summary(summary, options.percentiles, title=label))
     print(format_turns(summary))
     print(units_line(engine))
     if args.result_json:
