@@ -113,7 +113,7 @@ def simulate(config: EngineConfig, target: Target, options: loadtest.Options, to
 
 def units_line(engine: SimEngine) -> str:
     """What each simulated unit did: steps, the share of the simulated time (warm-ups included) it was busy,
-    and what the coordinator sent it."""
+    what the coordinator sent it, and the real host time its actor spent per step."""
     parts, units = [], (*engine.units.prefills, *engine.units.decodes)
     span = max((start + seconds for unit in units for start, seconds in unit.steps), default=0.0)
     for actor, unit in zip(engine.coordinator.actors, units):
@@ -121,9 +121,11 @@ def units_line(engine: SimEngine) -> str:
         busy = sum(seconds for _, seconds in unit.steps)
         placed = f", {stats.local_prefills} local / {stats.remote_prefills} remote prefills" \
             if stats.local_prefills or stats.remote_prefills else ""
+        host = actor.step_seconds / stats.steps * 1e3 if stats.steps else 0.0
         parts.append(f"{actor.unit_name}: {stats.steps} steps, busy {busy / span if span else 0.0:.0%}, "
-                     f"{stats.routed_prefill} prompts routed here{placed}")
-    return "Simulated units: " + "; ".join(parts)
+                     f"{stats.routed_prefill} prompts routed here{placed}, {host:.2f} ms host work per step")
+    return ("Simulated units (host work: the actors' own scheduling and recording, timed on this machine's "
+            "CPU and left off the virtual clock): " + "; ".join(parts))
 
 
 def _label(args: argparse.Namespace, target: Target, engine: SimEngine) -> str:
