@@ -13,10 +13,12 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.bench import loadtest
+from pdserve.bench.sim_replay import ChatOverhead, chat_overhead
 from pdserve.bench.simulate import Simulation, simulate
 from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.sim.clock import SimulationStalled
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
 from pdserve.engine.sim.engine import Target
@@ -73,7 +75,8 @@ class Ranked:
     error: str = ""                  # why the candidate cannot run (e.g. the model does not fit a unit)
 
 
-def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int) -> list[Ranked]:
+def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int,
+         chat: ChatOverhead | None = None) -> list[Ranked]:
     """Every candidate simulated, best first: most goodput (within 1% counts as equal: a run's length moves it
     that much), then most headroom under the SLO, then tok/s; those that cannot run last."""
     runs, failed = [], []
@@ -81,7 +84,7 @@ def rank(config: EngineConfig, target: Target, options: loadtest.Options, device
         placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
                          decode_device=candidate.decode_device)
         try:
-            runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word)))
+            runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word, chat)))
         except (ValueError, SimulationStalled) as error:
             failed.append(Ranked(candidate, None, str(error)))
     if not runs:
@@ -149,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         shape = model_shape(args.model_shape, config.model)
         hardware = HARDWARE[args.hardware]
         target = Target(shape, Roofline(shape, hardware, overhead=args.step_overhead_ms / 1e3), hardware)
-        ranked = rank(config, target, options, args.devices)
+        chat = None if args.model_shape else chat_overhead(resolve_model(config.model).path)
+        ranked = rank(config, target, options, args.devices, chat)
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pdserve.bench.loadtest import Options
 from pdserve.bench.metrics import BenchResult, RequestRecord
@@ -20,14 +21,47 @@ from pdserve.engine.sim.engine import SimEngine
 ANSWER = "\x00answer"      # the word an answer is made of: it tokenizes to the token the simulated units emit
 
 
+@dataclass(frozen=True, slots=True)
+class ChatOverhead:
+    """Tokens a chat template adds: per message by role (the first message's include a BOS or other
+    preamble), and the generation prompt at the end."""
+
+    per_role: tuple[tuple[str, int], ...] = ()
+    generation_prompt: int = 0
+
+    def of(self, role: str) -> int:
+        return dict(self.per_role).get(role, 0)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def chat_overhead(model_dir) -> ChatOverhead:
+    """What `model_dir`'s chat template adds (pdserve.engine.text.tokenizer renders it as the server does),
+    from renders of a system, user and assistant message in turn; none without a tokenizer or a template."""
+    from pdserve.engine.text.tokenizer import Tokenizer
+
+    messages = [{"role": role, "content": f"alpha {role} beta"} for role in ROLES]
+    try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+        rendered = [0] + [len(tokenizer.encode_chat(messages[:n], add_generation_prompt=False)) for n in (1, 2, 3)]
+        prompted = len(tokenizer.encode_chat(messages[:2], add_generation_prompt=True))
+    except (OSError, ValueError, LookupError):
+        return ChatOverhead()
+    content = [len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages]
+    per_role = tuple((role, max(rendered[i + 1] - rendered[i] - content[i], 0)) for i, role in enumerate(ROLES))
+    return ChatOverhead(per_role, max(prompted - rendered[2], 0))
+
+
 class WordIds:
     """Prompt text to token ids without a tokenizer: each word hashes to `tokens_per_word` ids (on average),
     the same word always to the same ids, so repeated history hits the prefix cache as it would."""
 
     def __init__(self, vocab_size: int, answer_token: int, tokens_per_word: float = 1.0,
-                 avoid: frozenset[int] = frozenset()) -> None:
+                 avoid: frozenset[int] = frozenset(), chat: ChatOverhead | None = None) -> None:
         self.vocab_size, self.answer_token, self.avoid = vocab_size, answer_token, avoid
         self.whole, self.fraction = int(tokens_per_word), tokens_per_word - int(tokens_per_word)
+        self.chat = chat or ChatOverhead()
 
     def word(self, word: str) -> list[int]:
         if word == ANSWER:
@@ -41,9 +75,16 @@ class WordIds:
         return [i for word in text.split() for i in self.word(word)]
 
     def sample(self, sample: SampleRequest) -> tuple[int, ...]:
-        if sample.messages:
-            return tuple(i for message in sample.messages for i in self.text(message["content"]))
-        return tuple(self.text(sample.prompt))
+        """A completion's prompt, or a chat: each message's template tokens (by role) and content, then the
+        generation prompt (the assistant's template tokens, so the next turn's history extends it)."""
+        if not sample.messages:
+            return tuple(self.text(sample.prompt))
+        ids = [i for m in sample.messages for i in (*self._role(m["role"], self.chat.of(m["role"])),
+                                                     *self.text(m["content"]))]
+        return tuple(ids + self._role("assistant", self.chat.generation_prompt))
+
+    def _role(self, role: str, count: int) -> list[int]:
+        return self.text(" ".join(f"\x00{role}{i}" for i in range(count)))[:count] if count else []
 
 
 async def send(engine: SimEngine, ids: WordIds, sample: SampleRequest, index: int, origin: float,

@@ -17,12 +17,13 @@ from pdserve.bench import loadtest
 from pdserve.bench.documents import arguments_dict, result_document, write_json
 from pdserve.bench.metrics import format_summary
 from pdserve.bench.multiturn import MULTITURN
-from pdserve.bench.sim_replay import WordIds, replay
+from pdserve.bench.sim_replay import ChatOverhead, WordIds, chat_overhead, replay
 from pdserve.bench.sse_client import EndpointConfig
 from pdserve.bench.turn_metrics import format_turns
 from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
 from pdserve.engine.sim.engine import SimEngine, Target
@@ -90,17 +91,18 @@ def model_shape(name: str | None, model: str | None) -> ModelShape:
     if name:
         return NAMED_SHAPES[name]
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.model.resolve import resolve_model
 
     return ModelShape.from_model_config(ModelConfig.from_dir(resolve_model(model).path))
 
 
-def simulate(config: EngineConfig, target: Target, options: loadtest.Options, tokens_per_word: float) -> Simulation:
-    """Run `options`' workload through a SimEngine for `target` on a virtual clock."""
+def simulate(config: EngineConfig, target: Target, options: loadtest.Options, tokens_per_word: float,
+             chat: ChatOverhead | None = None) -> Simulation:
+    """Run `options`' workload through a SimEngine for `target` on a virtual clock (`chat`: the tokens the
+    model's chat template adds to a chat request)."""
     async def main() -> Simulation:
         engine = SimEngine(config, target)
         answer = engine.units.decode.model.token_id
-        ids = WordIds(engine.vocab_size, answer, tokens_per_word, frozenset(target.shape.eos_token_ids))
+        ids = WordIds(engine.vocab_size, answer, tokens_per_word, frozenset(target.shape.eos_token_ids), chat)
         engine.start()
         try:
             result = await replay(engine, ids, options)
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         options = loadtest.options_from_args(args)
         measured = read_summary(args.compare) if args.compare else None
         target = target_from_args(args, config)
-        simulation = simulate(config, target, options, options.workload.tokens_per_word)
+        chat = None if args.model_shape else chat_overhead(resolve_model(config.model).path)
+        simulation = simulate(config, target, options, options.workload.tokens_per_word, chat)
     except (ValueError, OSError) as error:
         print(f"pdserve simulate: error: {error}", file=sys.stderr)
         return 2

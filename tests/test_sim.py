@@ -287,3 +287,23 @@ def test_plan_says_why_no_placement_fits(capsys):
                               "--kv-cache-memory", "1GiB", "--num-prompts", "2"])
     assert plan.run(args) == 2
     assert "no placement can run" in capsys.readouterr().err
+
+
+def test_chat_requests_carry_the_templates_tokens_and_keep_the_history_a_prefix(tiny_model_dir):
+    from pdserve.bench.sim_replay import ChatOverhead, chat_overhead
+    from pdserve.engine.text.tokenizer import Tokenizer
+
+    overhead = chat_overhead(tiny_model_dir)
+    messages = [{"role": "system", "content": "one two three"}, {"role": "user", "content": "four five"}]
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    real = tokenizer.encode_chat(messages)
+    ids = WordIds(1000, 7, chat=overhead)
+    sample = SampleRequest("", 0, 4, "chat", tuple(messages))
+    words = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+    added = overhead.of("system") + overhead.of("user") + overhead.generation_prompt
+    assert len(ids.sample(sample)) == 5 + added and added == len(real) - words and overhead.of("user") > 0
+    answered = SampleRequest("", 0, 4, "chat", (*messages, {"role": "assistant", "content": "\x00answer " * 3},
+                                                 {"role": "user", "content": "six"}))
+    first = ids.sample(sample)
+    assert ids.sample(answered)[:len(first)] == first          # the previous prompt is a prefix: cacheable
+    assert WordIds(1000, 7).sample(sample) == WordIds(1000, 7, chat=ChatOverhead()).sample(sample)
