@@ -307,3 +307,14 @@ def test_chat_requests_carry_the_templates_tokens_and_keep_the_history_a_prefix(
     first = ids.sample(sample)
     assert ids.sample(answered)[:len(first)] == first          # the previous prompt is a prefix: cacheable
     assert WordIds(1000, 7).sample(sample) == WordIds(1000, 7, chat=ChatOverhead()).sample(sample)
+
+
+def test_the_pdserve_command_runs_simulate_and_plan(capsys):
+    from pdserve.server.cli import main
+
+    small = ["--model-shape", "llama-8b", "--random-input-len", "64", "--random-output-len", "4", "--num-prompts", "3"]
+    assert main(["simulate", "--hardware", "a100", "--mode", "colocated", "--prefill-device", "cuda:0", *small]) == 0
+    assert main(["plan", "--hardware", "h100", "--devices", "1", *small]) == 0
+    out = capsys.readouterr().out
+    assert "llama-8b on a100, colocated (simulated)" in out and "| colocated x1 |" in out
+    assert "recommended: pdserve serve --model PATH/TO/llama-8b --mode colocated --prefill-device cuda:0" in out
