@@ -8,8 +8,10 @@ command line of the best (docs/planning.md).
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.bench import loadtest
@@ -66,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a published model shape, no weights needed (default: --model's config.json)")
     g.add_argument("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
                    help="fixed host and launch time added to every simulated step")
+    g.add_argument("--attainment", type=float, default=None, metavar="SHARE",
+                   help="also find, for each placement, the highest request rate at which this share of requests "
+                        "(e.g. 0.9) meets --slo (DistServe's goodput), and rank by it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,24 +78,70 @@ class Ranked:
     candidate: Candidate
     simulation: Simulation | None
     error: str = ""                  # why the candidate cannot run (e.g. the model does not fit a unit)
+    max_rate: float | None = None    # --attainment: the highest rate meeting it
+
+
+BRACKET_STEPS = 5    # doublings (or halvings) of --request-rate to bracket the highest rate: 32x either way
+RATE_STEPS = 6       # bisections after that: the bracket to 1/64, finer than a run's own length moves goodput
+
+
+def max_rate(attained: Callable[[float], bool], start: float) -> float:
+    """The highest rate at which `attained(rate)`, assuming it holds below some rate and fails above: bracket
+    it by doubling or halving from `start`, then bisect; 0 when even start / 2**BRACKET_STEPS fails."""
+    if attained(start):
+        low, high = start, None
+        for _ in range(BRACKET_STEPS):
+            if not attained(2 * low):
+                high = 2 * low
+                break
+            low *= 2
+        if high is None:
+            return low
+    else:
+        low, high = start, start
+        for _ in range(BRACKET_STEPS):
+            low /= 2
+            if attained(low):
+                break
+            high = low
+        else:
+            return 0.0
+    for _ in range(RATE_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if attained(middle) else (low, middle)
+    return low
+
+
+def _attained(config: EngineConfig, target: Target, options: loadtest.Options, share: float,
+              chat: ChatOverhead | None) -> Callable[[float], bool]:
+    def attained(rate: float) -> bool:
+        at_rate = replace(options, traffic=replace(options.traffic, request_rate=rate))
+        summary = simulate(config, target, at_rate, options.workload.tokens_per_word, chat).summary
+        return (summary["slo_attainment"] or 0.0) >= share
+    return attained
 
 
 def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int,
-         chat: ChatOverhead | None = None) -> list[Ranked]:
-    """Every candidate simulated, best first: most goodput (within 1% counts as equal: a run's length moves it
-    that much), then most headroom under the SLO, then tok/s; those that cannot run last."""
+         chat: ChatOverhead | None = None, attainment: float | None = None) -> list[Ranked]:
+    """Every candidate simulated, best first: the highest rate meeting `attainment` when given, then most
+    goodput (within 1% counts as equal: a run's length moves it that much), then most headroom under the SLO,
+    then tok/s; those that cannot run last."""
     runs, failed = [], []
     for candidate in candidates(devices):
         placed = replace(config, mode=candidate.mode, prefill_device=candidate.prefill_device,
                          decode_device=candidate.decode_device)
         try:
-            runs.append(Ranked(candidate, simulate(placed, target, options, options.workload.tokens_per_word, chat)))
+            simulation = simulate(placed, target, options, options.workload.tokens_per_word, chat)
+            rate = None if attainment is None else max_rate(_attained(placed, target, options, attainment, chat),
+                                                            options.traffic.request_rate)
+            runs.append(Ranked(candidate, simulation, max_rate=rate))
         except (ValueError, SimulationStalled) as error:
             failed.append(Ranked(candidate, None, str(error)))
     if not runs:
         raise ValueError(f"no placement can run: {failed[0].error}")
     best = max(r.simulation.summary["request_goodput"] or 0.0 for r in runs) or 1.0
-    return sorted(runs, key=lambda r: (-round((r.simulation.summary["request_goodput"] or 0.0) / best, 2),
+    return sorted(runs, key=lambda r: (-(r.max_rate or 0.0),
+                                       -round((r.simulation.summary["request_goodput"] or 0.0) / best, 2),
                                        headroom(r.simulation.summary, options.slo),
                                        -r.simulation.summary["output_throughput"])) + failed
 
@@ -104,15 +155,18 @@ def headroom(summary: dict, slo: dict[str, float]) -> float:
     return max((summary.get(SLO_P99[name], 0.0) / bound for name, bound in slo.items()), default=0.0)
 
 
-def table(ranked: list[Ranked]) -> str:
-    lines = ["| config | goodput (req/s) | within SLO | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
-             "|---|---:|---:|---:|---:|---:|"]     # ranked: goodput, then headroom under the SLO, then tok/s
+def table(ranked: list[Ranked], attainment: float | None = None) -> str:
+    searched = [f"max rate at {attainment:.0%} (req/s)"] if attainment is not None else []
+    header = ["config", *searched, "goodput (req/s)", "within SLO", "output tok/s", "TTFT p50 / p99 (ms)",
+              "ITL p50 / p99 (ms)"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for r in ranked:
         if r.simulation is None:
-            lines.append(f"| {r.candidate.name} | cannot run: {r.error} | | | | |")
+            lines.append(f"| {r.candidate.name} | cannot run: {r.error} |" + " |" * (len(header) - 2))
             continue
         s = r.simulation.summary
-        lines.append(f"| {r.candidate.name} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
+        rate = f" {r.max_rate:.2f} |" if searched else ""
+        lines.append(f"| {r.candidate.name} |{rate} {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
                      f"{s['output_throughput']:.0f} | {s['median_ttft_ms']:.1f} / {s['p99_ttft_ms']:.1f} | "
                      f"{s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} |")
     return "\n".join(lines)
@@ -153,13 +207,15 @@ def run(args: argparse.Namespace) -> int:
         hardware = HARDWARE[args.hardware]
         target = Target(shape, Roofline(shape, hardware, overhead=args.step_overhead_ms / 1e3), hardware)
         chat = None if args.model_shape else chat_overhead(resolve_model(config.model).path)
-        ranked = rank(config, target, options, args.devices, chat)
+        if args.attainment is not None and not (0 < args.attainment <= 1 and math.isfinite(args.request_rate)):
+            raise ValueError("--attainment must be in (0, 1] and needs a finite --request-rate to search from")
+        ranked = rank(config, target, options, args.devices, chat, args.attainment)
     except (ValueError, OSError) as error:
         print(f"pdserve plan: error: {error}", file=sys.stderr)
         return 2
     slo = " ".join(args.slo)
     print(f"{shape.name} on {args.devices} x {hardware.name} ({hardware.link}); goodput within {slo}; simulated")
-    print(table(ranked))
+    print(table(ranked, args.attainment))
     print("recommended: " + shlex.join(serve_command(args, ranked[0].candidate)))
     return 0
 

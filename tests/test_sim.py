@@ -287,6 +287,9 @@ def test_plan_says_why_no_placement_fits(capsys):
                               "--kv-cache-memory", "1GiB", "--num-prompts", "2"])
     assert plan.run(args) == 2
     assert "no placement can run" in capsys.readouterr().err
+    for bad in (["--attainment", "1.5"], ["--attainment", "0.9", "--request-rate", "inf"]):
+        assert plan.run(parser.parse_args(["--model-shape", "llama-8b", *bad])) == 2
+        assert "--attainment" in capsys.readouterr().err
 
 
 def test_chat_requests_carry_the_templates_tokens_and_keep_the_history_a_prefix(tiny_model_dir):
@@ -318,3 +321,19 @@ def test_the_pdserve_command_runs_simulate_and_plan(capsys):
     out = capsys.readouterr().out
     assert "llama-8b on a100, colocated (simulated)" in out and "| colocated x1 |" in out
     assert "recommended: pdserve serve --model PATH/TO/llama-8b --mode colocated --prefill-device cuda:0" in out
+
+
+def test_the_rate_search_brackets_then_bisects_to_the_highest_rate_that_holds():
+    calls = []
+
+    def below(limit):
+        def attained(rate):
+            calls.append(rate)
+            return rate <= limit
+        return attained
+
+    assert plan.max_rate(below(7.3), 1.0) == pytest.approx(7.3, rel=1 / 2 ** plan.RATE_STEPS)
+    assert plan.max_rate(below(7.3), 1.0) <= 7.3
+    assert plan.max_rate(below(0.3), 4.0) == pytest.approx(0.3, rel=1 / 2 ** plan.RATE_STEPS)
+    assert plan.max_rate(below(1e9), 1.0) == 2.0 ** plan.BRACKET_STEPS            # the bracket's top
+    assert plan.max_rate(below(0.0), 1.0) == 0.0
