@@ -115,7 +115,11 @@ def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
     count = f"{w.num_conversations} conversations" if multiturn else f"{t.num_prompts} requests"
     return (f"{w.name} ({shape}); {count} at {t.request_rate:g} {'conv' if multiturn else 'req'}/s (burstiness "
             f"{t.burstiness:g}), max concurrency {t.max_concurrency or 'none'}, seed {t.seed}, {t.num_warmups} "
-            f"warm-ups; /v1/{api}, temperature {args.temperature:g}")
+            f"warm-ups; /v1/{api}, temperature {args.temperature:g}; goodput SLO {_slo_text(options.slo)}")
+
+
+def _slo_text(slo: dict[str, float]) -> str:
+    return " ".join(f"{name}_ms={bound:g}" for name, bound in slo.items()) or "none (no --slo)"
 
 
 def render_report(args: argparse.Namespace, options: loadtest.Options, model_dir: str,

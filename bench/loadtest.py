@@ -72,7 +72,8 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
 def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("metrics")
     group.add_argument("--slo", "--goodput", nargs="+", default=None, metavar="NAME_ms=VALUE",
-                       help="goodput counts requests meeting all of: ttft_ms, tpot_ms, e2el_ms")
+                       help="goodput counts requests per second meeting all of: ttft_ms, itl_ms (every gap of the "
+                            "stream), tpot_ms, e2el_ms; e.g. --slo ttft_ms=500 itl_ms=100")
     group.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS))
     group.add_argument("--metric-percentiles", default="90,99")
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "itl", "tpot", "e2el")   # itl: the request's largest inter-token gap
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "short_itl")
 METRIC_TITLES = {
     "ttft": "Time to First Token",
@@ -133,8 +133,10 @@ def parse_slo(items: Iterable[str]) -> dict[str, float]:
 
 
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
-    """True when a successful request is within every bound in `slo` (ms)."""
-    observed = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.latency}
+    """True when a successful request is within every bound in `slo` (ms); `itl` bounds every one of its
+    inter-token gaps (a stall of one step misses it, however smooth the rest of the stream)."""
+    observed = {"ttft": record.ttft, "itl": max(record.itl, default=0.0), "tpot": record.tpot or 0.0,
+                "e2el": record.latency}
     return record.success and all(observed[name] * 1000.0 <= bound for name, bound in slo.items())
 
 
@@ -181,6 +183,7 @@ def summarize(
         "mean_input_tokens_long": _mean([r.input_tokens for r in ok if r.kind == "long"]),
         "request_throughput": len(ok) / duration,
         "request_goodput": sum(meets_slo(r, slo) for r in ok) / duration if slo else None,
+        "slo_attainment": sum(meets_slo(r, slo) for r in ok) / len(records) if slo and records else None,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "errors": dict(Counter(r.error for r in records if not r.success).most_common()),
@@ -204,8 +207,7 @@ def format_summary(summary: dict, percentiles: Iterable[float] = (90, 99),
         ("Total generated tokens:", summary["total_output_tokens"]),
         ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
     ]
-    if summary["request_goodput"] is not None:
-        rows.append(("Request goodput (req/s):", f"{summary['request_goodput']:.2f}"))
+    rows.append(("Request goodput (req/s):", _goodput_cell(summary)))
     rows.append(("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"))
     rows.append(("Total Token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}"))
     lines = [f"{f' {title} ':=^50}"] + [f"{label:<40}{value:<10}" for label, value in rows]
@@ -216,6 +218,14 @@ def format_summary(summary: dict, percentiles: Iterable[float] = (90, 99),
     lines += [f"error x{count}: {error}" for error, count in summary["errors"].items()]
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def _goodput_cell(summary: dict) -> str:
+    """Goodput and the share of requests meeting the SLO, or why there is none (no --slo given)."""
+    if summary.get("request_goodput") is None:
+        return "n/a (no --slo, e.g. --slo ttft_ms=500 itl_ms=100)"
+    slo = " ".join(f"{name}_ms={bound:g}" for name, bound in summary["slo_ms"].items())
+    return f"{summary['request_goodput']:.2f} ({summary['slo_attainment']:.0%} within {slo})"
 
 
 def _metric_rows(name: str, percentiles: Iterable[float]) -> list[tuple[str, str]]:
@@ -230,12 +240,16 @@ COMPARISON_ROWS = (
     ("request throughput (req/s)", "request_throughput"),
     ("output throughput (tok/s)", "output_throughput"),
     ("goodput (req/s)", "request_goodput"),
+    ("requests within the SLO (share)", "slo_attainment"),
 ) + tuple(
     (f"{stat} {label} (ms)", f"{stat}_{name}_ms")
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("short_itl", "short-stream ITL"),
                         ("e2el", "E2E latency"))
     for stat in ("mean", "median", "p90", "p99")
 )
+
+
+ALWAYS_SHOWN = ("request_goodput",)    # "-" in every column without --slo: the reader sees it was not asked
 
 
 def markdown_comparison(columns: Sequence[tuple[str, dict | None, float]]) -> str:
@@ -249,6 +263,6 @@ def markdown_comparison(columns: Sequence[tuple[str, dict | None, float]]) -> st
              row("requests ok / failed", (f"{s['completed']} / {s['failed']}" if s else "-" for s in summaries)),
              row("server start-up (s)", (f"{t:.1f}" if s else "-" for s, (_, _, t) in zip(summaries, columns)))]
     for label, key in COMPARISON_ROWS:
-        if any(s.get(key) is not None for s in summaries):
+        if any(s.get(key) is not None for s in summaries) or key in ALWAYS_SHOWN:
             lines.append(row(label, ("-" if s.get(key) is None else f"{s[key]:.2f}" for s in summaries)))
     return "\n".join(lines)

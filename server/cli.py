@@ -1,4 +1,4 @@
-"""`pdserve`: serve (the default), systemd-unit, generate, make-model, bench."""
+"""`pdserve`: serve (the default), systemd-unit, generate, make-model, bench, simulate, plan."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +129,18 @@ def _loadtest():
     return loadtest
 
 
+def _simulate():
+    from pdserve.bench import simulate
+
+    return simulate
+
+
+def _plan():
+    from pdserve.bench import plan
+
+    return plan
+
+
 COMMANDS = {
     "serve": Command("run the OpenAI-compatible server (the default)", add_serve_arguments, run_serve),
     "systemd-unit": Command("print a systemd unit that serves with the given options (any `pdserve serve` "
@@ -141,6 +153,12 @@ COMMANDS = {
                           lambda a: _engine_cli().run_make_model(a)),
     "bench": Command("load-test an OpenAI-compatible streaming endpoint",
                      lambda p: _loadtest().add_arguments(p), lambda a: _loadtest().run(a)),
+    "simulate": Command("predict what `pdserve bench` would measure: the workload through the engine's own "
+                        "coordinator and actors on a virtual clock, step times from a cost model",
+                        lambda p: _simulate().add_arguments(p), lambda a: _simulate().run(a)),
+    "plan": Command("rank colocated, every xPyD split and adaptive placement on N GPUs by simulated goodput, "
+                    "and print the `pdserve serve` command of the best", lambda p: _plan().add_arguments(p),
+                    lambda a: _plan().run(a)),
 }
 
 

@@ -277,7 +277,7 @@ async def test_plot_without_matplotlib_fails_before_any_request(fake, tmp_path, 
 
 
 async def test_cli_exit_codes(fake, tmp_path):
-    bad_slo = ["--base-url", f"{fake.base}/ok", "--slo", "itl_ms=5"]
+    bad_slo = ["--base-url", f"{fake.base}/ok", "--slo", "p50_ms=5"]
     assert await asyncio.to_thread(loadtest.main, bad_slo) == 2
     missing = ["--dataset-path", str(tmp_path / "missing.json")]
     assert await asyncio.to_thread(loadtest.main, missing) == 2

@@ -109,9 +109,23 @@ def test_goodput_counts_successes_meeting_every_slo():
     assert not meets_slo(records[4], {"ttft": 1e9})  # a failure never counts
 
 
+def test_itl_slo_bounds_every_gap_of_a_stream_and_goodput_is_in_the_summary_line():
+    smooth = _record(0, ttft=0.1, itl=(0.04,) * 10, output_tokens=11)
+    stalled = _record(1, ttft=0.1, itl=(0.01,) * 9 + (0.3,), output_tokens=11)   # lower TPOT, one stall
+    assert stalled.tpot < smooth.tpot
+    slo = parse_slo(["ttft_ms=200", "itl_ms=100"])
+    assert meets_slo(smooth, slo) and not meets_slo(stalled, slo)
+    summary = summarize([smooth, stalled], duration=2.0, slo=slo)
+    assert summary["request_goodput"] == pytest.approx(0.5) and summary["slo_attainment"] == pytest.approx(0.5)
+    line = "Request goodput (req/s):".ljust(40) + "0.50 (50% within ttft_ms=200 itl_ms=100)"
+    assert line in format_summary(summary).splitlines()
+    assert "n/a (no --slo" in format_summary(summarize([smooth], duration=1.0))
+
+
 def test_parse_slo_forms_and_errors():
     assert parse_slo(["ttft_ms=500", "tpot:50", "e2el_ms=2000.5"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.5}
-    for bad in (["itl_ms=5"], ["ttft_ms"], ["ttft_ms=-1"], ["ttft_ms=abc"]):
+    assert parse_slo(["itl_ms=100"]) == {"itl": 100.0}
+    for bad in (["p50_ms=5"], ["ttft_ms"], ["ttft_ms=-1"], ["ttft_ms=abc"]):
         with pytest.raises(ValueError):
             parse_slo(bad)
 

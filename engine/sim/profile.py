@@ -1,0 +1,147 @@
+"""`--hardware measured`: load this machine's real units (the model, the pools, the thread counts the plan
+gives them), time a grid of synthetic steps on each, and fit each unit's step-cost coefficients."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import on_single_threaded_loader
+from pdserve.engine.model.resolve import resolve_model
+from pdserve.engine.sim.cost import FittedCost, StepShape, fit, step_shape
+from pdserve.engine.sim.engine import Target
+from pdserve.engine.sim.shapes import ModelShape
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.engine.topology import Units, load_units, make_plan, step_thread_counts, unit_cores
+from pdserve.engine.worker.startup.warmup import StepShape as Synthetic
+from pdserve.engine.worker.startup.warmup import synthetic_step
+from pdserve.engine.worker.step import StepInput, StepWork
+
+logger = logging.getLogger(__name__)
+REPEATS = 3                      # the median of three runs of each step: one preempted run does not count
+
+
+def measured_target(config: EngineConfig, profile_json: str | None = None, overhead: float = 0.0) -> Target:
+    """The Target of this machine's units for `config`: read from `profile_json` when that file exists (and
+    was written for the same setup), else measured now (and written there when a path is given); `overhead`
+    seconds are added to every step."""
+    if config.workers != "thread":
+        raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
+                         "steps the same model runner; its pipe adds a little per step)")
+    model = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model.path)
+    eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
+    plan = make_plan(config, model_config)
+    shape = replace(ModelShape.from_model_config(model_config), eos_token_ids=tuple(sorted(eos)))
+    path = Path(profile_json) if profile_json else None
+    if path is not None and path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("setup") != setup(config, model.path, plan):
+            raise ValueError(f"--profile-json {path} was measured for another setup ({data.get('setup')}); "
+                             "delete it to measure again")
+    else:
+        units = on_single_threaded_loader(load_units, config, model_config, plan, eos)
+        try:
+            data = {"setup": setup(config, model.path, plan), "units": profile_units(config, plan, units)}
+        finally:
+            units.close()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=1) + "\n")
+    costs = tuple(replace(FittedCost.from_json(unit["cost"]), overhead=overhead) for unit in data["units"])
+    return Target(shape, costs, plan=plan, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
+                  dtype_bytes=plan.dtype.itemsize)
+
+
+def setup(config: EngineConfig, model_dir: Path, plan) -> str:
+    """What a profile's figures depend on: the model, mode, devices, cores, dtype and weight quantization."""
+    devices = ",".join(map(str, plan.prefill_devices)) + "/" + ",".join(map(str, plan.decode_devices))
+    cores = f"{plan.prefill_unit_cores}/{plan.decode_unit_cores}"
+    return (f"{model_dir} {plan.mode} {devices} cores {cores} {str(plan.dtype).removeprefix('torch.')} "
+            f"quantization {config.quantization} kernels {config.cpu_kernels}")
+
+
+def profile_units(config: EngineConfig, plan, units: Units) -> list[dict]:
+    """Each unit (prefill units first): its pool's blocks and its fitted cost, one fit per thread count."""
+    if plan.mode == "colocated":
+        cores, roles = plan.prefill_unit_cores, ["colocated"] * len(units.decodes)
+    else:
+        prefill_cores, decode_cores = unit_cores(plan)
+        cores = (*prefill_cores, *decode_cores)
+        roles = ["prefill"] * len(units.prefills) + ["decode" if plan.mode == "disaggregated" else "colocated"] * \
+            len(units.decodes)
+    bandwidth = copy_bandwidth(units)
+    measured = []
+    for unit, role, own in zip(units.all(), roles, cores):
+        counts = step_thread_counts(plan, own) if unit.device.type == "cpu" else (0,)
+        fits = {}
+        for threads in counts:
+            samples = asyncio.run(_time_grid(unit, config, plan.max_model_len, role, threads or None))
+            fits[threads] = fit(samples)
+            logger.info("measured %s at %s threads: %s", unit.device, threads, fits[threads])
+        cost = FittedCost(fits, bandwidth, synchronous_copies=unit.device.type == "cpu")
+        measured.append({"role": role, "num_blocks": unit.num_blocks, "cost": cost.to_json()})
+    return measured
+
+
+def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int) -> list[Synthetic]:
+    """The steps timed: prefill chunks of growing size with and without a prefix, decode batches of growing
+    size at a short and a long context, and (colocated) decode rows with a chunk."""
+    budget = min(max_prefill_tokens, max_model_len // 2)
+    long_context = min(1024, max_model_len // 2)
+    shapes = []
+    if role != "decode":
+        shapes += [Synthetic("prefill", 1, n) for n in sorted({16, 64, 256, budget}) if n <= budget]
+        shapes += [Synthetic("prefill", 1, min(64, budget), context=long_context - min(64, budget))]
+        shapes += [Synthetic("prefill", 1, budget // 2, context=budget // 2)]
+    if role != "prefill":
+        rows = sorted({1, 4, 16, min(max_num_seqs, 32)})
+        shapes += [Synthetic("decode", n, 1, context=c) for n in rows for c in (32, long_context)]
+    if role == "colocated":
+        shapes += [Synthetic("mixed", 9, min(128, budget), context=long_context)]
+    return shapes
+
+
+async def _time_grid(unit, config: EngineConfig, max_model_len: int, role: str,
+                     threads: int | None) -> list[tuple[StepShape, float]]:
+    sched, rng = config.scheduler, random.Random(0)
+    samples = []
+    for synthetic in grid(role, sched.max_num_seqs, sched.max_prefill_tokens, max_model_len):
+        step = synthetic_step(synthetic, _vocab(unit), unit.block_size, unit.num_blocks, rng)
+        seconds = [await _run(unit, step, threads) for _ in range(REPEATS + 1)][1:]    # the first one warms up
+        samples.append((step_shape(step), statistics.median(seconds)))
+    return samples
+
+
+async def _run(unit, step: StepInput, threads: int | None) -> float:
+    outcome = await unit.submit(StepWork(step, threads=threads))
+    await unit.submit(StepWork(StepInput(freed_rows=tuple(new.row for new in step.new_rows)), threads=threads))
+    return outcome.seconds
+
+
+def _vocab(unit) -> int:
+    return unit.runner.model.config.vocab_size
+
+
+def copy_bandwidth(units: Units) -> float:
+    """Bytes per second of a KV hand-off from the first prefill unit to the first decode unit (the real
+    transfer backend, 64 blocks or the pool); a colocated engine copies nothing (any positive figure)."""
+    if not units.prefills:
+        return 1e12
+    source = units.prefill.step_runner
+    transfer, pool = source.peers[0]
+    n = min(64, units.prefill.num_blocks, units.decode.num_blocks)
+    blocks = tuple(range(n))
+    seconds = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        handle = transfer.copy_blocks(source.runner.kv_pool, pool, blocks, blocks)
+        handle.wait()
+        seconds.append(handle.seconds or time.perf_counter() - started)
+    return handle.nbytes / max(statistics.median(seconds), 1e-9)
