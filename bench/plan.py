@@ -191,10 +191,20 @@ def serve_command(args: argparse.Namespace, candidate: Candidate) -> list[str]:
     return command + candidate.flags()
 
 
+def engine_slos_from(args: argparse.Namespace, slo: dict[str, float]) -> None:
+    """The engine plans toward the SLOs goodput is judged on: --ttft-slo-ms / --itl-slo-ms default to --slo's
+    ttft_ms / itl_ms (so the recommended command carries them too)."""
+    if args.ttft_slo_ms is None and "ttft" in slo:
+        args.ttft_slo_ms = slo["ttft"]
+    if args.itl_slo_ms is None and "itl" in slo:
+        args.itl_slo_ms = slo["itl"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Rank the placements, print the table and the recommended command; 2 on bad options."""
     args.slo = args.slo or list(DEFAULT_SLO)
     try:
+        engine_slos_from(args, loadtest.metric_options(args)[0])
         if args.devices < 1:
             raise ValueError("--devices must be at least 1")
         if args.step_overhead_ms < 0:

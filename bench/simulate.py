@@ -103,7 +103,7 @@ def simulate(config: EngineConfig, target: Target, options: loadtest.Options, to
         engine = SimEngine(config, target)
         answer = engine.units.decode.model.token_id
         ids = WordIds(engine.vocab_size, answer, tokens_per_word, frozenset(target.shape.eos_token_ids), chat)
-        engine.start()
+        await engine.start()
         try:
             result = await replay(engine, ids, options)
         finally:
@@ -126,8 +126,9 @@ def units_line(engine: SimEngine) -> str:
         host = actor.step_seconds / stats.steps * 1e3 if stats.steps else 0.0
         parts.append(f"{actor.unit_name}: {stats.steps} steps, busy {busy / span if span else 0.0:.0%}, "
                      f"{stats.routed_prefill} prompts routed here{placed}, {host:.2f} ms host work per step")
-    return ("Simulated units (host work: the actors' own scheduling and recording, timed on this machine's "
-            "CPU and left off the virtual clock): " + "; ".join(parts))
+    slos = f"{engine.slos.describe()}; " if engine.slos else ""
+    return (f"Simulated engine: {slos}units (host work: the actors' own scheduling and recording, timed on this "
+            "machine's CPU and left off the virtual clock): " + "; ".join(parts))
 
 
 def _label(args: argparse.Namespace, target: Target, engine: SimEngine) -> str:

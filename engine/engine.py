@@ -151,21 +151,7 @@ class Engine:
         self._running = True
 
     async def _measure(self) -> MeasuredUnits | None:
-        """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
-        when an SLO is to be derived; None when both are set. The profile's cost models are its own: the
-        units' cost models (routing, the planner) learn from serving steps alone, as they did before."""
-        sched = self.config.scheduler
-        if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:
-            return None
-        share, units = core_share(self.plan), self.units
-        colocated = not units.prefills
-        decode = UnitProfile(units.decode, StepCostModel(), True, colocated,
-                             share and (share.decode_own,) or (None,))
-        prefill = decode if colocated else UnitProfile(units.prefill, StepCostModel(), False, True,
-                                                       share and (share.prefill_own,) or (None,))
-        for profile in (decode,) if colocated else (decode, prefill):
-            await profile_unit(profile, sched, self.plan.max_model_len, self.model_config.vocab_size)
-        return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
+        return await measure_units(self.config, self.plan, self.units, self.model_config.vocab_size)
 
     async def stop(self) -> None:
         """Abort every unfinished request and stop the actors, holding no KV block (the model stays loaded)."""
@@ -415,6 +401,25 @@ def _unit_loader(config: EngineConfig):
         from pdserve.engine.ray.units import load_ray_units       # NOTE: imported only when asked for
         return load_ray_units
     return load_process_units if config.workers == "process" else load_units
+
+
+async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> MeasuredUnits | None:
+    """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
+    when an SLO is to be derived; None when both are set. The profile's cost models are its own: the
+    units' cost models (routing, the planner) learn from serving steps alone, as they did before.
+    (The simulator, pdserve.engine.sim, profiles its simulated units with it too.)"""
+    sched = config.scheduler
+    if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:
+        return None
+    share = core_share(plan)
+    colocated = not units.prefills
+    decode = UnitProfile(units.decode, StepCostModel(), True, colocated,
+                         share and (share.decode_own,) or (None,))
+    prefill = decode if colocated else UnitProfile(units.prefill, StepCostModel(), False, True,
+                                                   share and (share.prefill_own,) or (None,))
+    for profile in (decode,) if colocated else (decode, prefill):
+        await profile_unit(profile, sched, plan.max_model_len, vocab_size)
+    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
 
 
 def on_single_threaded_loader(fn, *args):

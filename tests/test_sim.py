@@ -87,7 +87,7 @@ def _chat_turns(engine: SimEngine, turns: int = 3, output_len: int = 5):
     history, sent = [{"role": "system", "content": " ".join(f"w{i}" for i in range(100))}], []
 
     async def main():
-        engine.start()
+        await engine.start()
         for turn in range(1, turns + 1):
             history.append({"role": "user", "content": f"question {turn} about this"})
             sample = SampleRequest("", 0, output_len, "chat", tuple(history), 0, turn)
@@ -174,6 +174,7 @@ def test_plan_ranks_by_goodput_and_recommends_a_command_serve_accepts(capsys):
     chosen = serve.parse_args(command[2:])
     best = next(c for c in plan.candidates(2) if c.name == names[0])
     assert (chosen.mode, chosen.prefill_device, chosen.max_num_seqs) == (best.mode, best.prefill_device, 64)
+    assert (chosen.ttft_slo_ms, chosen.itl_slo_ms) == (1000.0, 40.0)      # the engine plans toward plan's SLO
 
 
 def test_plan_lists_every_split():
@@ -320,7 +321,9 @@ def test_the_pdserve_command_runs_simulate_and_plan(capsys):
     assert main(["plan", "--hardware", "h100", "--devices", "1", *small]) == 0
     out = capsys.readouterr().out
     assert "llama-8b on a100, colocated (simulated)" in out and "| colocated x1 |" in out
-    assert "recommended: pdserve serve --model PATH/TO/llama-8b --mode colocated --prefill-device cuda:0" in out
+    recommended = out.split("recommended: ")[1].strip()
+    assert recommended.startswith("pdserve serve --model PATH/TO/llama-8b")
+    assert recommended.endswith("--mode colocated --prefill-device cuda:0")
 
 
 def test_the_rate_search_brackets_then_bisects_to_the_highest_rate_that_holds():

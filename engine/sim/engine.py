@@ -9,8 +9,11 @@ import torch
 
 from pdserve.engine.config import DTYPES, EngineConfig
 from pdserve.engine.coordinator.coordinator import Coordinator
+from pdserve.engine.coordinator.planner import Planner
+from pdserve.engine.coordinator.slo import Slos, derive_slos
 from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.core.messages import ActorStats, FinishReason, Request, StepOutput
+from pdserve.engine.engine import measure_units
 from pdserve.engine.sim.hardware import Hardware
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.sim.units import SimCompute, Timeline, UnitModel
@@ -122,7 +125,8 @@ class SimEngine:
         self.plan = target.plan or named_plan(config, target.shape)
         self.units = simulated_units(config, self.plan, target)
         prefill, decode = wire_actors(config, self.plan, self.units, self._on_step)
-        self.coordinator = Coordinator(self.plan.mode, prefill, decode)
+        self.coordinator = Coordinator(self.plan.mode, prefill, decode, clock=lambda: asyncio.get_running_loop().time())
+        self.slos: Slos | None = None
         for role, actors in (("prefill", prefill), ("colocated" if self.mode == "colocated" else "decode", decode)):
             for index, (actor, name) in enumerate(zip(actors, unit_names(role, len(actors)))):
                 actor.index, actor.unit_name = index, name
@@ -135,7 +139,14 @@ class SimEngine:
     def mode(self) -> str:
         return self.plan.mode
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """As Engine.start: the SLOs not set are derived from a profile of the (simulated) units, then the
+        adaptive mode's planner decides with them."""
+        sched = self.config.scheduler
+        self.slos = derive_slos(sched, self.plan.max_model_len,
+                                await measure_units(self.config, self.plan, self.units, self.vocab_size))
+        if self.mode == "adaptive":
+            self.coordinator.planner = Planner(self.slos, sched.max_prefill_tokens)
         for actor in self.coordinator.actors:
             actor.start()
 
