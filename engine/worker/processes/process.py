@@ -20,6 +20,7 @@ import torch
 
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.processes import wire
+from pdserve.engine.worker.processes.frames import FrameChannel
 from pdserve.engine.transfer.cuda_ipc import CudaIpcHandle
 from pdserve.engine.worker.processes.shared_pool import SharedFd
 from pdserve.engine.worker.step import StepWork
@@ -61,6 +62,7 @@ class ProcessCompute:
         self._context = multiprocessing.get_context("spawn")
         self._pending: deque[asyncio.Future] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel: FrameChannel | None = None     # the pipe once the loop reads it (non-blocking)
         self.process = None
         self.conn = None
         self.spawn()
@@ -107,8 +109,8 @@ class ProcessCompute:
             return future
         self._listen()
         try:
-            self.conn.send_bytes(wire.encode_work(work))
-        except (BrokenPipeError, OSError):
+            self._channel.send(wire.encode_work(work))
+        except OSError:
             future.set_exception(WorkerDied(self._death()))
             return future
         self._pending.append(future)
@@ -117,14 +119,18 @@ class ProcessCompute:
     def _listen(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
+            self._channel = FrameChannel(self.conn.fileno(), loop, self._on_death)
             loop.add_reader(self.conn.fileno(), self._on_readable)
             self._loop = loop
 
     def _on_readable(self) -> None:
         try:
-            while self.conn.poll():
-                self._resolve(self.conn.recv_bytes())
-        except (EOFError, OSError):
+            frames, closed = self._channel.read()
+        except OSError:
+            frames, closed = [], True
+        for frame in frames:
+            self._resolve(frame)
+        if closed:
             self._on_death()
 
     def _resolve(self, data: bytes) -> None:
@@ -158,9 +164,14 @@ class ProcessCompute:
         return f"the {self.spec.name} worker (pid {self.pid}) died: {how}"
 
     def _unlisten(self) -> None:
+        """The loop stops reading and writing the pipe, which is blocking again."""
         if self._loop is not None and self.conn is not None:
             self._loop.remove_reader(self.conn.fileno())
-        self._loop = None
+            try:
+                self._channel.detach()
+            except OSError:
+                pass
+        self._loop, self._channel = None, None
 
     async def wait(self, handle: TransferHandle) -> None:
         """Copies have landed before a worker answers; nothing to wait for."""
