@@ -314,17 +314,17 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
     caching = cache.enable_prefix_caching
     if plan.mode == "colocated":
         unit = units.decodes[index]
-        return ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
-                              _overlap(config, plan.prefill_devices[index], config.speculative), caching,
-                              config.speculative)
+        return _costed(ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
+                                      _overlap(config, plan.prefill_devices[index], config.speculative), caching,
+                                      config.speculative), StepCostModel(), learns=True)
     device = (plan.prefill_devices if role == "prefill" else plan.decode_devices)[index]
     unit = (units.prefills if role == "prefill" else units.decodes)[index]
     overlap = _overlap(config, device, None if role == "prefill" else config.speculative)
     if plan.mode == "disaggregated":
         if role == "prefill":
             return PrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching)
-        return DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                           config.speculative)
+        return _costed(DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
+                                   config.speculative), StepCostModel(), learns=True)
     share = CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if plan.lending else None
     cost = StepCostModel()
     if role == "prefill":
@@ -332,8 +332,16 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
     itl_target = sched.itl_target_ms / 1e3 if sched.itl_target_ms else None
     policy = PlacementPolicy(cost, StepCostModel(), sched.max_prefill_tokens, itl_target,
                              sched.max_local_prefill_length, shared_cores=share is not None)
-    return AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                               config.speculative, policy=policy, cost=cost, share=share)
+    return _costed(AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
+                                       config.speculative, policy=policy, cost=cost, share=share), cost, learns=False)
+
+
+def _costed(actor: Actor, cost: StepCostModel, learns: bool) -> Actor:
+    """`actor`, its speculator (if any) predicting verification costs from `cost`; `learns`: the speculator
+    feeds `cost` the actor's steps (adaptive mode's actor feeds its own model)."""
+    if actor.speculator is not None:
+        actor.speculator.gate.use(cost, learns)
+    return actor
 
 
 def _overlap(config: EngineConfig, device: torch.device, speculative=None) -> bool:

@@ -31,8 +31,12 @@ def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
     speculator.observe(seq, 5, 1)
     assert len(speculator.drafts(seq, 10)) == 2                  # one more than the one kept
     speculator.observe(seq, 2, 2)
-    assert len(speculator.drafts(seq, 10)) == 3
+    assert len(speculator.drafts(seq, 10)) == 4                  # all kept: twice as many
     assert len(speculator.drafts(seq, 2)) == 2                   # max_tokens / context room caps it
+    speculator.observe(seq, 4, 4)
+    assert len(speculator.drafts(seq, 10)) == 5                  # up to num_speculative_tokens
+    speculator.observe(seq, 5, 2)
+    assert len(speculator.drafts(seq, 10)) == 3
     for _ in range(MISSES_BEFORE_BACKOFF):
         speculator.observe(seq, 1, 0)
     assert speculator.drafts(seq, 10) == ()                      # paused
@@ -43,8 +47,8 @@ def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
     speculator.observe(seq, 1, 1)
     assert len(speculator.drafts(seq, 10)) == 2
     c = speculator.counters
-    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (6, 11, 4)
-    assert c.accepted_per_position == [3, 1, 0, 0, 0]
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (8, 20, 10)
+    assert c.accepted_per_position == [5, 3, 1, 1, 0]
 
 
 def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
@@ -67,7 +71,6 @@ def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
         blocks.grow(f"hog{blocks.num_free}", 16)
     chosen = scheduler.schedule()
     assert [len(s.drafts) for s in chosen] == [3, 1]             # 3 blocks hold 48 tokens: 33 + 3, 47 + 1
-    assert SpeculativeConfig(num_speculative_tokens=3).max_rows == 8   # FLAT_STEP_TOKENS // (1 + K)
 
 
 def test_counters_are_exported_with_vllms_meaning_and_bench_reads_them():
