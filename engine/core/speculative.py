@@ -55,7 +55,8 @@ class SpeculativeConfig:
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unsupported field(s) {unknown}; known: {sorted(known)}")
-        method = fields.get("method", cls.method)
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        method = fields.get("method", defaults["method"])
         foreign = sorted(set(fields) & set(SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS))
         if foreign:
             raise ValueError(f"--speculative-config: {foreign} do not apply to method {method!r}")
@@ -65,7 +66,7 @@ class SpeculativeConfig:
             fields["prompt_lookup_max"] = fields["prompt_lookup_min"]
         if method == "suffix" and "num_speculative_tokens" not in fields:
             fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth",
-                                                          cls.suffix_decoding_max_tree_depth)
+                                                          defaults["suffix_decoding_max_tree_depth"])
         config = cls(**fields)
         config.validate()
         return config

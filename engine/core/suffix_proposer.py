@@ -169,7 +169,7 @@ class SuffixCache:
 
     @property
     def text(self) -> np.ndarray:
-        return self._text[:self._length + 1]
+        return self._text[:self._length]
 
     def outputs(self) -> list[list[int]]:
         """The cached outputs, oldest first."""
@@ -202,7 +202,8 @@ class SuffixCache:
         lo, hi = np.searchsorted(self._sorted_tokens, [token, token + 1])
         indexed = self._sorted_positions[lo:hi]
         indexed = indexed[np.searchsorted(indexed, self._start):]
-        tail = np.flatnonzero(self._text[self._indexed:self._length] == token) + self._indexed
+        scanned = max(self._indexed, self._start)
+        tail = np.flatnonzero(self._text[scanned:self._length] == token) + scanned
         return np.concatenate((indexed, tail)) if len(tail) else indexed
 
     def _reindex(self) -> None:
