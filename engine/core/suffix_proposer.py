@@ -13,7 +13,8 @@ probabilities, the expected accepted tokens) wins; ties go to the longer match, 
 request's own text and the cache to the request's own. Ties between equally frequent continuations
 go to the newest occurrence.
 
-Match lengths whose occurrences are the same set (a longer match that excludes nothing) share one walk.
+Every occurrence's match length comes from one gather; match lengths whose occurrences are the same set
+(a longer match that excludes nothing) share one walk.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 SEPARATOR = -1               # ends a sequence in a text array; never a token
 MIN_TAIL_TO_INDEX = 4096     # cache tokens appended since the last index build that a lookup scans linearly
+SMALL_SET = 64               # continuations counted in plain Python below this many occurrences
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,31 +72,27 @@ def speculate(text: np.ndarray, ends: np.ndarray, pattern: np.ndarray, self_coun
     (ascending); `self_count` more occurrences (the context's own) have no continuation."""
     best = SuffixDraft()
     longest = min(len(pattern) - 1, params.max_depth - 1)
-    m = 1
-    while m <= longest and len(ends):
-        first = m
-        keep = None
-        while m < longest:
-            keep = _extends(text, ends, m, int(pattern[-m - 1]))
-            if not keep.all():
-                break
-            m, keep = m + 1, None
-        budgets = [params.budget(length, max_tokens) for length in range(first, m + 1)]
-        tokens, probs = walk(text, ends, len(ends) + self_count, max(budgets), params.min_token_prob)
-        for length, budget in zip(range(first, m + 1), budgets):
+    if longest < 1 or not len(ends):
+        return best
+    matched = match_lengths(text, ends, pattern, longest)
+    first = 1
+    for length in np.unique(matched).tolist():             # the matches of lengths first..length share a set
+        at = ends[matched >= length]
+        budgets = [params.budget(m, max_tokens) for m in range(first, length + 1)]
+        tokens, probs = walk(text, at, len(at) + self_count, max(budgets), params.min_token_prob)
+        for m, budget in zip(range(first, length + 1), budgets):
             score = float(sum(probs[:budget]))
             if budget and score >= best.score:
-                best = SuffixDraft(tuple(tokens[:budget]), tuple(probs[:budget]), score, length)
-        if keep is None:
-            break
-        ends, m = ends[keep], m + 1
+                best = SuffixDraft(tuple(tokens[:budget]), tuple(probs[:budget]), score, m)
+        first = length + 1
     return best
 
 
-def _extends(text: np.ndarray, ends: np.ndarray, m: int, token: int) -> np.ndarray:
-    """Which matches of length m (ending at `ends`) are preceded by `token`."""
-    before = ends - m
-    return (before >= 0) & (text[np.maximum(before, 0)] == token)
+def match_lengths(text: np.ndarray, ends: np.ndarray, pattern: np.ndarray, longest: int) -> np.ndarray:
+    """How many of the pattern's last tokens (at most `longest`) end at each of `ends`."""
+    back = ends[:, None] - np.arange(longest)                 # [occurrences, longest]: p, p - 1, ...
+    same = (back >= 0) & (text[np.maximum(back, 0)] == pattern[::-1][:longest])
+    return np.where(same.all(axis=1), longest, same.argmin(axis=1))
 
 
 def walk(text: np.ndarray, ends: np.ndarray, count: int, budget: int, min_prob: float) -> tuple[list, list]:
@@ -131,8 +129,12 @@ def _run(text: np.ndarray, start: int, limit: int) -> list[int]:
 
 def most_frequent(values: np.ndarray) -> tuple[int, int]:
     """(the most frequent value, its count); among equally frequent ones the last in `values`; (-1, 0) if empty."""
-    if len(values) <= 1:
-        return (int(values[0]), 1) if len(values) else (SEPARATOR, 0)
+    if len(values) <= SMALL_SET:
+        counts: dict[int, int] = {}
+        for value in values.tolist():
+            counts[value] = counts.pop(value, 0) + 1       # NOTE: re-inserted: the newest goes last
+        top = max(counts.values(), default=0)
+        return next((v for v in reversed(counts) if counts[v] == top), SEPARATOR), top
     unique, counts = np.unique(values, return_counts=True)
     top = counts.max()
     winners = unique[counts == top]
