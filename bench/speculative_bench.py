@@ -8,8 +8,8 @@ whose answer overlaps it and on one whose answer does not, in one process: tok/s
 
 The engines (same weights, same mode) take turns, one engine alive at a time (an idle second engine in
 the process halves the other's speed), each round building each; each figure is the median of --repeats
-greedy requests, each after one warm-up request (for the suffix method the warm-up's output is in its cache
-of earlier outputs, as a repeated request's would be: the figure says so).
+greedy requests, each after one warm-up request whose answer is then dropped from the suffix method's cache of
+earlier outputs (--keep-cache leaves it there: the case of a request repeated).
 With --llama-server and --llama-gguf (the same weights as --model, e.g. `python -m pdserve.bench.reference_model`'s
 F32 pair), llama.cpp's `llama-server` runs the same token prompts after pdserve, without and with its own
 n-gram speculation (`--llama-spec`), one request at a time, stopping at EOS as pdserve's requests do.
@@ -77,6 +77,13 @@ def variants(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
+def forget_outputs(llm: LLM) -> None:
+    """Empty every suffix cache, so that the measured request does not find the warm-up's answer there."""
+    for actor in llm.engine.actors:
+        if actor.speculator is not None:
+            actor.speculator.forget_outputs()
+
+
 def run(args: argparse.Namespace) -> dict:
     configs = {"plain": {}, **{name: {"speculative_config": text} for name, text in variants(args.variant).items()}}
     base = EngineConfig(model=args.model, mode=args.mode, dtype=args.dtype,      # NOTE: every request prefills, as
@@ -93,6 +100,8 @@ def run(args: argparse.Namespace) -> dict:
                 prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed)
                 for name, prompt in prompt_sets.items():
                     tokens_per_second(llm, prompt, params)                       # warm-up
+                    if not args.keep_cache:
+                        forget_outputs(llm)
                     before = counters(llm)
                     rate, lengths[name, key] = tokens_per_second(llm, prompt, params)
                     rates.setdefault(name, {}).setdefault(key, []).append(rate)
@@ -185,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=None, metavar="NAME=JSON",
                         help="a speculative config to compare with plain decoding (repeatable; default: "
                              "n-gram as measured before, and suffix)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="leave the warm-up's answer in the suffix cache (a repeated request's case)")
     parser.add_argument("--proposer-cpu", action="store_true", help="time the proposers alone (no engine)")
     parser.add_argument("--context-tokens", type=int, default=2048, help="context length for --proposer-cpu")
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -171,11 +171,12 @@ def test_greedy_tokens_identical_with_and_without_suffix_speculation(mode):
     plain, engine = generate(mode, first + again)
     engine.close()
     spec, engine = generate(mode, first + again, SUFFIX)
-    counters, cache = speculator(engine).counters, speculator(engine).cache
+    counters, cache, gate = speculator(engine).counters, speculator(engine).cache, speculator(engine).gate
     engine.close()
     assert spec == plain
     assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
     assert cache.num_requests == len(first + again)
+    assert gate.cost.predict(gate.threads, 2, 0) is not None        # the steps' costs were measured
 
 
 def test_process_workers_give_the_same_greedy_tokens_with_suffix():

@@ -309,7 +309,8 @@ class Actor(abc.ABC):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         """A finished step's compute time (the cost model of adaptive placement listens here)."""
-        self.speculator and self.speculator.observe_step(batch, seconds, threads)
+        if self.speculator is not None:
+            self.speculator.observe_step(batch, seconds, threads)
 
     # bookkeeping shared by the actors
     def cache_landed(self, batch: Batch) -> None:

@@ -220,6 +220,11 @@ class Speculator:
             self.cache.add(seq.output_token_ids)
         seq.spec = None
 
+    def forget_outputs(self) -> None:
+        """Empty the suffix cache (benchmarks: a measured request must not find its warm-up's answer)."""
+        if self.cache is not None:
+            self.cache = SuffixCache(self.cache.max_requests)
+
     def _state(self, seq: Sequence) -> RowState:
         if seq.spec is None:
             seq.spec = RowState(np.zeros(0, dtype=np.int64), 0, self.config.num_speculative_tokens)
