@@ -26,7 +26,7 @@ import time
 
 import orjson
 
-from pdserve.bench.edit_workload import edit_prompts
+from pdserve.bench.edit_workload import REPO, edit_prompts
 from pdserve.bench.llama_cpp import find_llama_server, llama_server, timed_completions
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.messages import Request
@@ -40,9 +40,13 @@ from pdserve.engine.text.tokenizer import Tokenizer
 OPEN_ENDED = "Write a long story about a lighthouse keeper who finds a map in a bottle. Use vivid detail."
 
 
-def prompts(llm: LLM, passage_tokens: int, seed: int) -> dict[str, list[int]]:
-    """{"overlap": an edit prompt over this repository's code, "no_overlap": an open-ended story}, chat-templated."""
-    edit = next(edit_prompts(random.Random(seed), passage_tokens, None))
+DEFAULT_PASSAGE_FILE = REPO / "engine" / "core" / "block_manager.py"   # NOTE: one file, so that new files elsewhere
+#                                                                   do not change which passage a seed picks
+
+
+def prompts(llm: LLM, passage_tokens: int, seed: int, path: str) -> dict[str, list[int]]:
+    """{"overlap": an edit prompt over a passage of `path`, "no_overlap": an open-ended story}, chat-templated."""
+    edit = next(edit_prompts(random.Random(seed), passage_tokens, path))
     chat = llm.tokenizer.encode_chat
     return {"overlap": chat([{"role": "user", "content": edit}]),
             "no_overlap": chat([{"role": "user", "content": OPEN_ENDED}])}
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         for key, extra in configs.items():           # NOTE: one engine at a time: an idle second one halves the speed
             llm = LLM(config=base, **extra)
             try:
-                prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed)
+                prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed, args.dataset_path)
                 for name, prompt in prompt_sets.items():
                     tokens_per_second(llm, prompt, params)                       # warm-up
                     if not args.keep_cache:
@@ -152,7 +156,7 @@ def llama_cpp_rates(args: argparse.Namespace, prompt_sets: dict[str, list[int]])
 
 def edit_context(tokenizer: Tokenizer, rng: random.Random, context_tokens: int) -> tuple[list[int], list[int]]:
     """(prompt, answer) token ids: an edit prompt quoting about half the context, the answer its copy."""
-    passage = next(edit_prompts(rng, context_tokens // 2, None)).split("\n\n", 1)[-1]
+    passage = next(edit_prompts(rng, context_tokens // 2, str(REPO / "engine"))).split("\n\n", 1)[-1]
     prompt = tokenizer.encode_chat([{"role": "user", "content": f"Repeat this exactly:\n\n{passage}"}])
     return prompt, tokenizer.encode(passage, add_special_tokens=False)
 
@@ -200,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-tokens", type=int, default=2048, help="context length for --proposer-cpu")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--passage-tokens", type=int, default=300, help="size of the passage the edit prompt quotes")
+    parser.add_argument("--dataset-path", default=str(DEFAULT_PASSAGE_FILE),
+                        help="text file or folder the edit prompt's passage comes from")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None)
