@@ -156,9 +156,12 @@ def llama_cpp_rates(args: argparse.Namespace, prompt_sets: dict[str, list[int]])
 
 def edit_context(tokenizer: Tokenizer, rng: random.Random, context_tokens: int) -> tuple[list[int], list[int]]:
     """(prompt, answer) token ids: an edit prompt quoting about half the context, the answer its copy."""
-    passage = next(edit_prompts(rng, context_tokens // 2, str(REPO / "engine"))).split("\n\n", 1)[-1]
-    prompt = tokenizer.encode_chat([{"role": "user", "content": f"Repeat this exactly:\n\n{passage}"}])
-    return prompt, tokenizer.encode(passage, add_special_tokens=False)
+    passages, answer = edit_prompts(rng, context_tokens // 2, None), []
+    while len(answer) < context_tokens // 2:                   # NOTE: a short file gives a short passage: add more
+        passage = next(passages).split("\n\n", 1)[-1]
+        answer += tokenizer.encode(passage + "\n", add_special_tokens=False)
+    text = tokenizer.decode(answer)
+    return tokenizer.encode_chat([{"role": "user", "content": f"Repeat this exactly:\n\n{text}"}]), answer
 
 
 def proposer_cpu(args: argparse.Namespace, calls: int = 200) -> dict:

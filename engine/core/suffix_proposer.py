@@ -14,7 +14,8 @@ request's own text and the cache to the request's own. Ties between equally freq
 go to the newest occurrence.
 
 Every occurrence's match length comes from one gather; match lengths whose occurrences are the same set
-(a longer match that excludes nothing) share one walk.
+(a longer match that excludes nothing) share one walk; longer matches go first, and a set whose longest
+draft could not beat the best so far is skipped.
 """
 from __future__ import annotations
 
@@ -60,31 +61,31 @@ def propose_suffix(text: np.ndarray, n: int, cache: SuffixCache | None, max_toke
     ends = np.flatnonzero(text[:n - 1] == pattern[-1])
     best = speculate(text, ends, pattern, 1, max_tokens, params)     # NOTE: the context's own occurrence counts
     if cache is not None and cache.num_tokens:
-        other = speculate(cache.text, cache.ends_of(int(pattern[-1])), pattern, 0, max_tokens, params)
-        if other.score > best.score:
-            best = other
+        best = speculate(cache.text, cache.ends_of(int(pattern[-1])), pattern, 0, max_tokens, params, best)
     return best
 
 
 def speculate(text: np.ndarray, ends: np.ndarray, pattern: np.ndarray, self_count: int, max_tokens: int,
-              params: SuffixParams) -> SuffixDraft:
-    """The best draft over match lengths, given `ends`: where the pattern's last token occurs in `text`
-    (ascending); `self_count` more occurrences (the context's own) have no continuation."""
-    best = SuffixDraft()
+              params: SuffixParams, best: SuffixDraft = SuffixDraft()) -> SuffixDraft:
+    """The draft of highest score (ties: the longer match) over match lengths if it beats `best`, else `best`,
+    given `ends`: where the pattern's last token occurs in `text` (ascending); `self_count` more
+    occurrences (the context's own) have no continuation."""
     longest = min(len(pattern) - 1, params.max_depth - 1)
     if longest < 1 or not len(ends):
         return best
     matched = match_lengths(text, ends, pattern, longest)
-    first = 1
-    for length in np.unique(matched).tolist():             # the matches of lengths first..length share a set
+    lengths = np.unique(matched).tolist()
+    for shortest, length in reversed(list(zip([0, *lengths], lengths))):    # longest matches first
+        group = range(length, shortest, -1)               # these match lengths share one set of occurrences
+        budgets = [params.budget(m, max_tokens) for m in group]
+        if max(budgets) <= best.score:                    # NOTE: a score is at most its draft's length
+            continue
         at = ends[matched >= length]
-        budgets = [params.budget(m, max_tokens) for m in range(first, length + 1)]
         tokens, probs = walk(text, at, len(at) + self_count, max(budgets), params.min_token_prob)
-        for m, budget in zip(range(first, length + 1), budgets):
+        for m, budget in zip(group, budgets):
             score = float(sum(probs[:budget]))
-            if budget and score >= best.score:
+            if score > best.score:
                 best = SuffixDraft(tuple(tokens[:budget]), tuple(probs[:budget]), score, m)
-        first = length + 1
     return best
 
 
