@@ -96,9 +96,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None,
                    help="speculative decoding on the decode side, as vLLM spells it: a JSON object such as "
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup over the prompt and output so far; '
-                        "optional disable_by_batch_size: no drafts in steps with more decode rows). Turns "
-                        "async scheduling off for the decode side (default: off)")
+                        '"prompt_lookup_max": 4}\' (n-gram prompt lookup over the prompt and output so far), '
+                        'or \'{"method": "suffix"}\' (suffix decoding over the prompt, the output and earlier '
+                        "requests' outputs; suffix_decoding_max_tree_depth, _max_cached_requests, "
+                        "_max_spec_factor, _min_token_prob as in vLLM). Steps draft where the measured step "
+                        "cost says verifying pays; optional disable_by_batch_size: never in steps with more "
+                        "decode rows. Turns async scheduling off for the decode side (default: off)")
     g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="CPU tensors: native C++ kernels built at start-up (falls back to torch where they "
                         "cannot build) or the plain-torch references; default auto: native where a start-up "

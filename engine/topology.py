@@ -321,28 +321,36 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
     caching = cache.enable_prefix_caching
     if plan.mode == "colocated":
         unit = units.decodes[index]
-        return ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
-                              _overlap(config, plan.prefill_devices[index], config.speculative), caching,
-                              config.speculative)
+        return _costed(ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
+                                      _overlap(config, plan.prefill_devices[index], config.speculative), caching,
+                                      config.speculative), StepCostModel(), learns=True)
     device = (plan.prefill_devices if role == "prefill" else plan.decode_devices)[index]
     unit = (units.prefills if role == "prefill" else units.decodes)[index]
     overlap = _overlap(config, device, None if role == "prefill" else config.speculative)
     if plan.mode == "disaggregated":
         if role == "prefill":
             return PrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching)
-        return DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                           config.speculative)
+        return _costed(DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
+                                   config.speculative), StepCostModel(), learns=True)
     share = core_share(plan)
     cost = units.cost(role, index)
     if role == "prefill":
         return LendingPrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching, cost=cost, share=share)
-    return AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                               config.speculative, cost=cost, share=share)
+    return _costed(AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
+                                       config.speculative, cost=cost, share=share), cost, learns=False)
 
 
 def core_share(plan: Plan) -> CoreShare | None:
     """The thread counts the two units of a lending plan step with; None without lending."""
     return CoreShare(len(plan.prefill_cores), len(plan.decode_cores)) if plan.lending else None
+
+
+def _costed(actor: Actor, cost: StepCostModel, learns: bool) -> Actor:
+    """`actor`, its speculator (if any) predicting verification costs from `cost`; `learns`: the speculator
+    feeds `cost` the actor's steps (adaptive mode's actor feeds its own model)."""
+    if actor.speculator is not None:
+        actor.speculator.gate.use(cost, learns)
+    return actor
 
 
 def _overlap(config: EngineConfig, device: torch.device, speculative=None) -> bool:

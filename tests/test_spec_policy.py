@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from pdserve.bench.loadtest import format_spec_decode
@@ -11,8 +12,10 @@ from pdserve.bench.server_metrics import parse_prefix_cache, prefix_cache_delta,
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import ActorStats, EngineStats, Request
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.core.scheduler import DecodeScheduler
+from pdserve.engine.actors.placement import StepCostModel
+from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length
 from pdserve.engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from pdserve.server.metrics import Metrics
@@ -31,8 +34,12 @@ def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
     speculator.observe(seq, 5, 1)
     assert len(speculator.drafts(seq, 10)) == 2                  # one more than the one kept
     speculator.observe(seq, 2, 2)
-    assert len(speculator.drafts(seq, 10)) == 3
+    assert len(speculator.drafts(seq, 10)) == 4                  # all kept: twice as many
     assert len(speculator.drafts(seq, 2)) == 2                   # max_tokens / context room caps it
+    speculator.observe(seq, 4, 4)
+    assert len(speculator.drafts(seq, 10)) == 5                  # up to num_speculative_tokens
+    speculator.observe(seq, 5, 2)
+    assert len(speculator.drafts(seq, 10)) == 3
     for _ in range(MISSES_BEFORE_BACKOFF):
         speculator.observe(seq, 1, 0)
     assert speculator.drafts(seq, 10) == ()                      # paused
@@ -43,8 +50,8 @@ def test_rows_draft_one_past_what_was_kept_and_pause_after_misses():
     speculator.observe(seq, 1, 1)
     assert len(speculator.drafts(seq, 10)) == 2
     c = speculator.counters
-    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (6, 11, 4)
-    assert c.accepted_per_position == [3, 1, 0, 0, 0]
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (8, 20, 10)
+    assert c.accepted_per_position == [5, 3, 1, 1, 0]
 
 
 def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
@@ -67,7 +74,80 @@ def test_large_steps_draft_nothing_and_drafts_take_only_free_blocks():
         blocks.grow(f"hog{blocks.num_free}", 16)
     chosen = scheduler.schedule()
     assert [len(s.drafts) for s in chosen] == [3, 1]             # 3 blocks hold 48 tokens: 33 + 3, 47 + 1
-    assert SpeculativeConfig(num_speculative_tokens=3).max_rows == 8   # FLAT_STEP_TOKENS // (1 + K)
+
+
+FIXED, PER_ROW, PER_TOKEN = 0.020, 0.0005, 0.002      # seconds: a step's fixed cost, per decode row, per token
+
+
+def seeded_cost(seed=0) -> StepCostModel:
+    """A step cost model fit to noisy steps of a known linear cost."""
+    rng, cost = np.random.default_rng(seed), StepCostModel()
+    for _ in range(80):
+        rows, tokens = int(rng.integers(1, 40)), int(rng.integers(0, 64))
+        cost.observe(2, rows, tokens, FIXED + PER_ROW * rows + PER_TOKEN * tokens + rng.normal(0, 2e-5))
+    return cost
+
+
+def test_a_draft_is_kept_only_where_its_expected_tokens_save_more_than_its_verify_time():
+    gate = DraftGate(num_speculative_tokens=16, disable_by_batch_size=None)
+    assert gate.threshold(1, 0) == 0.0 and gate.threshold(3, 0) is None     # unmeasured: the roofline guess
+    gate.use(seeded_cost(), learns=False)
+    for rows in (1, 4, 12):
+        plain = FIXED + PER_ROW * rows
+        threshold = gate.threshold(rows, 0)
+        assert threshold == pytest.approx(rows * PER_TOKEN / plain, rel=0.02)
+        for rate in (0.3, 0.6, 0.8, 0.95):
+            j = draft_length(rate, threshold, 16)
+            per_token_step = plain / rows                      # what the step spends on each row's token
+            assert all(rate ** i * per_token_step > PER_TOKEN * 0.98 for i in range(1, j + 1))
+            assert j == 16 or rate ** (j + 1) * per_token_step < PER_TOKEN * 1.02
+            with_drafts = (rows + sum(rate ** i for i in range(1, j + 1))) / (plain + j * PER_TOKEN)
+            assert with_drafts >= rows / plain * 0.999          # the step yields tokens no slower
+    assert draft_length(0.95, gate.threshold(1, 0), 16) > draft_length(0.6, gate.threshold(1, 0), 16) > 0
+    assert gate.threshold(14, 0) is None                        # 14 * c >= T0: no draft can pay
+    assert gate.threshold(1, 8) is None                         # a step carrying prefill drafts nothing
+    assert DraftGate(4, disable_by_batch_size=2).threshold(3, 0) is None
+
+
+def test_a_rows_acceptance_estimate_follows_its_verifications():
+    acceptance = Acceptance()
+    assert acceptance.rate(0.5) == 0.5
+    for _ in range(20):
+        acceptance.observe(4, 4)
+    assert acceptance.rate(0.5) > 0.95
+    for _ in range(20):
+        acceptance.observe(4, 0)
+    assert acceptance.rate(0.5) < 0.15                         # the prior weighs one trial
+
+
+def test_steps_with_many_rows_or_prefill_chunks_draft_nothing():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    speculator = Speculator(config)
+    speculator.gate.use(seeded_cost(1), learns=False)
+    blocks = BlockManager(num_blocks=64, block_size=16)
+    scheduler = DecodeScheduler(blocks, 32, on_preempt=lambda seq: None, speculator=speculator)
+    prefill = PrefillScheduler(blocks, 64, 32)
+
+    def running(n):
+        for seq in scheduler.running:
+            scheduler.remove(seq)
+            blocks.free(seq.request_id)
+        for i in range(n):
+            seq = sequence()
+            seq.request = Request(f"r{n}-{i}", REPEATING, seq.params)
+            seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            scheduler.add(seq)
+
+    running(2)
+    assert all(s.drafts for s in scheduler.schedule())
+    running(16)                                                 # 16 * c > T0
+    assert not any(s.drafts for s in scheduler.schedule())
+    running(2)
+    prefill.add(Sequence(Request("p", tuple(range(40)), SamplingParams(max_tokens=4))))
+    batch = mixed_batch(scheduler, prefill, lambda rows: 64)
+    assert batch.chunks and not batch.verify                    # next to a prefill chunk: no drafts
+    assert all(s.num_computed_tokens == s.num_tokens for s in scheduler.running if s.request_id != "p")
 
 
 def test_counters_are_exported_with_vllms_meaning_and_bench_reads_them():

@@ -315,6 +315,8 @@ class Actor(abc.ABC):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         """A finished step's compute time (the step cost model of adaptive mode listens here)."""
+        if self.speculator is not None:
+            self.speculator.observe_step(batch, seconds, threads)
 
     # bookkeeping shared by the actors
     def cache_landed(self, batch: Batch) -> None:

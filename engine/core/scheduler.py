@@ -153,8 +153,15 @@ class DecodeScheduler:
         self._by_id[seq.request_id] = seq
         self._admitted_at[seq] = next(self._clock)
 
-    def schedule(self) -> tuple[Sequence, ...]:
-        """The sequences that decode this step (each gets one position and one in-flight token)."""
+    def schedule(self, prefill_tokens: int = 0) -> tuple[Sequence, ...]:
+        """The sequences that decode this step (each gets one position and one in-flight token, and
+        drafts to verify where they pay next to `prefill_tokens` prefill tokens)."""
+        chosen = self.choose()
+        self.draft(chosen, prefill_tokens)
+        return chosen
+
+    def choose(self) -> tuple[Sequence, ...]:
+        """The sequences that decode this step, without drafts yet (`draft` adds them)."""
         chosen: list[Sequence] = []
         for priority in sorted(self._queues, reverse=True):
             room = self.max_num_seqs - len(chosen)
@@ -165,26 +172,33 @@ class DecodeScheduler:
                         and self._make_room(seq)):
                     chosen.append(seq)
         chosen = [seq for seq in chosen if not seq.done]      # NOTE: a later one's room may preempt it
-        speculating = self.speculator is not None and self.speculator.active(len(chosen))
         for seq in chosen:
-            if speculating and not seq.num_in_flight:
-                self._draft(seq)
-            seq.num_computed_tokens += 1 + len(seq.drafts)
+            seq.num_computed_tokens += 1
             seq.num_in_flight += 1
         return tuple(chosen)
 
-    def _draft(self, seq: Sequence) -> None:
+    def draft(self, chosen: tuple[Sequence, ...], prefill_tokens: int = 0) -> None:
+        """Drafts for the chosen sequences with nothing else in flight, where the step's cost allows."""
+        threshold = self.speculator.threshold(len(chosen), prefill_tokens) if self.speculator else None
+        if threshold is None:
+            return
+        for seq in chosen:
+            if seq.num_in_flight == 1:
+                self._draft(seq, threshold)
+
+    def _draft(self, seq: Sequence, threshold: float) -> None:
         """Give `seq` drafts to verify this step, as many as max_tokens, the context and free blocks allow."""
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-        drafts = self.speculator.drafts(seq, room) if room > 0 else ()
+        drafts = self.speculator.drafts(seq, room, threshold) if room > 0 else ()
         if not drafts:
             return
         held = len(seq.block_table) * self.blocks.block_size
-        fits = held - seq.num_computed_tokens - 1 + self.blocks.num_free * self.blocks.block_size
+        fits = held - seq.num_computed_tokens + self.blocks.num_free * self.blocks.block_size
         drafts = drafts[:max(fits, 0)]                        # NOTE: drafts never preempt anyone
         if drafts:
-            seq.block_table = self.blocks.grow(seq.request_id, seq.num_computed_tokens + 1 + len(drafts))
+            seq.block_table = self.blocks.grow(seq.request_id, seq.num_computed_tokens + len(drafts))
             seq.drafts = drafts
+            seq.num_computed_tokens += len(drafts)
 
     @staticmethod
     def _take_turns(queue: dict[Sequence, None], room: int) -> list[Sequence]:
@@ -212,13 +226,17 @@ class DecodeScheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        self.remove(seq)
+        self._forget(seq)
         self.on_preempt(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Forget `seq`. Its blocks are the caller's to free."""
-        if self._by_id.get(seq.request_id) is not seq:
-            return
+        """Forget `seq` (its output joins the speculator's cache). Its blocks are the caller's to free."""
+        if self._by_id.get(seq.request_id) is seq:
+            self._forget(seq)
+            if self.speculator is not None:
+                self.speculator.retire(seq)
+
+    def _forget(self, seq: Sequence) -> None:
         del self._by_id[seq.request_id]
         del self._admitted_at[seq]
         queue = self._queues[seq.priority]
@@ -235,8 +253,9 @@ def mixed_batch(decode: DecodeScheduler, prefill: PrefillScheduler,
     """One step on one pool: every running sequence decodes, then prefill chunks of up to
     `prefill_budget(decode rows)` tokens. A sequence whose last chunk is scheduled joins the decode
     side at once (it decodes from the next step)."""
-    running = decode.schedule()
+    running = decode.choose()
     chunks = prefill.schedule(prefill_budget(len(running)))
+    decode.draft(running, sum(c.num_tokens for c in chunks))
     for chunk in chunks:
         if chunk.sample:
             decode.add(chunk.seq)

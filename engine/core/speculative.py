@@ -1,9 +1,11 @@
-"""Speculative decoding on the decode side, plain Python: n-gram drafts and how many to verify per row.
+"""Speculative decoding on the decode side, plain Python: drafts, and how many to verify per row.
 
-A draft is the continuation of the newest earlier occurrence of the sequence's last n tokens
-(prompt and output so far), for the longest n in [prompt_lookup_min, prompt_lookup_max] that
-occurs (vLLM's "ngram" method, prompt lookup decoding). How many drafts a row gets adapts to its
-recent acceptance; a step with more rows than `disable_by_batch_size` verifies nothing.
+Two proposers, vLLM's methods: "ngram" (prompt lookup: the continuation of the newest earlier
+occurrence of the sequence's last n tokens, for the longest n in [prompt_lookup_min,
+prompt_lookup_max] that occurs) and "suffix" (Snowflake's suffix decoding over the request's
+prompt and output and a FIFO cache of earlier requests' outputs: engine.core.suffix_proposer).
+Whether a step drafts, and how long each row's draft is, follows the predicted cost of verifying
+it and the row's recent acceptance (engine.core.spec_policy); a row that keeps missing pauses.
 """
 from __future__ import annotations
 
@@ -12,33 +14,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length
+from pdserve.engine.core.suffix_proposer import SEPARATOR, SuffixCache, SuffixParams, propose_suffix
 
-METHODS = ("ngram",)
-# NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
-# CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
-# costs about one plain step. A roofline estimate, not a measurement: `disable_by_batch_size` overrides it.
-FLAT_STEP_TOKENS = 32
+METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 64
 MISSES_BEFORE_BACKOFF = 2     # verifications in a row that accepted nothing before a row pauses
 MAX_BACKOFF_STEPS = 64        # longest pause; each further miss after a pause doubles it up to this
+NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` fields that pdserve implements."""
+    """vLLM's `--speculative-config` fields that pdserve implements (vLLM's defaults)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4              # suffix via from_json: suffix_decoding_max_tree_depth, as vLLM
     prompt_lookup_min: int = 5                   # vLLM's defaults when neither bound is given
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = None     # None: FLAT_STEP_TOKENS // (1 + K) rows
-
-    @property
-    def max_rows(self) -> int:
-        if self.disable_by_batch_size is not None:
-            return self.disable_by_batch_size
-        return max(1, FLAT_STEP_TOKENS // (1 + self.num_speculative_tokens))
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: int | None = None     # None: the step cost model decides (engine.core.spec_policy)
 
     @classmethod
     def from_json(cls, text: str | dict | None) -> "SpeculativeConfig | None":
@@ -52,10 +55,18 @@ class SpeculativeConfig:
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unsupported field(s) {unknown}; known: {sorted(known)}")
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        method = fields.get("method", defaults["method"])
+        foreign = sorted(set(fields) & set(SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS))
+        if foreign:
+            raise ValueError(f"--speculative-config: {foreign} do not apply to method {method!r}")
         if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
             fields["prompt_lookup_min"] = fields["prompt_lookup_max"]
         elif "prompt_lookup_min" in fields and "prompt_lookup_max" not in fields:
             fields["prompt_lookup_max"] = fields["prompt_lookup_min"]
+        if method == "suffix" and "num_speculative_tokens" not in fields:
+            fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth",
+                                                          defaults["suffix_decoding_max_tree_depth"])
         config = cls(**fields)
         config.validate()
         return config
@@ -63,12 +74,29 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: method {self.method!r} is not supported (supported: {METHODS})")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError("--speculative-config: num_speculative_tokens must be in [1, 16]")
+        if not (isinstance(self.num_speculative_tokens, int)
+                and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("--speculative-config: disable_by_batch_size must be >= 1")
+        self._validate_suffix()
+
+    def _validate_suffix(self) -> None:
+        if not 1 <= self.suffix_decoding_max_tree_depth <= 1024:
+            raise ValueError("--speculative-config: suffix_decoding_max_tree_depth must be in [1, 1024]")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("--speculative-config: suffix_decoding_max_cached_requests must be >= 0")
+        if self.suffix_decoding_max_spec_factor < 0:
+            raise ValueError("--speculative-config: suffix_decoding_max_spec_factor must be >= 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("--speculative-config: suffix_decoding_min_token_prob must be in [0, 1]")
+
+    @property
+    def suffix_params(self) -> SuffixParams:
+        return SuffixParams(self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_spec_factor,
+                            self.suffix_decoding_min_token_prob)
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -85,24 +113,26 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
 
 @dataclass(slots=True)
 class RowState:
-    """One sequence's draft history: its tokens as an array, and its acceptance so far."""
+    """One sequence's draft history: its tokens as an array (SEPARATOR after them), and its acceptance."""
 
     tokens: np.ndarray
     length: int
     k: int
+    acceptance: Acceptance = field(default_factory=Acceptance)
     misses: int = 0
     pause: int = 0                   # steps left without speculation
     backoff: int = 1
 
     def sync(self, seq: Sequence) -> np.ndarray:
         total = seq.num_tokens
-        if total > len(self.tokens):
-            grown = np.zeros(max(total, 2 * len(self.tokens)), dtype=np.int64)
+        if total + 1 > len(self.tokens):
+            grown = np.full(max(total + 1, 2 * len(self.tokens)), SEPARATOR, dtype=np.int64)
             grown[:self.length] = self.tokens[:self.length]
             self.tokens = grown
         if total > self.length:
             self.tokens[self.length:total] = seq.token_slice(self.length, total)
             self.length = total
+        self.tokens[total] = SEPARATOR
         return self.tokens[:total]
 
 
@@ -122,12 +152,15 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.gate = DraftGate(config.num_speculative_tokens, config.disable_by_batch_size)
+        self.overall = Acceptance(decay=1.0)
+        self.cache = SuffixCache(config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
 
-    def active(self, num_rows: int) -> bool:
-        """Whether a step of `num_rows` decode rows verifies drafts at all."""
-        return num_rows <= self.config.max_rows
+    def threshold(self, num_rows: int, prefill_tokens: int = 0) -> float | None:
+        """The acceptance probability a draft token of this step must beat, or None: this step drafts nothing."""
+        return self.gate.threshold(num_rows, prefill_tokens)
 
-    def drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
+    def drafts(self, seq: Sequence, room: int, threshold: float = 0.0) -> tuple[int, ...]:
         """At most `room` draft tokens for `seq`'s next step (its output so far recorded, nothing in flight)."""
         if seq.params.constrained:     # NOTE: verification applies no grammar mask or logit_bias yet
             return ()
@@ -135,11 +168,15 @@ class Speculator:
         if state.pause > 0:
             state.pause -= 1
             return ()
-        k = min(state.k, room)
-        if k <= 0:
+        cap = min(state.k, room)
+        k = max(min(1, cap), draft_length(state.acceptance.rate(self.overall.rate(0.5)), threshold, cap))
+        if k <= 0:                     # NOTE: at least one draft probes a row; misses pause it (back-off)
             return ()
+        tokens = state.sync(seq)
         c = self.config
-        return tuple(propose_ngram(state.sync(seq), k, c.prompt_lookup_min, c.prompt_lookup_max))
+        if self.cache is None:
+            return tuple(propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max))
+        return propose_suffix(state.tokens, len(tokens), self.cache, k, c.suffix_params).tokens
 
     def settle(self, seq: Sequence, blocks: BlockManager, num_accepted: int) -> None:
         """`seq`'s verification is recorded: forget the rejected drafts' positions and the blocks past the kept ones."""
@@ -157,14 +194,36 @@ class Speculator:
         counters.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             counters.accepted_per_position[position] += 1
+        self.overall.observe(num_drafts, num_accepted)
         state = self._state(seq)
-        state.k = min(self.config.num_speculative_tokens, num_accepted + 1)   # one past what the last one kept
+        state.acceptance.observe(num_drafts, num_accepted)
+        if num_accepted == num_drafts:                       # all kept: twice as many next time
+            state.k = min(self.config.num_speculative_tokens, max(state.k, 2 * num_drafts))
+        else:                                                # one past what this one kept
+            state.k = num_accepted + 1
         if num_accepted:
             state.misses, state.backoff = 0, 1
             return
         state.misses += 1
         if state.misses >= MISSES_BEFORE_BACKOFF:
             state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_BACKOFF_STEPS)
+
+    def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
+        """A finished step, for the step cost model: its rows, and its prefill and draft tokens (as the
+        adaptive actor counts them)."""
+        rows = len(batch.decode) + len(batch.verify)
+        self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads)
+
+    def retire(self, seq: Sequence) -> None:
+        """`seq` left the decode side: its output joins the suffix cache."""
+        if self.cache is not None:
+            self.cache.add(seq.output_token_ids)
+        seq.spec = None
+
+    def forget_outputs(self) -> None:
+        """Empty the suffix cache (benchmarks: a measured request must not find its warm-up's answer)."""
+        if self.cache is not None:
+            self.cache = SuffixCache(self.cache.max_requests)
 
     def _state(self, seq: Sequence) -> RowState:
         if seq.spec is None:
