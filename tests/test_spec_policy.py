@@ -12,7 +12,7 @@ from pdserve.bench.server_metrics import parse_prefix_cache, prefix_cache_delta,
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import ActorStats, EngineStats, Request
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.actors.placement import StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length

@@ -28,7 +28,7 @@ ACCEPTANCE_DECAY = 0.8       # weight of a row's older verifications in its acce
 
 
 class StepCost(Protocol):
-    """The step cost model (engine.actors.placement.StepCostModel): seconds of one step."""
+    """The step cost model (engine.actors.step_cost.StepCostModel): seconds of one step."""
 
     def predict(self, threads: int, decode_rows: int, prefill_tokens: int) -> float | None: ...
 
