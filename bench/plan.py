@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pdserve.bench import loadtest
 from pdserve.bench.sim_replay import ChatOverhead, chat_overhead
 from pdserve.bench.simulate import Simulation, simulate
+from pdserve.bench.multiturn import MULTITURN
 from pdserve.bench.workloads import add_traffic_arguments, add_workload_arguments
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.config import EngineConfig
@@ -115,10 +116,21 @@ def max_rate(attained: Callable[[float], bool], start: float) -> float:
 def _attained(config: EngineConfig, target: Target, options: loadtest.Options, share: float,
               chat: ChatOverhead | None) -> Callable[[float], bool]:
     def attained(rate: float) -> bool:
-        at_rate = replace(options, traffic=replace(options.traffic, request_rate=rate))
-        summary = simulate(config, target, at_rate, options.workload.tokens_per_word, chat).summary
+        summary = simulate(config, target, sustained(options, rate), options.workload.tokens_per_word, chat).summary
         return (summary["slo_attainment"] or 0.0) >= share
     return attained
+
+
+def sustained(options: loadtest.Options, rate: float) -> loadtest.Options:
+    """`options` at `rate` over the arrival time they span at their own rate: more requests at a higher rate,
+    so that a rate is judged held, not a fixed count absorbed as a burst."""
+    scale = rate / options.traffic.request_rate
+    traffic = replace(options.traffic, request_rate=rate,
+                      num_prompts=max(1, math.ceil(options.traffic.num_prompts * scale)))
+    workload = options.workload
+    if workload.name == MULTITURN:
+        workload = replace(workload, num_conversations=max(1, math.ceil(workload.num_conversations * scale)))
+    return replace(options, traffic=traffic, workload=workload)
 
 
 def rank(config: EngineConfig, target: Target, options: loadtest.Options, devices: int,

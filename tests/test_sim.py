@@ -340,3 +340,18 @@ def test_the_rate_search_brackets_then_bisects_to_the_highest_rate_that_holds():
     assert plan.max_rate(below(0.3), 4.0) == pytest.approx(0.3, rel=1 / 2 ** plan.RATE_STEPS)
     assert plan.max_rate(below(1e9), 1.0) == 2.0 ** plan.BRACKET_STEPS            # the bracket's top
     assert plan.max_rate(below(0.0), 1.0) == 0.0
+
+
+def test_a_higher_rate_is_searched_over_the_same_arrival_time_not_the_same_count():
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    for workload, count in ((["--dataset-name", "random", "--num-prompts", "40"], "num_prompts"),
+                            (["--dataset-name", "multiturn", "--num-conversations", "8"], "num_conversations")):
+        options = loadtest.options_from_args(parser.parse_args([*workload, "--request-rate", "4"]))
+        quadruple = plan.sustained(options, 16.0)
+        assert quadruple.traffic.request_rate == 16.0
+        if count == "num_prompts":
+            assert quadruple.traffic.num_prompts == 160
+        else:
+            assert quadruple.workload.num_conversations == 32
+        assert plan.sustained(options, 4.0) == options
