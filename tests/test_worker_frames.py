@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import random
 import threading
 
@@ -62,21 +63,19 @@ def test_frames_larger_than_the_socket_buffer_reach_a_blocking_connection_whole(
     here.close(), there.close()
 
 
-def test_frames_that_arrive_in_parts_are_returned_once_whole_and_in_order():
+def test_frames_from_a_blocking_connection_are_read_whole_and_in_order():
     here, there = multiprocessing.Pipe(duplex=True)
     payloads = _payloads(2)
     writer = threading.Thread(target=lambda: [there.send_bytes(p) for p in payloads])
 
-    async def receive_all() -> tuple[list[bytes], int]:
+    async def receive_all() -> list[bytes]:
         loop = asyncio.get_running_loop()
         channel = FrameChannel(here.fileno(), loop, on_error=pytest.fail)
-        frames, reads, ready = [], 0, asyncio.Event()
+        frames, ready = [], asyncio.Event()
 
         def on_readable() -> None:
-            nonlocal reads
             got, closed = channel.read()
             frames.extend(got)
-            reads += 1
             if len(frames) == len(payloads) or closed:
                 ready.set()
 
@@ -85,13 +84,48 @@ def test_frames_that_arrive_in_parts_are_returned_once_whole_and_in_order():
         await asyncio.wait_for(ready.wait(), 60)
         loop.remove_reader(here.fileno())
         channel.detach()
-        return frames, reads
+        return frames
 
-    frames, reads = _run(receive_all)
+    assert _run(receive_all) == payloads
     writer.join()
-    assert frames == payloads
-    assert reads > len(payloads)          # the large frames came in several reads
     here.close(), there.close()
+
+
+def test_a_frame_that_arrived_in_part_waits_for_the_rest():
+    """Connection's own bytes for two frames, written a few bytes at a time: nothing before a frame is whole."""
+    payloads = [b"first frame", random.Random(3).randbytes(5000)]
+    wire_bytes = _connection_bytes(payloads)
+    here, there = multiprocessing.Pipe(duplex=True)
+
+    async def trickle() -> list[list[bytes]]:
+        channel = FrameChannel(here.fileno(), asyncio.get_running_loop(), on_error=pytest.fail)
+        seen = []
+        for start in range(0, len(wire_bytes), 7):
+            os.write(there.fileno(), wire_bytes[start:start + 7])
+            got, closed = channel.read()
+            assert not closed
+            seen.append(got)
+        channel.detach()
+        return seen
+
+    seen = _run(trickle)
+    assert [frame for got in seen for frame in got] == payloads
+    ends = [i for i, got in enumerate(seen) if got]
+    assert ends == [(4 + len(payloads[0]) - 1) // 7, len(seen) - 1]   # each frame the read after its last byte
+    here.close(), there.close()
+
+
+def _connection_bytes(payloads: list[bytes]) -> bytes:
+    """What multiprocessing's Connection writes for `payloads`, read raw off the other end."""
+    here, there = multiprocessing.Pipe(duplex=True)
+    for payload in payloads:
+        there.send_bytes(payload)
+    expected = sum(4 + len(p) for p in payloads)
+    data = b""
+    while len(data) < expected:
+        data += os.read(here.fileno(), expected - len(data))
+    here.close(), there.close()
+    return data
 
 
 def test_a_closed_far_end_reads_as_closed_after_its_last_frames():
