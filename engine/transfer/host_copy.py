@@ -40,7 +40,8 @@ class ReadBack:
 
     def start(self) -> None:
         """Start the copy (non-blocking into pinned memory on CUDA) and record the event it completes."""
-        packed = torch.cat(self._parts) if self._parts else torch.zeros(0, dtype=torch.float64, device=self.device)
+        packed = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts) if self._parts else \
+            torch.zeros(0, dtype=torch.float64, device=self.device)
         self._parts = []
         if self.device.type == "cpu":
             self._host = packed

@@ -96,17 +96,24 @@ class ModelRunner:
         if not step.num_tokens:
             return PendingStep(step)
         timer, readback, self.mask_seconds = StepTimer(self.device), ReadBack(self.device), 0.0
-        masks = self.constraints.start(step.sampled_rows)      # filled while the forward runs
+        sampled_rows = step.sampled_rows
+        masks = self.constraints.start(sampled_rows)      # filled while the forward runs
         logits, buffers = self._logits(step)
-        num_sampled = len(step.sampled_rows)
+        num_sampled = len(sampled_rows)
         sampled = self._sample(logits[:num_sampled], buffers, step, masks, readback) if num_sampled else None
         verified = self._verify(logits[num_sampled:], step, readback) if step.verify else None
         timer.stop()
         readback.start()
-        rows = np.array(step.sampled_rows + tuple(v.row for v in step.verify), dtype=np.int64)
-        pending = PendingStep(step, readback, timer, sampled, verified, self.rows.joins[rows])
+        pending = PendingStep(step, readback, timer, sampled, verified, self._joins(step, sampled_rows))
         self._unsettled.append(pending)
         return pending
+
+    def _joins(self, step: StepInput, sampled_rows: tuple[int, ...]) -> np.ndarray | None:
+        """RowState.joins of the sampled, then the verifying rows, where `settle` will need them (grammar rows
+        to advance, verified rows to count); None when it has nothing to do but add up device time."""
+        if not (self.constraints.matchers or self.constraints.pending or step.verify):
+            return None
+        return self.rows.joins[np.array(sampled_rows + tuple(v.row for v in step.verify), dtype=np.int64)]
 
     def settle(self) -> None:
         """The host bookkeeping of launched steps whose tokens were read, oldest first: grammar matchers
@@ -115,6 +122,9 @@ class ModelRunner:
         while self._unsettled and self._unsettled[0].ready:
             pending = self._unsettled.popleft()
             result, step = pending.result(), pending.step
+            self.forward_seconds += pending.seconds
+            if pending.joins is None:
+                continue
             rows = np.array(step.sampled_rows + tuple(v.row for v in step.verify), dtype=np.int64)
             live = self.rows.joins[rows] == pending.joins
             sampled, verify = live[:len(step.sampled_rows)], live[len(step.sampled_rows):]
@@ -123,7 +133,6 @@ class ModelRunner:
             if step.verify:
                 self.sampling.settle_emitted(rows[len(step.sampled_rows):][verify],
                                              [len(t) for t, ok in zip(result.verified, verify) if ok])
-            self.forward_seconds += pending.seconds
 
     def _sample(self, logits: torch.Tensor, buffers: InputBuffers, step: StepInput, masks, readback: ReadBack):
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
