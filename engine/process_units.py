@@ -9,7 +9,7 @@ sized from the free memory this process sees before the workers load their weigh
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
@@ -23,10 +23,18 @@ from pdserve.engine.worker.processes.worker_process import WorkerSpec
 logger = logging.getLogger(__name__)
 
 
-def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Plan,
-                       eos: frozenset[int]) -> Units:
-    for device in plan.devices:
-        sharing_for(device)                  # NOTE: refuses CUDA devices where this process has no CUDA
+@dataclass(frozen=True, slots=True)
+class WorkerPools:
+    """The KV pools of a plan's out-of-process units (worker processes or Ray actors), as the thread units'
+    are sized: colocated mode's, or the decode and prefill units' (each None where the mode has none)."""
+
+    colocated: PoolSpec | None
+    decode: PoolSpec | None
+    prefill: PoolSpec | None
+    decode_warmup_role: str          # an adaptive decode unit also prefills: warmed as a colocated one
+
+
+def worker_pools(config: EngineConfig, model_config: ModelConfig, plan: Plan) -> WorkerPools:
     sched, cache = config.scheduler, config.cache
     per_seq = blocks_for(plan.max_model_len, cache.block_size)
     layout = kv_layout(model_config, cache.block_size)
@@ -36,33 +44,53 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                                plan.dtype, useful)
         return PoolSpec(layout, blocks, plan.dtype)
 
-    base = WorkerSpec("colocated", model_config, plan.dtype, str(plan.decode_device), plan.max_model_len,
-                      pool(1.0, per_seq * sched.max_num_seqs), eos,
+    decode_role = "colocated" if plan.mode == "adaptive" else "decode"
+    if plan.mode == "colocated":
+        return WorkerPools(pool(1.0 / len(plan.prefill_devices), per_seq * sched.max_num_seqs), None, None,
+                           decode_role)
+    decode = pool((1.0 - PREFILL_SHARE_OF_SHARED_DEVICE) / len(plan.decode_devices), per_seq * sched.max_num_seqs)
+    prefill = pool(PREFILL_SHARE_OF_SHARED_DEVICE / len(plan.prefill_devices), per_seq * 4)
+    check_pools_agree(prefill, decode)
+    return WorkerPools(None, decode, prefill, decode_role)
+
+
+def worker_spec(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
+                pool: PoolSpec, device: str, cores: tuple[int, ...], cpu_kernels: str) -> WorkerSpec:
+    """The spec every unit's spec is a `replace` of (its name, pool, cores, warm-up role and thread counts)."""
+    sched = config.scheduler
+    per_seq = blocks_for(plan.max_model_len, config.cache.block_size)
+    return WorkerSpec("colocated", model_config, plan.dtype, device, plan.max_model_len, pool, eos,
                       dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
                            max_seqs=2 * sched.max_num_seqs),
-                      plan.prefill_cores, config.quantization, "colocated", sched,
-                      log_level=logging.getLogger().getEffectiveLevel(),
-                      cpu_kernels=prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
-                                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value)
+                      cores, config.quantization, "colocated", sched,
+                      log_level=logging.getLogger().getEffectiveLevel(), cpu_kernels=cpu_kernels)
+
+
+def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Plan,
+                       eos: frozenset[int]) -> Units:
+    for device in plan.devices:
+        sharing_for(device)                  # NOTE: refuses CUDA devices where this process has no CUDA
+    pools = worker_pools(config, model_config, plan)
+    cpu_kernels = prepare_cpu_kernels(config.cpu_kernels, model_config, plan.dtype,
+                                      max(len({*plan.prefill_cores, *plan.decode_cores}), 1)).value
+    base = worker_spec(config, model_config, plan, eos, pools.colocated or pools.decode, str(plan.decode_device),
+                       plan.prefill_cores, cpu_kernels)
     if plan.mode == "colocated":
         n = len(plan.prefill_devices)
-        spec = replace(base, pool=pool(1.0 / n, per_seq * sched.max_num_seqs))
-        return _started(Units(tuple(ProcessCompute(replace(spec, name=name, cores=cores,
+        return _started(Units(tuple(ProcessCompute(replace(base, name=name, cores=cores,
                                                            thread_counts=step_thread_counts(plan, cores)))
                                     for name, cores in
                                     zip(unit_names("colocated", n), plan.prefill_unit_cores)),
                               shared=(SpawnTracker(),)))
     prefill_cores, decode_cores = unit_cores(plan)
     n_prefill, n_decode = len(plan.prefill_devices), len(plan.decode_devices)
-    decode_pool = pool((1.0 - PREFILL_SHARE_OF_SHARED_DEVICE) / n_decode, per_seq * sched.max_num_seqs)
-    prefill_pool = pool(PREFILL_SHARE_OF_SHARED_DEVICE / n_prefill, per_seq * 4)
-    check_pools_agree(prefill_pool, decode_pool)
+    decode_pool, prefill_pool = pools.decode, pools.prefill
     shared = []
     try:                               # NOTE: the segments stay open here, for workers spawned again later
         shared = [share_pool(decode_pool, device, name)
                   for device, name in zip(plan.decode_devices, unit_names("decode", n_decode))]
-        decode_role = "colocated" if plan.mode == "adaptive" else "decode"
-        decodes = tuple(ProcessCompute(replace(base, name=name, pool=decode_pool, cores=cores, warmup_role=decode_role,
+        decodes = tuple(ProcessCompute(replace(base, name=name, pool=decode_pool, cores=cores,
+                                               warmup_role=pools.decode_warmup_role,
                                                thread_counts=step_thread_counts(plan, cores)),
                                        own_pool=pool_.ticket)
                         for name, cores, pool_ in zip(unit_names("decode", n_decode), decode_cores, shared))

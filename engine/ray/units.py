@@ -15,11 +15,9 @@ from dataclasses import replace
 import ray
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.core.block_manager import blocks_for
-from pdserve.engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, unit_names
-from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
-from pdserve.engine.worker.processes.shared_pool import PoolSpec, check_pools_agree
-from pdserve.engine.worker.processes.worker_process import WorkerSpec
+from pdserve.engine.process_units import worker_pools, worker_spec
+from pdserve.engine.topology import Plan, Units, unit_names
+from pdserve.engine.worker.processes.shared_pool import PoolSpec
 from pdserve.engine.ray.compute import RayCompute
 
 logger = logging.getLogger(__name__)
@@ -54,21 +52,9 @@ def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, 
 
 def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
            connection: RayConnection) -> Units:
-    sched, cache = config.scheduler, config.cache
-    per_seq = blocks_for(plan.max_model_len, cache.block_size)
-    layout = kv_layout(model_config, cache.block_size)
-
-    def pool(share: float, useful: int) -> PoolSpec:
-        blocks = num_kv_blocks(cache.kv_cache_memory, share, plan.decode_device, model_config, cache.block_size,
-                               plan.dtype, useful)
-        return PoolSpec(layout, blocks, plan.dtype)
-
-    base = WorkerSpec("colocated", model_config, plan.dtype, "cpu", plan.max_model_len,
-                      pool(1.0, per_seq * sched.max_num_seqs), eos,
-                      dict(max_blocks_per_seq=per_seq, max_tokens=sched.max_prefill_tokens + sched.max_num_seqs,
-                           max_seqs=2 * sched.max_num_seqs),
-                      (), config.quantization, "colocated", sched,
-                      log_level=logging.getLogger().getEffectiveLevel(), cpu_kernels=config.cpu_kernels)
+    pools = worker_pools(config, model_config, plan)
+    base = worker_spec(config, model_config, plan, eos, pools.colocated or pools.decode, "cpu", (),
+                       config.cpu_kernels)
 
     def unit(role: str, name: str, device, cores, pool_: PoolSpec, warmup: str, peers=()) -> RayCompute:
         threads = max(len(cores), 1)
@@ -79,17 +65,12 @@ def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: fro
 
     if plan.mode == "colocated":
         n = len(plan.prefill_devices)
-        pool_ = pool(1.0 / n, per_seq * sched.max_num_seqs)
-        return Units(tuple(unit("colocated", name, d, c, pool_, "colocated") for name, d, c in
+        return Units(tuple(unit("colocated", name, d, c, pools.colocated, "colocated") for name, d, c in
                            zip(unit_names("colocated", n), plan.prefill_devices, plan.prefill_unit_cores)))
     n_prefill, n_decode = len(plan.prefill_devices), len(plan.decode_devices)
-    decode_pool = pool((1.0 - PREFILL_SHARE_OF_SHARED_DEVICE) / n_decode, per_seq * sched.max_num_seqs)
-    prefill_pool = pool(PREFILL_SHARE_OF_SHARED_DEVICE / n_prefill, per_seq * 4)
-    check_pools_agree(prefill_pool, decode_pool)
-    decode_role = "colocated" if plan.mode == "adaptive" else "decode"
-    decodes = tuple(unit("decode", name, d, c, decode_pool, decode_role) for name, d, c in
+    decodes = tuple(unit("decode", name, d, c, pools.decode, pools.decode_warmup_role) for name, d, c in
                     zip(unit_names("decode", n_decode), plan.decode_devices, plan.decode_unit_cores))
-    prefills = tuple(unit("prefill", name, d, c, prefill_pool, "prefill", decodes) for name, d, c in
+    prefills = tuple(unit("prefill", name, d, c, pools.prefill, "prefill", decodes) for name, d, c in
                      zip(unit_names("prefill", n_prefill), plan.prefill_devices, plan.prefill_unit_cores))
     return Units(decodes, prefills)
 
