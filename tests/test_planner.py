@@ -198,3 +198,16 @@ def test_the_profile_measures_a_full_batch_in_small_step_messages():
     assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
     assert [s.new_tokens for s in shapes if s.kind == "prefill"] == [1, 2048, 4096]
     assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
+
+
+def test_a_thread_count_seen_once_borrows_the_measured_fit_instead_of_failing_the_decision():
+    """A served load crashed the decode actor: the prefill unit's first steps made a decode step run on
+    another thread count, seen once, and every prediction at it was None (TypeError in the planner)."""
+    cost = decode_cost(threads=(2,))
+    cost.observe(1, 4, 0, 0.5)                        # one step on 1 thread: not a fit of its own yet
+    assert cost.predict(1, 10, 0) == pytest.approx(cost.predict(2, 10, 0))
+    busy = LoadState(10, (Waiting(30),), 0, decode_threads=1, decode_threads_alone=2, prefill_threads=1,
+                     prefill_busy=False)
+    decision = Planner(SLOS, max_prefill_tokens=2048).place(1000, 1000, busy, cost, linear_cost(0.01, 0.0, 0.0005))
+    assert {p.action for p in decision.candidates} >= {"local", "remote"}
+    assert StepCostModel().predict(1, 1, 0) is None
