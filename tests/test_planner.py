@@ -200,14 +200,15 @@ def test_the_profile_measures_a_full_batch_in_small_step_messages():
     assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
 
 
-def test_a_thread_count_seen_once_borrows_the_measured_fit_instead_of_failing_the_decision():
-    """A served load crashed the decode actor: the prefill unit's first steps made a decode step run on
-    another thread count, seen once, and every prediction at it was None (TypeError in the planner)."""
+def test_a_remote_prefill_is_predicted_while_the_decode_units_own_cores_are_unmeasured():
+    """A served load crashed the decode actor: its steps had all run on borrowed cores, its own thread count
+    was seen once, and the remote candidate's decode step at it was None (TypeError in the planner)."""
     cost = decode_cost(threads=(2,))
-    cost.observe(1, 4, 0, 0.5)                        # one step on 1 thread: not a fit of its own yet
-    assert cost.predict(1, 10, 0) == pytest.approx(cost.predict(2, 10, 0))
-    busy = LoadState(10, (Waiting(30),), 0, decode_threads=1, decode_threads_alone=2, prefill_threads=1,
-                     prefill_busy=False)
-    decision = Planner(SLOS, max_prefill_tokens=2048).place(1000, 1000, busy, cost, linear_cost(0.01, 0.0, 0.0005))
-    assert {p.action for p in decision.candidates} >= {"local", "remote"}
-    assert StepCostModel().predict(1, 1, 0) is None
+    cost.observe(1, 4, 0, 0.5)                        # one step on its own thread: not a fit yet
+    assert cost.predict(1, 10, 0) is None
+    idle_prefill = LoadState(10, (), 0, decode_threads=1, decode_threads_alone=2, prefill_threads=1,
+                             prefill_busy=False)
+    decision = Planner(SLOS, max_prefill_tokens=2048).place(1000, 1000, idle_prefill, cost,
+                                                            linear_cost(0.01, 0.0, 0.0005))
+    remote = next(p for p in decision.candidates if p.action == "remote")
+    assert remote.step == pytest.approx(cost.predict(2, 10, 0))     # as the decode unit steps now

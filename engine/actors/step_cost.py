@@ -37,12 +37,10 @@ class StepCostModel:
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
-        (observed fewer than three times there: the most threads that were), or None before any thread count
-        has three observations."""
-        fit = self._fits.get(threads)
+        (unmeasured there: the most threads measured), or None before three observations."""
+        fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
+                                                                      reverse=True)), None)
         if fit is None or fit[2] < 3:
-            fit = next((f for _, f in sorted(self._fits.items(), key=_by_threads, reverse=True) if f[2] >= 3), None)
-        if fit is None:
             return None
         a, b, _ = fit
         return np.maximum(np.linalg.solve(a + self.ridge * np.eye(FEATURES), b), 0.0)

@@ -208,11 +208,13 @@ class Planner:
             return None
         first_token = self._prefill_seconds(state.remote_backlog_tokens + tokens, cost, state.prefill_threads)
         rows = state.decode_rows
-        step = decode.predict(state.decode_threads, rows, 0, state.decode_context) if rows else 0.0
+        threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
+            state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
+        step = decode.predict(threads, rows, 0, state.decode_context) if rows else 0.0
         ttft_misses, rate = int(first_token > self.slos.ttft), length / first_token if first_token else 0.0
         if state.local_queue:
             meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
-                                                    state.decode_threads))
+                                                    threads))
             ttft_misses += meanwhile.ttft_misses
             step = max(step, meanwhile.step)
             served = sum(w.served for w in state.local_queue)
