@@ -77,7 +77,7 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                        plan.prefill_cores, cpu_kernels)
     if plan.mode == "colocated":
         n = len(plan.prefill_devices)
-        return _started(Units(tuple(ProcessCompute(replace(base, name=name, cores=cores,
+        return started(Units(tuple(ProcessCompute(replace(base, name=name, cores=cores,
                                                            thread_counts=step_thread_counts(plan, cores)))
                                     for name, cores in
                                     zip(unit_names("colocated", n), plan.prefill_unit_cores)),
@@ -99,14 +99,14 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, plan: Pl
                                                 thread_counts=step_thread_counts(plan, cores)),
                                         peer_pools=tuple(p.ticket for p in shared))
                          for name, cores in zip(unit_names("prefill", n_prefill), prefill_cores))
-        return _started(Units(decodes, prefills, shared=(*shared, SpawnTracker())))
+        return started(Units(decodes, prefills, shared=(*shared, SpawnTracker())))
     except BaseException:
         for segment in shared:
             segment.close()
         raise
 
 
-def _started(units: Units) -> Units:
+def started(units: Units) -> Units:
     """Wait for every worker (they load in parallel); one that cannot start stops them all."""
     try:
         for unit in units.all():

@@ -70,7 +70,7 @@ def test_process_units_hand_cuda_ipc_handles_to_gpu_workers_and_memfds_to_cpu_wo
             handed.append((spec.name, spec.device, own_pool, peer_pools))
 
     monkeypatch.setattr(process_units, "ProcessCompute", Recorder)
-    monkeypatch.setattr(process_units, "_started", lambda units: units)
+    monkeypatch.setattr(process_units, "started", lambda units: units)
     config = replace(engine_config(demo_checkpoint(), workers="process"), cpu_kernels="torch")
     model_config = ModelConfig.from_dir(demo_checkpoint())
     for devices, ticket in ((("cuda:0", "cuda:1"), CudaIpcHandle), (("cpu", "cpu"), SharedFd)):

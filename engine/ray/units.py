@@ -15,7 +15,7 @@ from dataclasses import replace
 import ray
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.process_units import worker_pools, worker_spec
+from pdserve.engine.process_units import started, worker_pools, worker_spec
 from pdserve.engine.topology import Plan, Units, unit_names
 from pdserve.engine.worker.processes.shared_pool import PoolSpec
 from pdserve.engine.ray.compute import RayCompute
@@ -44,7 +44,7 @@ class RayConnection:
 def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int]) -> Units:
     connection = RayConnection(config.ray_address)
     try:
-        return _started(_units(config, model_config, plan, eos, connection), connection)
+        return replace(started(_units(config, model_config, plan, eos, connection)), shared=(connection,))
     except BaseException:
         connection.close()
         raise
@@ -82,15 +82,3 @@ def actor_options(role: str, device_type: str, threads: int, cluster: dict) -> d
     if resource in cluster:
         options["resources"] = {resource: ROLE_SHARE}
     return options | {"max_restarts": 0, "max_task_retries": 0}   # NOTE: the supervisor restarts a lost unit
-
-
-def _started(units: Units, connection: RayConnection) -> Units:
-    """Wait for every actor (they load in parallel); one that cannot start stops them all."""
-    try:
-        for unit in units.all():
-            unit.wait_ready()
-    except BaseException:
-        for unit in units.all():
-            unit.kill()
-        raise
-    return replace(units, shared=(connection,))
