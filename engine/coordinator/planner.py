@@ -14,7 +14,9 @@ The actions, for the prompts a decode unit may prefill itself:
   decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
 - lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
 
-A stream misses the ITL SLO when a step it decodes in is predicted past it; a prompt misses the TTFT
+A stream misses the ITL SLO when a step it decodes in is predicted past it and past the decode-only step
+of its batch (a batch whose decode-only step is already past the SLO misses it whatever the action: only
+what prefill adds to it counts, so the planner keeps such steps as short as decoding alone); a prompt misses the TTFT
 SLO when its first token is predicted past it, counted from its arrival. Tokens per second are the
 tokens decoded and the prompt tokens served (cached ones too) until the action's last first token. Nothing here reads a clock: the
 coordinator hands in how long each prompt has waited.
@@ -181,7 +183,7 @@ class Planner:
             at = delay + (steps * step if steps <= full else full * step + last_step)
             ttft_misses += waiting.waited + at > self.slos.ttft
         horizon = delay + full * step + last_step
-        itl_misses = rows if rows and max(step, last_step) > self.slos.itl else 0
+        itl_misses = rows if rows and max(step, last_step) > self._itl_limit(state, decode) else 0
         tokens = rows * (full + bool(last)) + sum(w.served for w in queue)
         return Prediction("local", chunk, ttft_misses, itl_misses, tokens / horizon if horizon else 0.0,
                           horizon, step)
@@ -194,7 +196,7 @@ class Planner:
         drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
         whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
         later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
-        itl_misses = rows if alone > self.slos.itl else 0
+        itl_misses = rows if alone > self._itl_limit(state, decode) else 0
         tokens = rows * state.decode_remaining + sum(w.served for w in queue)
         return Prediction("wait", 0, later.ttft_misses, itl_misses, tokens / later.first_token, later.first_token,
                           alone)
@@ -220,8 +222,15 @@ class Planner:
             served = sum(w.served for w in state.local_queue)
             rate += served / meanwhile.first_token if meanwhile.first_token else 0.0
         rate += rows / step if step else 0.0
-        itl_misses = rows if rows and step > self.slos.itl else 0
+        itl_misses = rows if rows and step > self._itl_limit(state, decode) else 0
         return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
+
+    def _itl_limit(self, state: LoadState, decode: StepCostModel) -> float:
+        """The step a stream of `state` misses the ITL SLO past: the SLO, or the decode-only step of its
+        batch on the cores the unit steps with now where that is longer (no action avoids it)."""
+        alone = decode.predict(state.local_threads, state.decode_rows, 0, state.decode_context) if \
+            state.decode_rows else None
+        return max(self.slos.itl, alone or 0.0)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
         """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
