@@ -31,8 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "--max-prefill-tokens tokens, measured at start-up)")
     g.add_argument("--itl-slo-ms", type=float, default=None,
                    help="time between two tokens of a stream each request should meet (its mean, for goodput): "
-                        "adaptive mode sizes the prefill a decode step carries to meet it (default: twice a "
-                        "decode-only step of --max-num-seqs rows, measured at start-up)")
+                        "adaptive mode sizes the prefill a decode step carries to meet it (default: twice the "
+                        "decode step of the batch that costs twice one row's, measured at start-up)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ...; a comma-separated list runs one prefill unit per entry (cuda:0,cuda:1; "
                         "cpu,cpu splits the prefill cores between two units; colocated mode: one colocated unit "

@@ -11,7 +11,7 @@ from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
-from pdserve.engine.coordinator.slo import HEADROOM, MeasuredUnits, Slos, derive_slos
+from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.config import SchedulerConfig
 
 SLOS = Slos(ttft=1.0, itl=0.05)
@@ -100,6 +100,18 @@ def test_without_a_cheaper_prefill_unit_a_prompt_waits_for_the_streams_to_end_ra
     assert not cheaper.local                       # 0.16 s there, and the streams keep their rhythm
 
 
+def test_a_batch_already_past_the_itl_slo_is_charged_only_for_what_prefill_adds():
+    planner = Planner(Slos(ttft=1.0, itl=0.02), max_prefill_tokens=2048)     # decoding 10 rows alone: 30 ms
+    cost = decode_cost()
+    waiting = planner.step_budget(state(queue=[Waiting(300)], remaining=20), cost)
+    assert waiting.chosen.action == "wait" and waiting.chosen.itl_misses == 0    # the 30 ms steps: no action's fault
+    assert all(p.itl_misses == 10 for p in waiting.candidates if p.action == "local")
+    remote = planner.place(300, 300, state(), cost, linear_cost(0.01, 0.0, 0.0005))
+    assert not remote.local and remote.chosen.misses == 0                     # the streams step as fast as alone
+    unknown = planner.step_budget(state(queue=[Waiting(300)]), cost)         # nothing else to do: served now
+    assert unknown.chosen.action == "local" and unknown.chosen.chunk == 300
+
+
 def test_decisions_are_deterministic_for_a_seeded_cost_model():
     def decisions(seed: int) -> list[tuple[str, int]]:
         planner = Planner(SLOS, max_prefill_tokens=1024)
@@ -165,11 +177,16 @@ def test_slo_defaults_are_derived_from_the_measured_steps():
     for tokens in (1, 256, 512):
         prefill.observe(1, 0, tokens, 0.02 + 0.0004 * tokens)
     slos = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1))
-    itl_step, ttft_step = 0.005 + 0.016 + 0.004 * 16 * 512 / 1000, 0.02 + 0.0004 * 512
-    assert slos.itl == pytest.approx(HEADROOM * itl_step, rel=0.01)
+    one_row, ttft_step = 0.005 + 0.001 + 0.004 * 512 / 1000, 0.02 + 0.0004 * 512
+    assert slos.itl == pytest.approx(HEADROOM * KNEE * one_row, rel=0.01)      # the knee: a 2.5-row batch here
     assert slos.ttft == pytest.approx(HEADROOM * ttft_step, rel=0.01)
-    assert "decode-only step predicted for 16 rows at context 512" in slos.itl_source
+    assert "knee batch" in slos.itl_source and "one-row step at context 512" in slos.itl_source
     assert "prefill step of 512 tokens" in slos.ttft_source
+    small_batch = derive_slos(SchedulerConfig(max_num_seqs=2, max_prefill_tokens=512), 4096,
+                              MeasuredUnits(decode, 1, prefill, 1))
+    full_batch = 0.005 + 0.002 + 0.004 * 2 * 512 / 1000                         # below the knee: all of it
+    assert small_batch.itl == pytest.approx(HEADROOM * full_batch, rel=0.01)
+    assert "a full batch (2 rows" in small_batch.itl_source
     set_ = derive_slos(SchedulerConfig(ttft_slo_ms=800, itl_slo_ms=40), 4096, None)
     assert (set_.ttft, set_.itl, set_.ttft_source, set_.itl_source) == (0.8, 0.04, "set", "set")
     with pytest.raises(ValueError, match="--itl-slo-ms is not set"):
