@@ -5,10 +5,14 @@ Actors only step their unit; what one asks of another goes through here (`pdserv
 a prefill unit reserves decode blocks (None: back-pressure), posts its hand-off (delivered to the
 decode unit holding the reservation), or releases a reservation it never handed off; a decode unit
 posts a preempted sequence (routed to a prefill unit again) and says when it freed blocks.
+
+A failed unit is down (routing skips it) until it serves again or, retired, for good: a fresh actor that
+never starts stands in for it, so its pool reads free and nothing is ever routed there.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +27,8 @@ from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Wai
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
 logger = logging.getLogger(__name__)
+
+NEVER = math.inf                # the fence of blocks held for good (a stuck step may still write them)
 
 
 class NoUnitUp(RuntimeError):
@@ -47,7 +53,9 @@ class Coordinator:
         self.prefill, self.decode = list(prefill), list(decode)
         self.planner, self.clock = planner, clock
         self.table: dict[str, Route] = {}
-        self.down: set[str] = set()          # unit names failing or restarting: routing skips them
+        self.down: dict[str, str] = {}       # unit name -> why it is failing, restarting or retired: skipped
+        self.retired: set[str] = set()       # unit names that serve no more (until the server restarts)
+        self._parked: list[Preempted] = []   # preempted while no prefill unit was up: routed when one is
         self._last_choice: dict[str, str] = {}
         for actor in self.actors:
             actor.port = self
@@ -62,6 +70,11 @@ class Coordinator:
         index = role.index(old)
         new.index, new.unit_name, new.port = old.index, old.unit_name, self
         role[index] = new
+
+    @property
+    def serving(self) -> list[Actor]:
+        """Every actor of a unit not retired (its loop runs, or will once restarted)."""
+        return [a for a in self.actors if a.unit_name not in self.retired]
 
     def up(self, actor: Actor) -> bool:
         return actor.unit_name not in self.down
@@ -100,7 +113,7 @@ class Coordinator:
         """Abort on the units the table says hold the request; on every unit once it left the table."""
         route = self.table.pop(request_id, None)
         if route is None:
-            targets = self.actors
+            targets = self.serving
         else:
             targets = ([self.prefill[route.prefill]] if route.prefill is not None else []) + \
                       ([self.decode[route.decode]] if route.decode is not None else [])
@@ -113,6 +126,7 @@ class Coordinator:
 
     def forget_all(self) -> None:
         self.table.clear()
+        self._parked.clear()
 
     # the hand-off protocol (Port)
     def reserve(self, seq: Sequence) -> Reservation | None:
@@ -163,9 +177,10 @@ class Coordinator:
             return
         seq = Sequence(message.request, list(message.output_token_ids))
         index = self._first_token_unit(self.prefill, seq)
-        if index is None:                       # NOTE: no prefill unit up: its restart fails what it held
-            index = 0
         route.prefill, route.decode = index, None
+        if index is None:                       # no prefill unit up: it waits for one to come back
+            self._parked.append(message)
+            return
         self.prefill[index].routed_prefill += 1
         self.prefill[index].send(message)
 
@@ -249,13 +264,13 @@ class Coordinator:
     def partner_busy(self, actor: Actor) -> bool:
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
         others = self.decode if actor in self.prefill else self.prefill
-        return any(other.busy for other in others)
+        return any(other.busy or not self.up(other) for other in others)    # a down unit's cores are not free
 
     # faults: a unit that fails ends only its own requests
-    def fail_unit(self, actor: Actor) -> list[str]:
+    def fail_unit(self, actor: Actor, error: str) -> list[str]:
         """Mark `actor`'s unit down (routing skips it) and abort, on their other units, the requests it
         holds; returns their ids (the engine ends their streams with an error)."""
-        self.down.add(actor.unit_name)
+        self.down[actor.unit_name] = error
         prefill = actor in self.prefill
         held = [request_id for request_id, route in self.table.items()
                 if (route.prefill if prefill else route.decode) == actor.index]
@@ -263,9 +278,10 @@ class Coordinator:
             self.abort(request_id)
         return held
 
-    async def quiesce(self, actor: Actor) -> None:
+    async def quiesce(self, actor: Actor, stuck: bool = False) -> None:
         """Before `actor`'s unit gets a fresh actor (and free lists): no copy still reads or writes its pool,
-        and a failed prefill unit's reservations it never handed off are given back."""
+        and a failed prefill unit's reservations it never handed off are given back. `stuck`: its thread
+        is inside a step that may never end, so nothing is waited for on it (see `_release_stuck`)."""
         if actor in self.decode:
             for prefill in self.prefill:
                 if prefill is not actor and self.up(prefill):
@@ -273,20 +289,61 @@ class Coordinator:
                     for transfer in prefill.copies_to(actor.index):
                         await prefill.unit.wait(transfer)
             return
+        if stuck:
+            self._release_stuck(actor)
+            return
         for out in list(actor.outgoing.values()):
             for transfer in out.transfers:
                 await actor.unit.wait(transfer)
             if not out.handed_off:
                 self.decode[out.decode_unit].release(out.seq.request_id)
 
-    def unit_up(self, old: Actor, new: Actor) -> None:
-        """`new` serves `old`'s restarted unit: routing takes it again."""
-        self.replace(old, new)
-        self.down.discard(new.unit_name)
+    def _release_stuck(self, actor: Actor) -> None:
+        """A stuck prefill unit's reservations go back, but those its unfinished steps copy into (or whose
+        copies have not landed): a step that ever returns still writes them, so they stay held for good."""
+        kept = []
+        for out in actor.outgoing.values():
+            if out.handed_off:
+                continue
+            decode = self.decode[out.decode_unit]
+            if out.landed() and out.seq.last_step <= actor.completed_step:
+                decode.release(out.seq.request_id)
+            else:                               # NOTE: no step reaches fence NEVER; the request id is free again
+                decode.blocks.free_after(out.seq.request_id, NEVER)
+                kept.append(f"{decode.unit_name}: {len(out.decode_blocks)}")
+        if kept:
+            logger.error("unit %s is stuck in a step that copies into these decode blocks; they stay held "
+                         "until the server restarts (unit: blocks): %s", actor.unit_name, ", ".join(kept))
 
-    def units(self) -> list[tuple[str, str, bool]]:
-        """(unit name, role, up) of every unit."""
-        return [(a.unit_name, a.name, self.up(a) and a.alive) for a in self.actors]
+    def unit_up(self, old: Actor, new: Actor) -> None:
+        """`new` serves `old`'s restarted unit: routing takes it again (and the prompts parked for it)."""
+        self.replace(old, new)
+        self.down.pop(new.unit_name, None)
+        parked, self._parked = self._parked, []
+        for message in parked:
+            self._prefill_again(message)
+
+    def retire(self, old: Actor, stand_in: Actor, why: str) -> None:
+        """`old`'s unit serves no more: `stand_in` (never started) takes its place, down for good."""
+        self.replace(old, stand_in)
+        self.down[old.unit_name] = why
+        self.retired.add(old.unit_name)
+
+    def serves_without(self, actor: Actor | None = None) -> bool:
+        """Whether the units not retired, `actor`'s aside, still serve every phase of the mode: a prefill and
+        a decode unit (disaggregated), a decode unit (adaptive: it prefills too), a colocated unit."""
+        def left(actors: list[Actor]) -> bool:
+            return any(a is not actor and a.unit_name not in self.retired for a in actors)
+        return left(self.decode) and (self.mode != "disaggregated" or left(self.prefill))
+
+    def units(self) -> list[tuple[str, str, str, str | None]]:
+        """(unit name, role, state, why it is down or None) of every unit; the state is `up`, `restarting`
+        (failed, its restart under way), `retired` (it serves no more) or `stopped` (the engine is)."""
+        def state(a: Actor) -> str:
+            if a.unit_name in self.retired:
+                return "retired"
+            return "restarting" if not self.up(a) else "up" if a.alive else "stopped"
+        return [(a.unit_name, a.name, state(a), self.down.get(a.unit_name)) for a in self.actors]
 
 
 def _waited(seq: Sequence, now: float) -> float:
