@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import torch
 
-from pdserve.engine.coordinator.coordinator import Coordinator
-from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.coordinator.coordinator import Coordinator, Route
+from pdserve.engine.core.messages import Abort, FinishReason, Preempted, Request
 from pdserve.engine.engine import Engine, EngineStopped
 from pdserve.engine.worker import faults
 from pdserve.server.metrics import Metrics
@@ -202,3 +202,25 @@ def test_a_failure_stays_local_while_the_units_left_serve_every_phase_of_the_mod
     assert coordinator.serves_without(by_name[failing]) is alone
     assert coordinator.serves_without() is True
     assert [state for _, _, state, _ in coordinator.units()].count("retired") == (retired is not None)
+
+
+def test_a_preempted_sequence_waits_for_a_prefill_unit_and_aborts_skip_retired_units():
+    def actor(name: str, index: int) -> SimpleNamespace:
+        mail: list = []
+        return SimpleNamespace(unit_name=name, name=name, index=index, alive=True, routed_prefill=0, mail=mail,
+                               send=mail.append)
+
+    prefill, decode = actor("prefill", 0), [actor(f"decode{i}", i) for i in (0, 1)]
+    coordinator = Coordinator("disaggregated", [prefill], decode)
+    request = Request("r", (5, 6, 7), GREEDY)
+    coordinator.table["r"] = Route(decode=0)
+    coordinator.fail_unit(prefill, "broken")
+    coordinator.post(Preempted(request, (9,)))
+    assert prefill.mail == [] and coordinator.table["r"] == Route()         # parked: no prefill unit is up
+    fresh = actor("prefill", 0)
+    coordinator.unit_up(prefill, fresh)
+    assert fresh.mail == [Preempted(request, (9,))] and coordinator.table["r"] == Route(prefill=0)
+    coordinator.retire(decode[1], decode[1], "gone")
+    coordinator.abort("unknown")                         # not in the table: every unit but the retired one
+    assert [m for m in fresh.mail if isinstance(m, Abort)] == [Abort("unknown")]
+    assert decode[0].mail == [Abort("unknown")] and decode[1].mail == []
