@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.coordinator.coordinator import Coordinator, Route
 from pdserve.engine.core.messages import Abort, FinishReason, Preempted, Request
+from pdserve.engine import supervisor
 from pdserve.engine.engine import Engine, EngineStopped
 from pdserve.engine.worker import faults
 from pdserve.server.metrics import Metrics
@@ -81,16 +82,50 @@ def assert_retired_and_served(engine: Engine, name: str, run, expected: list[lis
     return health
 
 
-@pytest.mark.parametrize("mode,name,step", [("disaggregated", "decode1", 3), ("disaggregated", "prefill0", 2),
-                                            ("adaptive", "decode1", 3), ("colocated", "colocated1", 3)])
-def test_a_unit_whose_restart_fails_is_retired_and_the_others_serve_to_the_end(mode, name, step, monkeypatch,
-                                                                               llama3):
-    engine = armed(monkeypatch, f"{name}:raise@{step}", mode)
+@pytest.mark.parametrize("mode,name,fault,workers", [
+    ("disaggregated", "decode1", "raise@3", "thread"), ("disaggregated", "prefill0", "raise@2", "thread"),
+    ("adaptive", "decode1", "raise@3", "thread"), ("colocated", "colocated1", "raise@3", "thread"),
+    ("disaggregated", "decode1", "exit@3", "process")])           # the worker dies, and cannot be spawned again
+def test_a_unit_whose_restart_fails_is_retired_and_the_others_serve_to_the_end(mode, name, fault, workers,
+                                                                               monkeypatch, llama3):
+    engine = armed(monkeypatch, f"{name}:{fault}", mode, workers=workers)
     cannot_restart(engine, name)
     run = asyncio.run(run_engine(engine, fail_then_serve(engine)))
     health = assert_retired_and_served(engine, name, run, [greedy(llama3, p) for p in BATCH])
     why = next(u["error"] for u in health if u["unit"] == name)
-    assert "InjectedFault" in why and "restarting failed: RuntimeError: the device is lost" in why
+    assert ("InjectedFault" if workers == "thread" else "WorkerDied") in why
+    assert "restarting failed: RuntimeError: the device is lost" in why
+    engine.close()
+
+
+def test_a_unit_that_keeps_failing_is_retired_at_the_restart_limit_and_the_other_serves(monkeypatch, llama3):
+    monkeypatch.setattr(supervisor, "RESTART_WINDOW_S", 1e9)     # every restart of this test counts
+    engine = four_units("colocated", **SLOS_SET)
+
+    def broken(work):
+        raise RuntimeError("broken device")
+
+    unit_of(engine, "colocated1").step_runner.run = broken      # its fresh actors step on the same unit
+    rounds = [prompts([12, 40], seed=30 + r) for r in range(supervisor.MAX_RESTARTS + 2)]
+
+    async def scenario():
+        results = []
+        for r, pair in enumerate(rounds):                        # the second prompt goes to the idle colocated1
+            streams = [engine.submit(Request(f"r{r}-{i}", p, GREEDY)) for i, p in enumerate(pair)]
+            results.append(await asyncio.gather(*(collect_events(s) for s in streams)))
+            await asyncio.gather(*engine.supervisor.units_down.values())
+        return results, engine.units_up()
+
+    results, health = asyncio.run(run_engine(engine, scenario()))
+    *failing, last = results
+    for pair, (first, second) in zip(rounds, failing):
+        assert [t for e in first for t in e.token_ids] == greedy(llama3, pair[0])
+        assert second[-1].finish_reason is FinishReason.ERROR and "colocated1" in second[-1].error
+    assert [[t for e in events for t in e.token_ids] for events in last] == [greedy(llama3, p) for p in rounds[-1]]
+    assert engine.supervisor.restarts == supervisor.MAX_RESTARTS and engine.dead is None
+    assert [u["state"] for u in health] == ["up", "retired"]
+    assert f"{supervisor.MAX_RESTARTS} restarts within" in health[1]["error"]
+    assert_pools_free(engine)
     engine.close()
 
 
