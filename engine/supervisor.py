@@ -36,7 +36,7 @@ from pdserve.engine.actors.base import Actor
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "exit")
-MAX_RESTARTS = 3                 # within RESTART_WINDOW_S; one more and the engine is dead
+MAX_RESTARTS = 3                 # within RESTART_WINDOW_S; one more is refused (unit retired or engine dead)
 RESTART_WINDOW_S = 60.0
 
 
@@ -178,7 +178,8 @@ class Supervisor:
             await self.engine.retire_unit(actor, why, stuck)
         except Exception as e:                    # NOTE: a unit that cannot even be retired is as bad as a dead one
             logger.exception("retiring unit %s failed", actor.unit_name)
-            return self._die(f"{why}; retiring it failed: {type(e).__name__}: {e}")
+            self._die(f"{why}; retiring it failed: {type(e).__name__}: {e}")
+            return
         if not self.engine.can_serve():           # another unit of its role was retired meanwhile
             self._die(f"{why}; no unit is left to serve every phase")
 
