@@ -85,9 +85,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "takes it (host:port) (default: Ray's own resolution: $RAY_ADDRESS, else the cluster "
                         "started on this machine)")
     g.add_argument("--on-worker-failure", choices=("restart", "exit"), default="restart",
-                   help="when an actor fails or a step runs past --step-timeout, every unfinished request "
-                        "ends with an error, then: restart fresh actors (default; at most 3 times a minute), "
-                        "or exit: /health and new requests get 503 and the server exits non-zero")
+                   help="when a unit fails or a step runs past --step-timeout, its requests end with an "
+                        "error, then: restart it (default; at most 3 times a minute; with other units serving, "
+                        "it alone, and one that cannot be restarted is retired while they serve on), or exit "
+                        "on any unit's failure: /health and new requests get 503 and the server exits non-zero")
     g.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds one step may run before its actor counts as failed (0: never)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

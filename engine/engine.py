@@ -18,6 +18,7 @@ from pdserve.engine.coordinator.planner import Planner
 from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
 from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.messages import (
+    ActorStats,
     EngineStats,
     FinishReason,
     Request,
@@ -145,7 +146,7 @@ class Engine:
             self._slos = derive_slos(self.config.scheduler, self.plan.max_model_len, await self._measure())
             logger.info("%s", self._slos.describe())
             self.coordinator.planner = self._planner()
-        for actor in self.actors:
+        for actor in self.coordinator.serving:          # a retired unit's stand-in never starts
             actor.start()
         self.supervisor.start()
         self._running = True
@@ -201,28 +202,39 @@ class Engine:
         for actor in self.actors:
             await actor.abandon()
 
-    def can_recover_stuck(self) -> bool:
-        """A unit stuck in a step can be killed and spawned again only when it is a process or a Ray actor."""
-        return all(unit.kind in ("process", "ray") for unit in self.units.all())
+    def can_recover_stuck(self, actor: Actor | None = None) -> bool:
+        """A unit stuck in a step (`actor`'s; None: any unit) can be killed and spawned again only when it is
+        a process or a Ray actor."""
+        units = self.units.all() if actor is None else (actor.unit,)
+        return all(unit.kind in ("process", "ray") for unit in units)
 
     async def restart_actors(self, recover_stuck: bool) -> None:
-        """Fresh actors over the same units (a worker process that died or hangs is spawned again)."""
-        for unit in self.units.all():
-            await unit.recover(force=recover_stuck)
+        """Fresh actors over the same units (a worker process that died or hangs is spawned again); the
+        retired units stay retired."""
+        old = self.coordinator
+        for actor in old.serving:
+            await actor.unit.recover(force=recover_stuck)
         self.coordinator = self._wire()
-        for actor in self.actors:
+        for actor in self.coordinator.actors:
+            if actor.unit_name in old.retired:
+                self.coordinator.retire(actor, actor, old.down[actor.unit_name])
+        for actor in self.coordinator.serving:
             actor.start()
         self._running = True
 
     # one unit's failure (engine.supervisor decides when): only its requests end
     def can_fail_alone(self, actor: Actor) -> bool:
-        """Another unit of `actor`'s role can serve meanwhile: its failure stays local."""
-        role = self.coordinator.prefill if actor in self.coordinator.prefill else self.coordinator.decode
-        return len(role) > 1
+        """The units not retired, `actor`'s aside, serve every phase the mode needs: its failure stays local."""
+        return self.coordinator.serves_without(actor)
+
+    def can_serve(self) -> bool:
+        """The units not retired serve every phase the mode needs."""
+        return self.coordinator.serves_without()
 
     def fail_unit(self, actor: Actor, error: str) -> None:
         """End the requests `actor`'s unit holds with an error event (their other units free them)."""
-        failed = [self._streams.pop(rid) for rid in self.coordinator.fail_unit(actor) if rid in self._streams]
+        failed = [self._streams.pop(rid) for rid in self.coordinator.fail_unit(actor, error)
+                  if rid in self._streams]
         for stream in failed:
             stream.queue.put_nowait(self._final_event(stream, FinishReason.ERROR, error))
         if failed:
@@ -238,9 +250,23 @@ class Engine:
         self.coordinator.unit_up(actor, fresh)
         fresh.start()
 
+    async def retire_unit(self, actor: Actor, why: str, stuck: bool) -> None:
+        """`actor`'s unit serves no more, until the server restarts (its requests have ended): a fresh actor
+        that never starts stands in for it, so its pool reads free and routing skips it for good.
+        `stuck`: its thread is inside a step, abandoned (nothing is waited for on it)."""
+        await self.coordinator.quiesce(actor, stuck)
+        role = "prefill" if actor in self.coordinator.prefill else "decode"
+        stand_in = wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
+        self.coordinator.retire(actor, stand_in, why)
+        if stuck and actor.unit.kind == "thread":
+            logger.error("unit %s retired: its compute thread is stuck in a step and is abandoned; its %s stay "
+                         "taken until the server restarts", actor.unit_name, _compute_of(actor.unit))
+        logger.error("unit %s retired, the other units serve on: %s", actor.unit_name, why)
+
     def units_up(self) -> list[dict]:
-        """Every unit: its name, role and whether it serves now (for /health)."""
-        return [{"unit": name, "role": role, "up": up} for name, role, up in self.coordinator.units()]
+        """Every unit: its name, role, whether it serves now, its state and, when down, why (for /health)."""
+        return [{"unit": name, "role": role, "up": state == "up", "state": state} | ({"error": why} if why else {})
+                for name, role, state, why in self.coordinator.units()]
 
     def submit(self, request: Request) -> RequestStream:
         """Queue `request`; returns its event stream.
@@ -367,8 +393,8 @@ class Engine:
                           num_output_tokens=stream.num_output_tokens)
 
     def stats(self) -> EngineStats:
-        prefill = [actor.stats() for actor in self.coordinator.prefill]
-        decode = [actor.stats() for actor in self.coordinator.decode]
+        prefill = [self._actor_stats(actor) for actor in self.coordinator.prefill]
+        decode = [self._actor_stats(actor) for actor in self.coordinator.decode]
         actors = (*prefill, *decode)
         if self.mode == "colocated":
             running, waiting = sum(a.running for a in decode), sum(a.waiting for a in decode)
@@ -378,6 +404,10 @@ class Engine:
             running, waiting = sum(a.running + a.waiting for a in decode), sum(a.waiting for a in prefill)
         return EngineStats(actors, running=running, waiting=waiting, num_unfinished=len(self._streams),
                            restarts=self.supervisor.restarts, dead=self.dead is not None)
+
+    def _actor_stats(self, actor: Actor) -> ActorStats:
+        stats = actor.stats()
+        return dataclasses.replace(stats, retired=True) if actor.unit_name in self.coordinator.retired else stats
 
     def take_mask_times(self) -> list[float]:
         """Host seconds each step spent on its token masks (grammars, logit_bias), since the last call."""
@@ -420,6 +450,12 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
     for profile in (decode,) if colocated else (decode, prefill):
         await profile_unit(profile, sched, plan.max_model_len, vocab_size)
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
+
+
+def _compute_of(unit) -> str:
+    """What a thread unit steps on, for a log line: its CPU cores, else its device."""
+    cores = unit.cpu_cores
+    return f"CPU cores {','.join(map(str, cores))}" if cores else f"device {unit.device}"
 
 
 def on_single_threaded_loader(fn, *args):

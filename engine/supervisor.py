@@ -1,15 +1,25 @@
 """What happens when an actor fails, so that no request ever hangs.
 
 An exception escaping an actor (a step's or its bookkeeping's) or a step running past
-`--step-timeout` fails its unit. Where another unit of the same role can serve meanwhile (units
-given as lists), the failure stays local: the unit's own requests end with an error event, routing
-skips it, and it is restarted alone while the others keep serving. Otherwise it ends every
-unfinished request with an error event. Then, with
-`--on-worker-failure restart`, fresh actors (empty schedulers and block managers) are wired over
-the same compute units (a dead worker process is spawned again); with `exit`, or when the units
-cannot be recovered (a thread stuck in a step cannot be reclaimed) or after too many restarts in
-a short time, the engine is marked dead: /health and new requests get 503, the systemd watchdog
-stops being pinged and the server exits non-zero, so systemd restarts it (`Restart=on-failure`).
+`--step-timeout` fails its unit. What follows depends on `--on-worker-failure`:
+
+- `restart` (the default). Where the units not retired, the failed one aside, still serve every phase
+  the mode needs (a prefill and a decode unit in disaggregated mode; a decode unit in adaptive mode,
+  which prefills too; a colocated unit), the failure stays local: the unit's own requests end with
+  an error event, routing skips it, and it is restarted alone (a dead worker process is spawned
+  again) while the others keep serving. A unit that cannot be restarted (its restart raised, the
+  restart limit was reached, or its thread is stuck in a step and cannot be reclaimed) is retired:
+  routing skips it for good, /health reports it down and why, `pdserve_unit_retired` shows it, and
+  the engine serves on with the others; a stuck thread is abandoned and its cores stay taken until
+  the server restarts. Otherwise (the failed unit is the last of a role the mode needs) every
+  unfinished request ends with an error event and fresh actors (empty schedulers and block managers)
+  are wired over the units not retired; when that cannot be done either, the engine is dead.
+- `exit`: any unit's failure, even with other units serving, ends every unfinished request with an
+  error event and marks the engine dead, as vLLM and SGLang exit on a worker's failure.
+
+A dead engine answers /health and new requests with 503, the systemd watchdog stops being pinged
+and the server exits non-zero, so systemd restarts it (`Restart=on-failure`). At most MAX_RESTARTS
+restarts (of any units) within RESTART_WINDOW_S: one more counts as a unit that cannot be restarted.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from pdserve.engine.actors.base import Actor
 logger = logging.getLogger(__name__)
 
 POLICIES = ("restart", "exit")
-MAX_RESTARTS = 3                 # within RESTART_WINDOW_S; one more and the engine is dead
+MAX_RESTARTS = 3                 # within RESTART_WINDOW_S; one more is refused (unit retired or engine dead)
 RESTART_WINDOW_S = 60.0
 
 
@@ -41,13 +51,17 @@ class Supervised(Protocol):
 
     async def restart_actors(self, recover_stuck: bool) -> None: ...
 
-    def can_recover_stuck(self) -> bool: ...
+    def can_recover_stuck(self, actor: Actor | None = None) -> bool: ...
 
     def can_fail_alone(self, actor: Actor) -> bool: ...
+
+    def can_serve(self) -> bool: ...
 
     def fail_unit(self, actor: Actor, error: str) -> None: ...
 
     async def restart_unit(self, actor: Actor, recover_stuck: bool) -> None: ...
+
+    async def retire_unit(self, actor: Actor, why: str, stuck: bool) -> None: ...
 
 
 class Supervisor:
@@ -88,12 +102,12 @@ class Supervisor:
         """Called by a failing actor (on the loop); the first failure of a round is the one acted on."""
         if self.recovering or self.dead is not None or actor.unit_name in self.units_down:
             return
-        if self.engine.can_fail_alone(actor):
+        if self.policy == "restart" and self.engine.can_fail_alone(actor):
             self.units_down[actor.unit_name] = asyncio.get_running_loop().create_task(
                 self._recover_unit(actor, error, stuck), name=f"pdserve-recovery-{actor.unit_name}")
             return
         self.recovering = True
-        self._recovery = asyncio.get_running_loop().create_task(self._recover(actor.name, error, stuck),
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(actor.unit_name, error, stuck),
                                                                 name="pdserve-recovery")
 
     async def _watch_steps(self) -> None:
@@ -125,9 +139,7 @@ class Supervisor:
                 logger.exception("restarting the actors failed")
                 why_not = f"restarting failed: {type(e).__name__}: {e}"
         if why_not is not None:
-            self.dead = f"{reason} ({why_not})"
-            logger.critical("engine dead: %s", self.dead)
-            self.died.set()
+            self._die(f"{reason} ({why_not})")
         else:
             self.restarts += 1
             logger.warning("actors restarted after: %s (%d restarts in the last %g s)",
@@ -135,31 +147,52 @@ class Supervisor:
         self.recovering = False
 
     async def _recover_unit(self, actor: Actor, error: str, stuck: bool) -> None:
-        """One unit failed while others of its role serve: end its requests, restart it alone."""
+        """One unit failed while the others serve every phase: end its requests, restart it alone, or
+        retire it when it cannot be restarted."""
         reason = f"the {actor.unit_name} unit failed: {error}"
         self.engine.fail_unit(actor, reason)
         await actor.abandon()
-        why_not = self._why_not_restart(stuck)
+        try:
+            why_not = await self._restart_unit(actor, stuck)
+            if why_not is None:
+                self.restarts += 1
+                logger.warning("unit %s restarted after: %s", actor.unit_name, reason)
+            else:
+                await self._retire(actor, f"{reason} (not restarted: {why_not})", stuck)
+        finally:
+            del self.units_down[actor.unit_name]
+
+    async def _restart_unit(self, actor: Actor, stuck: bool) -> str | None:
+        """Restart `actor`'s unit; returns why it was not, or None."""
+        why_not = self._why_not_restart(stuck, actor)
         if why_not is None:
             try:
                 await self.engine.restart_unit(actor, recover_stuck=stuck)
-            except Exception as e:                # NOTE: a unit that cannot come back is as bad as a dead one
+            except Exception as e:
                 logger.exception("restarting unit %s failed", actor.unit_name)
                 why_not = f"restarting failed: {type(e).__name__}: {e}"
-        if why_not is not None:
-            self.dead = f"{reason} ({why_not})"
-            logger.critical("engine dead: %s", self.dead)
-            self.engine.fail_unfinished(self.dead)
-            self.died.set()
-        else:
-            self.restarts += 1
-            logger.warning("unit %s restarted after: %s", actor.unit_name, reason)
-        del self.units_down[actor.unit_name]
+        return why_not
 
-    def _why_not_restart(self, stuck: bool) -> str | None:
+    async def _retire(self, actor: Actor, why: str, stuck: bool) -> None:
+        try:
+            await self.engine.retire_unit(actor, why, stuck)
+        except Exception as e:                    # NOTE: a unit that cannot even be retired is as bad as a dead one
+            logger.exception("retiring unit %s failed", actor.unit_name)
+            self._die(f"{why}; retiring it failed: {type(e).__name__}: {e}")
+            return
+        if not self.engine.can_serve():           # another unit of its role was retired meanwhile
+            self._die(f"{why}; no unit is left to serve every phase")
+
+    def _die(self, why: str) -> None:
+        self.dead = why
+        logger.critical("engine dead: %s", why)
+        self.engine.fail_unfinished(why)
+        self.died.set()
+
+    def _why_not_restart(self, stuck: bool, actor: Actor | None = None) -> str | None:
         if self.policy == "exit":
             return "--on-worker-failure exit"
-        if stuck and not self.engine.can_recover_stuck():
+        if stuck and not self.engine.can_recover_stuck(actor):
             return "a thread stuck in a step cannot be reclaimed; use --workers process to restart it"
         now = time.monotonic()
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:

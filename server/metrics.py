@@ -49,6 +49,8 @@ class EngineCollector(Collector):
                                                  labels=labels),
             "steps": GaugeMetricFamily("pdserve_actor_steps", "Steps the actor has run", labels=labels),
             "alive": GaugeMetricFamily("pdserve_actor_alive", "1 while the actor's loop runs", labels=labels),
+            "retired": GaugeMetricFamily("pdserve_unit_retired", "1 once the unit failed and could not be "
+                                         "restarted: it serves no more until the server restarts", labels=labels),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily("pdserve_prefix_cache_queries", "Prompt tokens looked up "

@@ -128,7 +128,9 @@ async def health(request: web.Request) -> web.Response:
     if engine is None or not engine.healthy():
         reason = "restarting its actors after a failure" if engine and engine.supervisor.recovering else "not running"
         raise APIError(503, f"the engine is {reason}", retry_after=state.config.retry_after)
-    return _json({"status": "ok", "mode": state.engine.mode, "units": state.engine.units_up()})
+    units = engine.units_up()                  # a unit down (restarting, or retired: why) makes it degraded
+    status = "ok" if all(unit["up"] for unit in units) else "degraded"
+    return _json({"status": status, "mode": engine.mode, "units": units})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -151,8 +151,11 @@ def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_se
     assert all([t for e in events for t in e.token_ids] == expected[i] for i, events in finished)
     assert again == expected
     assert engine.supervisor.restarts == 1 and engine.dead is None
-    assert health_while_down == [[{"unit": u, "role": u[:-1], "up": u != "decode1"}
-                                  for u in ("prefill0", "prefill1", "decode0", "decode1")]]
+    [health] = health_while_down
+    assert [{k: v for k, v in unit.items() if k != "error"} for unit in health] == [
+        {"unit": u, "role": u[:-1], "up": u != "decode1", "state": "restarting" if u == "decode1" else "up"}
+        for u in ("prefill0", "prefill1", "decode0", "decode1")]
+    assert "the decode1 unit failed" in health[3]["error"] and all("error" not in unit for unit in health[:3])
     assert {a.unit for a in engine.stats().actors if a.routed_decode} == {"decode0", "decode1"}  # fresh decode1 too
     assert_pools_free(engine)
     engine.close()

@@ -232,7 +232,8 @@ async def test_models_and_health(engines, serve, tiny_model_dir):
     async with aiohttp.ClientSession() as session, session.get(base + "/health") as response:
         body = await response.json()
         assert response.status == 200 and body["mode"] == "colocated"
-        assert body["units"] == [{"unit": "colocated", "role": "colocated", "up": True}]
+        assert body["status"] == "ok"
+        assert body["units"] == [{"unit": "colocated", "role": "colocated", "up": True, "state": "up"}]
 
 
 async def test_every_served_model_name_is_accepted_and_the_first_reported(engines, serve, tiny_model_dir):

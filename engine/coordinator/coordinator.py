@@ -5,6 +5,9 @@ Actors only step their unit; what one asks of another goes through here (`pdserv
 a prefill unit reserves decode blocks (None: back-pressure), posts its hand-off (delivered to the
 decode unit holding the reservation), or releases a reservation it never handed off; a decode unit
 posts a preempted sequence (routed to a prefill unit again) and says when it freed blocks.
+
+A failed unit is down (routing skips it) until it serves again or, retired, for good: a fresh actor that
+never starts stands in for it, so its pool reads free and nothing is ever routed there (`faults.py`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.coordinator.faults import UnitFaults
 from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
@@ -37,7 +41,7 @@ class Route:
     decode: int | None = None
 
 
-class Coordinator:
+class Coordinator(UnitFaults):
     def __init__(self, mode: str, prefill: list[Actor], decode: list[Actor], planner: Planner | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`prefill` and `decode` actors by unit index; colocated mode: its actors in `decode`, none in `prefill`.
@@ -47,24 +51,12 @@ class Coordinator:
         self.prefill, self.decode = list(prefill), list(decode)
         self.planner, self.clock = planner, clock
         self.table: dict[str, Route] = {}
-        self.down: set[str] = set()          # unit names failing or restarting: routing skips them
+        self.down: dict[str, str] = {}       # the unit faults (`faults.UnitFaults`): which units are down,
+        self.retired: set[str] = set()       # which of them for good,
+        self._parked: list[Preempted] = []   # and what waits for a prefill unit
         self._last_choice: dict[str, str] = {}
         for actor in self.actors:
             actor.port = self
-
-    @property
-    def actors(self) -> list[Actor]:
-        return [*self.prefill, *self.decode]
-
-    def replace(self, old: Actor, new: Actor) -> None:
-        """A restarted unit's fresh actor takes `old`'s place (same unit, same index)."""
-        role = self.prefill if old in self.prefill else self.decode
-        index = role.index(old)
-        new.index, new.unit_name, new.port = old.index, old.unit_name, self
-        role[index] = new
-
-    def up(self, actor: Actor) -> bool:
-        return actor.unit_name not in self.down
 
     # admission
     def submit(self, request: Request) -> None:
@@ -100,7 +92,7 @@ class Coordinator:
         """Abort on the units the table says hold the request; on every unit once it left the table."""
         route = self.table.pop(request_id, None)
         if route is None:
-            targets = self.actors
+            targets = self.serving
         else:
             targets = ([self.prefill[route.prefill]] if route.prefill is not None else []) + \
                       ([self.decode[route.decode]] if route.decode is not None else [])
@@ -113,6 +105,7 @@ class Coordinator:
 
     def forget_all(self) -> None:
         self.table.clear()
+        self._parked.clear()
 
     # the hand-off protocol (Port)
     def reserve(self, seq: Sequence) -> Reservation | None:
@@ -163,9 +156,10 @@ class Coordinator:
             return
         seq = Sequence(message.request, list(message.output_token_ids))
         index = self._first_token_unit(self.prefill, seq)
-        if index is None:                       # NOTE: no prefill unit up: its restart fails what it held
-            index = 0
         route.prefill, route.decode = index, None
+        if index is None:                       # no prefill unit up: it waits for one to come back
+            self._parked.append(message)
+            return
         self.prefill[index].routed_prefill += 1
         self.prefill[index].send(message)
 
@@ -249,44 +243,7 @@ class Coordinator:
     def partner_busy(self, actor: Actor) -> bool:
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
         others = self.decode if actor in self.prefill else self.prefill
-        return any(other.busy for other in others)
-
-    # faults: a unit that fails ends only its own requests
-    def fail_unit(self, actor: Actor) -> list[str]:
-        """Mark `actor`'s unit down (routing skips it) and abort, on their other units, the requests it
-        holds; returns their ids (the engine ends their streams with an error)."""
-        self.down.add(actor.unit_name)
-        prefill = actor in self.prefill
-        held = [request_id for request_id, route in self.table.items()
-                if (route.prefill if prefill else route.decode) == actor.index]
-        for request_id in held:
-            self.abort(request_id)
-        return held
-
-    async def quiesce(self, actor: Actor) -> None:
-        """Before `actor`'s unit gets a fresh actor (and free lists): no copy still reads or writes its pool,
-        and a failed prefill unit's reservations it never handed off are given back."""
-        if actor in self.decode:
-            for prefill in self.prefill:
-                if prefill is not actor and self.up(prefill):
-                    await prefill.steps_done()
-                    for transfer in prefill.copies_to(actor.index):
-                        await prefill.unit.wait(transfer)
-            return
-        for out in list(actor.outgoing.values()):
-            for transfer in out.transfers:
-                await actor.unit.wait(transfer)
-            if not out.handed_off:
-                self.decode[out.decode_unit].release(out.seq.request_id)
-
-    def unit_up(self, old: Actor, new: Actor) -> None:
-        """`new` serves `old`'s restarted unit: routing takes it again."""
-        self.replace(old, new)
-        self.down.discard(new.unit_name)
-
-    def units(self) -> list[tuple[str, str, bool]]:
-        """(unit name, role, up) of every unit."""
-        return [(a.unit_name, a.name, self.up(a) and a.alive) for a in self.actors]
+        return any(other.busy or not self.up(other) for other in others)    # a down unit's cores are not free
 
 
 def _waited(seq: Sequence, now: float) -> float:

@@ -149,6 +149,7 @@ class ActorStats:
     unit: str = ""                  # the unit it steps on: prefill, decode1, colocated0, ...
     routed_prefill: int = 0         # prompts the coordinator routed to this unit (to prefill)
     routed_decode: int = 0          # prefilled sequences it routed here (decode blocks reserved)
+    retired: bool = False           # its unit failed and could not be restarted: it serves no more
 
 
 @dataclass(frozen=True, slots=True)
