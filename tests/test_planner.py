@@ -229,3 +229,15 @@ def test_a_remote_prefill_is_predicted_while_the_decode_units_own_cores_are_unme
                                                             linear_cost(0.01, 0.0, 0.0005))
     remote = next(p for p in decision.candidates if p.action == "remote")
     assert remote.step == pytest.approx(cost.predict(2, 10, 0))     # as the decode unit steps now
+
+
+def test_a_prefill_rate_is_measured_only_once_three_steps_carried_prefill():
+    cost = StepCostModel()
+    for rows in range(1, 11):
+        cost.observe(2, rows, 0, 0.01 + 0.001 * rows)        # decode-only steps: no prefill seen
+    cost.observe(2, 4, 70, 0.05)
+    cost.observe(2, 4, 30, 0.03)
+    assert cost.coefficients(2) is not None and cost.seconds_per_prefill_token(2) is None
+    cost.observe(2, 4, 50, 0.04)
+    assert cost.seconds_per_prefill_token(2) == pytest.approx(0.0005, rel=0.2)
+    assert cost.seconds_per_prefill_token(1) == cost.seconds_per_prefill_token(2)    # unmeasured: the most threads

@@ -23,12 +23,15 @@ class StepCostModel:
     decay: float = 0.97
     ridge: float = 1e-3
     _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    _prefill_steps: dict[int | None, int] = field(default_factory=dict)    # observed steps that carried prefill
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
                 context: int = 0) -> None:
         a, b, n = self._fits.get(threads, (np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES), 0))
         x = _features(decode_rows, prefill_tokens, context)
         self._fits[threads] = (self.decay * a + np.outer(x, x), self.decay * b + seconds * x, n + 1)
+        if prefill_tokens:
+            self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
 
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""
@@ -50,8 +53,14 @@ class StepCostModel:
         return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context))
 
     def seconds_per_prefill_token(self, threads: int | None) -> float | None:
+        """The per-prefill-token coefficient, or None until three observed steps carried prefill (at
+        `threads`, else at the most threads measured): a coefficient no step exercised is not measured,
+        whatever the fit says (routing on one such rate sent a conversation's next turn away from its prefix)."""
         c = self.coefficients(threads)
-        return None if c is None or c[2] <= 0 else float(c[2])
+        counted = threads if threads in self._fits else max(self._fits, key=_by_threads_key, default=None)
+        if c is None or c[2] <= 0 or self._prefill_steps.get(counted, 0) < 3:
+            return None
+        return float(c[2])
 
 
 def _features(decode_rows: int, prefill_tokens: int, context: int) -> np.ndarray:
@@ -60,3 +69,7 @@ def _features(decode_rows: int, prefill_tokens: int, context: int) -> np.ndarray
 
 def _by_threads(item: tuple) -> int:
     return item[0] or 0
+
+
+def _by_threads_key(threads: int | None) -> int:
+    return threads or 0
