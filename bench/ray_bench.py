@@ -34,6 +34,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.core.messages import Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray.compute import send_blocks  # noqa: E402
 
 NODE = dict(num_cpus=4, object_store_memory=200 * 2**20)
 RUN_BLOCKS = 16
@@ -112,11 +113,11 @@ def kv_bytes_per_second(engine: Engine, iters: int) -> dict:
     prefill, decode = engine.units.prefill, engine.units.decode
     n = min(prefill.num_blocks, decode.num_blocks, RUN_BLOCKS)
     src, dst = list(range(n)), list(range(n))
-    ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))      # warm
+    ray.get(send_blocks(prefill.actor, decode.actor, src, dst)[1])      # warm
     seconds, nbytes = [], 0
     for _ in range(iters):
         started = time.perf_counter()
-        nbytes = ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))
+        nbytes = ray.get(send_blocks(prefill.actor, decode.actor, src, dst)[1])
         seconds.append(time.perf_counter() - started)
     same_node = prefill.where["node_id"] == decode.where["node_id"]
     return {"blocks_per_run": n, "bytes_per_run": nbytes, "run_ms_median": 1e3 * statistics.median(seconds),

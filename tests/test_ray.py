@@ -24,6 +24,7 @@ from pdserve.engine.args import add_engine_args, engine_config_from_args  # noqa
 from pdserve.engine.core.messages import FinishReason, Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray import actor as ray_actor  # noqa: E402
 from pdserve.engine.ray import compute as ray_compute  # noqa: E402
 from pdserve.engine.ray.compute import RayCompute  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
@@ -134,6 +135,79 @@ def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
 
     asyncio.run(scenario())
     assert_pools_free(engine)
+
+
+GATE = "pdserve-test-gate"
+
+
+def gate_actor():
+    """A Ray actor that holds every caller of `passed` while closed and counts those it holds (defined in a
+    function, so Ray ships the class by value to the nodes, as `unit_actor_with_held_reads`)."""
+    class Gate:
+        def __init__(self) -> None:
+            self.opened, self.held = asyncio.Event(), 0
+            self.opened.set()
+
+        async def close(self) -> None:
+            self.opened.clear()
+
+        async def open(self) -> None:
+            self.opened.set()
+
+        async def passed(self) -> None:
+            self.held += 1
+            await self.opened.wait()
+            self.held -= 1
+
+        async def holding(self) -> int:
+            return self.held
+    return ray.remote(num_cpus=0)(Gate).options(name=GATE).remote()
+
+
+def unit_actor_with_held_reads() -> type:
+    """`UnitActor` whose `read_blocks` (a hand-off's copy) waits at the gate first: a copy as slow as the
+    test wants."""
+    class HeldReads(ray_actor.UnitActor):
+        @ray.method(num_returns=2)
+        def read_blocks(self, blocks):
+            ray.get(ray.get_actor(GATE).passed.remote())
+            return super().read_blocks(blocks)
+    return HeldReads
+
+
+def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(cluster, monkeypatch):
+    gate = gate_actor()
+    monkeypatch.setattr(ray_actor, "UnitActor", unit_actor_with_held_reads())
+    held = Engine(ENGINE_CONFIG)
+    running_prompt, landing_prompt = prompts([6, 40], seed=1)      # 40 tokens: 2 chunks, each copied
+
+    async def scenario():
+        await held.start()
+        try:
+            reference, _ = await collect(held.submit(Request("reference", landing_prompt, LONG)))
+            running = held.submit(Request("running", running_prompt, LONG))
+            await asyncio.wait_for(running.__anext__(), 60)                 # decoding on the decode node
+            await asyncio.wait_for(gate.close.remote(), 60)
+            landing = asyncio.ensure_future(collect(held.submit(Request("landing", landing_prompt, LONG))))
+            await until(lambda: ray.get(gate.holding.remote()) > 0, 60)     # its first copy is held
+            for _ in range(5):                                              # the decode unit steps meanwhile
+                event = await asyncio.wait_for(running.__anext__(), 60)
+                assert event.finish_reason is None
+            assert held.coordinator.decode[0].scheduler.find("landing") is None and not landing.done()
+            await asyncio.wait_for(gate.open.remote(), 60)
+            tokens, _ = await asyncio.wait_for(landing, 120)
+            await running.aclose()
+            return reference, tokens
+        finally:
+            await held.stop()
+
+    try:
+        reference, tokens = asyncio.run(scenario())
+        assert tokens == reference and len(tokens) == LONG.max_tokens
+        assert_pools_free(held)
+    finally:
+        held.close()
+        ray.kill(gate)
 
 
 def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(cluster, engine):

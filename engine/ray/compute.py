@@ -3,9 +3,11 @@ another node. The serve process keeps the unit's scheduler and block manager; ea
 out and one back over Ray actor calls.
 
 A prefill unit's hand-off blocks go straight from its actor to the decode unit's actor: this side only
-chains the calls (`read_blocks` on the prefill actor after its step, its result handed by reference to
-`write_blocks` on the decode actor), so the bytes move node to node through Ray's object store and never
-through this process. A step's outcome is given once its copies have landed, as a worker process does.
+chains the calls (`read_blocks` on the prefill actor after its step, its bytes' reference handed inside a
+list to `write_blocks` on the decode actor, which fetches them on a thread its steps do not use), so the
+bytes move node to node through Ray's object store and never through this process, and the decode unit's
+steps are never queued behind a copy. A step's outcome is given once its copies have landed, as a worker
+process does, so the decode unit admits a sequence only once its KV is in its pool.
 
 A Ray error on any call (the actor or its node died) loses the unit: the step fails with an error naming
 the unit and node, and `recover` asks Ray for a fresh actor. A step that has not answered within LEASE_S
@@ -97,16 +99,15 @@ class RayCompute:
             raise WorkerStepError(f"in the {self.spec.name} unit on {self.node}: {doc['error']}")
         outcome = wire.decode_outcome(reply)
         copies = []
-        for copy, peer, (peer_actor, ack) in sends:
-            nbytes = await self._copied(actor, peer, peer_actor, ack)
+        for copy, peer, (peer_actor, read, ack) in sends:
+            nbytes = await self._copied(actor, peer, peer_actor, read, ack)
             copies.append((copy.key, TransferHandle.finished(nbytes, time.perf_counter() - started)))
         return replace(outcome, copies=tuple(copies))
 
     @staticmethod
     def _send(actor, peer_actor, copy: BlockCopy) -> tuple:
         """Chain the copy: this unit's blocks (read after its step, in call order) into the peer's pool."""
-        blocks = actor.read_blocks.remote(list(copy.src_blocks))
-        return peer_actor, peer_actor.write_blocks.remote(list(copy.dst_blocks), blocks)
+        return (peer_actor, *send_blocks(actor, peer_actor, list(copy.src_blocks), list(copy.dst_blocks)))
 
     async def _answer(self, actor, ref):
         """`ref`'s value; a Ray error, or no answer to a ping within the lease, loses this unit."""
@@ -115,9 +116,12 @@ class RayCompute:
         except (ray.exceptions.RayError, LeaseExpired) as e:
             raise UnitLost(self.lose(actor, e)) from None
 
-    async def _copied(self, actor, peer: RayCompute, peer_actor, ack) -> int:
-        """Bytes a copy into `peer` wrote. A lost peer: 0, and the copy counts as landed; the hand-off goes on
-        to the peer, whose next step fails with its own error (naming it and its node) while this unit serves."""
+    async def _copied(self, actor, peer: RayCompute, peer_actor, read, ack) -> int:
+        """Bytes a copy into `peer` wrote, once this unit has read them (`read`, leased on this unit) and the
+        peer has stored them (`ack`, leased on the peer). A lost peer: 0, and the copy counts as landed; the
+        hand-off goes on to the peer, whose next step fails with its own error (naming it and its node) while
+        this unit serves."""
+        await self._answer(actor, read)
         try:
             return await _leased(peer_actor, ack)
         except LeaseExpired as e:
@@ -165,6 +169,13 @@ class RayCompute:
 
     def close(self) -> None:
         self.kill()
+
+
+def send_blocks(src_actor, dst_actor, src: list[int], dst: list[int]) -> tuple:
+    """Start copying blocks `src` of `src_actor`'s pool into blocks `dst` of `dst_actor`'s; returns the
+    references (read, written) to the bytes read (once the source has read them) and those written."""
+    data, read = src_actor.read_blocks.remote(src)
+    return read, dst_actor.write_blocks.remote(dst, [data])     # NOTE: in a list: no call of dst waits for it
 
 
 class LeaseExpired(TimeoutError):
