@@ -3,6 +3,7 @@ two nodes, and one serving run of each with the same units.
 
     python -m pdserve.bench.ray_bench [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
                                       [--requests 16] [--prompt-tokens 256] [--max-tokens 64] [--out DIR]
+                                      [--kv-transport object-store|gloo]
 
 Without --ray-address it starts a two-node Ray cluster on this machine, every address 127.0.0.1 (the
 head advertises `pdserve_prefill`, the other node `pdserve_decode`); with it, it joins that cluster as
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # NOTE: before ray is imported: loopback nodes
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")                # --kv-transport gloo between loopback nodes
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -34,7 +36,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.core.messages import Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
-from pdserve.engine.ray.compute import send_blocks  # noqa: E402
+from pdserve.engine.ray import transport as ray_transport  # noqa: E402
 
 NODE = dict(num_cpus=4, object_store_memory=200 * 2**20)
 RUN_BLOCKS = 16
@@ -113,14 +115,21 @@ def kv_bytes_per_second(engine: Engine, iters: int) -> dict:
     prefill, decode = engine.units.prefill, engine.units.decode
     n = min(prefill.num_blocks, decode.num_blocks, RUN_BLOCKS)
     src, dst = list(range(n)), list(range(n))
-    ray.get(send_blocks(prefill.actor, decode.actor, src, dst)[1])      # warm
+    transport = prefill.transport
+
+    def copy() -> int:
+        sending = transport.send(prefill.actor, decode.actor, src, dst)
+        ray.get(sending.read)
+        return ray.get(sending.write())
+
+    copy()      # warm
     seconds, nbytes = [], 0
     for _ in range(iters):
         started = time.perf_counter()
-        nbytes = ray.get(send_blocks(prefill.actor, decode.actor, src, dst)[1])
+        nbytes = copy()
         seconds.append(time.perf_counter() - started)
     same_node = prefill.where["node_id"] == decode.where["node_id"]
-    return {"blocks_per_run": n, "bytes_per_run": nbytes, "run_ms_median": 1e3 * statistics.median(seconds),
+    return {"transport": transport.name, "blocks_per_run": n, "bytes_per_run": nbytes, "run_ms_median": 1e3 * statistics.median(seconds),
             "bytes_per_s": nbytes / statistics.median(seconds), "same_node": same_node}
 
 
@@ -160,9 +169,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--kv-iters", type=int, default=50)
+    parser.add_argument("--kv-transport", choices=ray_transport.NAMES, default=ray_transport.OBJECT_STORE,
+                        help=f"how the Ray units move KV blocks (sets ${ray_transport.ENV})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    os.environ[ray_transport.ENV] = args.kv_transport
     results = run(args)
     process, ray_ = results["process"], results["ray"]
     print(machine_description())
@@ -175,7 +187,7 @@ def main() -> None:
               f"{s['itl_ms_p99']:.2f} | {t['prefill']['overhead_us_median']:.0f} | "
               f"{t['decode']['overhead_us_median']:.0f} |")
     kv = ray_["kv"]
-    print(f"KV between the nodes: {kv['bytes_per_s'] / 1e6:.1f} MB/s ({kv['blocks_per_run']} blocks, "
+    print(f"KV between the nodes ({kv['transport']}): {kv['bytes_per_s'] / 1e6:.1f} MB/s ({kv['blocks_per_run']} blocks, "
           f"{kv['bytes_per_run']} bytes per run, {kv['run_ms_median']:.2f} ms; same node: {kv['same_node']})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ray_bench.json").write_bytes(orjson.dumps({"machine": machine_description(), "args": {

@@ -11,6 +11,7 @@ import os
 import signal
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"     # NOTE: read once, when ray is imported: nodes take 127.0.0.1
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"                   # NOTE: the nodes inherit it: gloo's sockets on loopback
 
 import openai  # noqa: E402
 import pytest  # noqa: E402
@@ -27,6 +28,7 @@ from pdserve.engine.engine import Engine  # noqa: E402
 from pdserve.engine.ray import actor as ray_actor  # noqa: E402
 from pdserve.engine.ray import compute as ray_compute  # noqa: E402
 from pdserve.engine.ray.compute import RayCompute  # noqa: E402
+from pdserve.engine.ray import transport as ray_transport  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
 from pdserve.server.config import ServerConfig  # noqa: E402
@@ -113,6 +115,41 @@ def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_
                                                min_new_tokens=12)[0, len(prompt):].tolist()
         assert tokens == [engine.tokenizer.decode([t]) for t in expected]
     assert_pools_free(engine)
+
+
+def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_model, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(ray_transport.ENV, ray_transport.GLOO)
+    gloo = Engine(ENGINE_CONFIG)
+    batch = prompts([5, 90, 37], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await gloo.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(
+                collect(gloo.submit(Request(f"g{i}", p, params))) for i, p in enumerate(batch))), 120)
+        finally:
+            await gloo.stop()
+
+    try:
+        assert gloo.units.prefill.transport.name == ray_transport.GLOO
+        results = asyncio.run(scenario())
+        for prompt, (tokens, _) in zip(batch, results):
+            expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                                   min_new_tokens=8)[0, len(prompt):].tolist()
+            assert tokens == expected
+        assert gloo.units.prefill.transport.name == ray_transport.GLOO      # no copy fell back
+        assert_pools_free(gloo)
+    finally:
+        gloo.close()
+
+
+def test_a_transport_named_wrong_is_refused_and_gloo_falls_back_for_good():
+    with pytest.raises(ValueError, match="PDSERVE_RAY_KV_TRANSPORT must be one of object-store, gloo"):
+        ray_transport.KVTransport("nccl")
+    transport = ray_transport.KVTransport(ray_transport.GLOO)
+    transport.fall_back("a unit restarted")
+    assert (transport.name, transport.configured) == (ray_transport.OBJECT_STORE, ray_transport.GLOO)
 
 
 def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):

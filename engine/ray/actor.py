@@ -75,6 +75,27 @@ class UnitActor:
                 torch.from_numpy(data.copy()).to(self.pool.device).view(self.pool.dtype)
 
 
-def remote_unit_actor(**options) -> type:
-    """`UnitActor` as a Ray actor class with `options` (resources, name, restarts)."""
-    return ray.remote(concurrency_groups={KV_GROUP: KV_THREADS, LEASE_GROUP: 1}, **options)(UnitActor)
+class GlooUnitActor(UnitActor):
+    """A unit whose blocks can also move by Ray Direct Transport over gloo (`pdserve.engine.ray.transport`).
+    A class of its own: a method with a tensor transport makes Ray run every call of the actor on a thread
+    of its own, which the default transport has no need of."""
+
+    @ray.method(tensor_transport="gloo")
+    def read_blocks_gloo(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks, [len(blocks), layers, 2, block_size, kv_heads, head_dim] in host memory, kept here
+        until Ray has sent them to the actor whose call takes this result."""
+        return self.pool[torch.tensor(blocks, device=self.pool.device)].cpu()
+
+    def fence(self) -> None:
+        """Answers once the calls sent before it have run (this group runs calls one at a time, in order)."""
+
+    @ray.method(concurrency_group=KV_GROUP)
+    def write_blocks_gloo(self, blocks: list[int], data: torch.Tensor) -> int:
+        self.pool[torch.tensor(blocks, device=self.pool.device)] = data.to(self.pool.device)
+        return data.numel() * data.element_size()
+
+
+def remote_unit_actor(gloo: bool = False, **options) -> type:
+    """`UnitActor` (`GlooUnitActor` with `gloo`) as a Ray actor class with `options` (resources, restarts)."""
+    return ray.remote(concurrency_groups={KV_GROUP: KV_THREADS, LEASE_GROUP: 1}, **options)(
+        GlooUnitActor if gloo else UnitActor)
