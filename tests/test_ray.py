@@ -213,6 +213,7 @@ def unit_actor_with_held_reads() -> type:
 
 
 def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(cluster, monkeypatch):
+    monkeypatch.delenv(ray_transport.ENV, raising=False)           # the object store's reads are held
     gate = gate_actor()
     monkeypatch.setattr(ray_actor, "UnitActor", unit_actor_with_held_reads())
     held = Engine(ENGINE_CONFIG)

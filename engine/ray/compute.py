@@ -6,8 +6,8 @@ A prefill unit's hand-off blocks go straight from its actor to the decode unit's
 chains the calls (`read_blocks` on the prefill actor after its step, `write_blocks` on the decode actor,
 which stores them on a thread its steps do not use; `pdserve.engine.ray.transport`), so the bytes move
 node to node (through Ray's object store, or over gloo) and never through this process, and the decode
-unit's steps are never queued behind a copy. A step's outcome is given once its copies have landed, as a worker
-process does, so the decode unit admits a sequence only once its KV is in its pool.
+unit's steps are never queued behind a copy. A step's outcome is given once its copies have landed, as a
+worker process does, so the decode unit admits a sequence only once its KV is in its pool.
 
 A Ray error on any call (the actor or its node died) loses the unit: the step fails with an error naming
 the unit and node, and `recover` asks Ray for a fresh actor. A step that has not answered within LEASE_S
