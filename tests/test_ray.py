@@ -1,7 +1,8 @@
 """`--distributed-executor-backend ray` on a two-node Ray cluster on this machine, every address 127.0.0.1:
 prefill units on one node and decode units on the other give transformers' greedy tokens through the HTTP
-API; an abort while blocks are copied frees them on both nodes; a decode actor killed mid-stream ends its
-streams with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
+API (and, with KV over gloo, through the engine); an abort while blocks are copied frees them on both nodes; a
+decode unit steps on while a copy into its pool is held; a decode actor killed mid-stream ends its streams
+with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
 from __future__ import annotations
 
 import argparse
@@ -212,9 +213,15 @@ def unit_actor_with_held_reads() -> type:
     return HeldReads
 
 
-def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(cluster, monkeypatch):
+@pytest.fixture
+def gate(cluster):
+    handle = gate_actor()
+    yield handle
+    ray.kill(handle)
+
+
+def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(gate, monkeypatch):
     monkeypatch.delenv(ray_transport.ENV, raising=False)           # the object store's reads are held
-    gate = gate_actor()
     monkeypatch.setattr(ray_actor, "UnitActor", unit_actor_with_held_reads())
     held = Engine(ENGINE_CONFIG)
     running_prompt, landing_prompt = prompts([6, 40], seed=1)      # 40 tokens: 2 chunks, each copied
@@ -245,7 +252,6 @@ def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(cluster, mo
         assert_pools_free(held)
     finally:
         held.close()
-        ray.kill(gate)
 
 
 def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(cluster, engine):
