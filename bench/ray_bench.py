@@ -3,6 +3,7 @@ two nodes, and one serving run of each with the same units.
 
     python -m pdserve.bench.ray_bench [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
                                       [--requests 16] [--prompt-tokens 256] [--max-tokens 64] [--out DIR]
+                                      [--kv-transport object-store|gloo] [--compiled-graph]
 
 Without --ray-address it starts a two-node Ray cluster on this machine, every address 127.0.0.1 (the
 head advertises `pdserve_prefill`, the other node `pdserve_decode`); with it, it joins that cluster as
@@ -10,14 +11,17 @@ the driver (its nodes must advertise the two resources). For each backend, the s
 engine (--threads threads per unit) serves --requests seeded random prompts at once; every step's round
 trip is timed at the unit (submit to outcome) minus the compute the worker measured, so the overhead of
 the boundary is what is left (a Ray prefill step's includes its KV copies to the other node, which a
-worker process makes inside its step; the decode column is the bare round trip in both). Then the prefill actor's pool blocks are sent to the decode actor (the
-path a hand-off takes) in runs of 16 blocks, and bytes/s reported. Writes DIR/ray_bench.json.
+worker process makes inside its step; the decode column is the bare round trip in both). Then the prefill
+actor's pool blocks are sent to the decode actor (the path a hand-off takes, through --kv-transport) in
+runs of 16 blocks, and bytes/s reported. --compiled-graph first times a bare frame's round trip to an
+actor on each node, as an actor call and through a Ray Compiled Graph. Writes DIR/ray_bench.json.
 """
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # NOTE: before ray is imported: loopback nodes
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")                # --kv-transport gloo between loopback nodes
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -34,6 +38,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # 
 from pdserve.engine.core.messages import Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray import transport as ray_transport  # noqa: E402
 
 NODE = dict(num_cpus=4, object_store_memory=200 * 2**20)
 RUN_BLOCKS = 16
@@ -112,15 +117,64 @@ def kv_bytes_per_second(engine: Engine, iters: int) -> dict:
     prefill, decode = engine.units.prefill, engine.units.decode
     n = min(prefill.num_blocks, decode.num_blocks, RUN_BLOCKS)
     src, dst = list(range(n)), list(range(n))
-    ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))      # warm
+    transport = prefill.transport
+
+    def copy() -> int:
+        sending = transport.send(prefill.actor, decode.actor, src, dst)
+        ray.get(sending.read)
+        return ray.get(sending.write())
+
+    copy()      # warm
     seconds, nbytes = [], 0
     for _ in range(iters):
         started = time.perf_counter()
-        nbytes = ray.get(decode.actor.write_blocks.remote(dst, prefill.actor.read_blocks.remote(src)))
+        nbytes = copy()
         seconds.append(time.perf_counter() - started)
     same_node = prefill.where["node_id"] == decode.where["node_id"]
-    return {"blocks_per_run": n, "bytes_per_run": nbytes, "run_ms_median": 1e3 * statistics.median(seconds),
+    return {"transport": transport.name, "blocks_per_run": n, "bytes_per_run": nbytes,
+            "run_ms_median": 1e3 * statistics.median(seconds),
             "bytes_per_s": nbytes / statistics.median(seconds), "same_node": same_node}
+
+
+class Echo:
+    """The bare boundary: a frame in, the same frame out (a step message's round trip without the step)."""
+
+    def echo(self, frame: bytes) -> bytes:
+        return frame
+
+
+def echo_round_trips(frame_bytes: int, iters: int, role: str) -> dict:
+    """Driver to an actor on `role`'s node and back, with a frame of `frame_bytes`: as a Ray actor call
+    (what the units use) and through a Ray Compiled Graph (a channel the actor reads in a loop)."""
+    from ray.dag import InputNode
+
+    actor = ray.remote(num_cpus=0, resources={f"pdserve_{role}": 0.001})(Echo).remote()
+    frame = bytes(frame_bytes)
+    ray.get(actor.echo.remote(frame))
+    calls = timed(lambda: ray.get(actor.echo.remote(frame)), iters)
+    try:
+        with InputNode() as step:
+            graph = actor.echo.bind(step)
+        compiled = graph.experimental_compile()
+    except Exception as e:                          # NOTE: reported, not fatal: the rest still measures
+        ray.kill(actor)
+        return {"frame_bytes": frame_bytes, "actor_call_us_median": calls, "compiled_graph": f"{type(e).__name__}: {e}"}
+    try:
+        ray.get(compiled.execute(frame))
+        graphs = timed(lambda: ray.get(compiled.execute(frame)), iters)
+    finally:
+        compiled.teardown()
+        ray.kill(actor)
+    return {"frame_bytes": frame_bytes, "actor_call_us_median": calls, "compiled_graph_us_median": graphs}
+
+
+def timed(call, iters: int) -> float:
+    seconds = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    return 1e6 * statistics.median(seconds)
 
 
 def summary(overheads: dict[str, list[float]]) -> dict:
@@ -134,6 +188,9 @@ def run(args) -> dict:
         ray.init(address=args.ray_address, log_to_driver=False)
     try:
         results = {}
+        if args.compiled_graph:
+            results["echo"] = {role: echo_round_trips(args.frame_bytes, args.kv_iters, role)
+                               for role in ("decode", "prefill")}
         for backend in ("process", "ray"):
             engine = Engine(engine_config(args, backend))
             overheads = time_steps(engine)
@@ -159,9 +216,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--kv-iters", type=int, default=50)
+    parser.add_argument("--kv-transport", choices=ray_transport.NAMES, default=ray_transport.OBJECT_STORE,
+                        help=f"how the Ray units move KV blocks (sets ${ray_transport.ENV})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled-graph", action="store_true",
+                        help="also time a bare frame's round trip to each node: actor call vs Compiled Graph")
+    parser.add_argument("--frame-bytes", type=int, default=2048, help="the frame --compiled-graph sends")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    os.environ[ray_transport.ENV] = args.kv_transport
     results = run(args)
     process, ray_ = results["process"], results["ray"]
     print(machine_description())
@@ -174,8 +237,15 @@ def main() -> None:
               f"{s['itl_ms_p99']:.2f} | {t['prefill']['overhead_us_median']:.0f} | "
               f"{t['decode']['overhead_us_median']:.0f} |")
     kv = ray_["kv"]
-    print(f"KV between the nodes: {kv['bytes_per_s'] / 1e6:.1f} MB/s ({kv['blocks_per_run']} blocks, "
+    print(f"KV between the nodes ({kv['transport']}): {kv['bytes_per_s'] / 1e6:.1f} MB/s "
+          f"({kv['blocks_per_run']} blocks, "
           f"{kv['bytes_per_run']} bytes per run, {kv['run_ms_median']:.2f} ms; same node: {kv['same_node']})")
+    for role, echo in results.get("echo", {}).items():
+        graph = echo.get("compiled_graph_us_median")
+        where = "the other node" if role == "decode" else "the driver's node"
+        print(f"bare round trip to {where} ({role}), {echo['frame_bytes']} B frame: actor call "
+              f"{echo['actor_call_us_median']:.0f} us, compiled graph "
+              + (f"{graph:.0f} us" if graph is not None else f"failed: {echo['compiled_graph']}"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ray_bench.json").write_bytes(orjson.dumps({"machine": machine_description(), "args": {
         k: str(v) for k, v in vars(args).items()}, "results": results}, option=orjson.OPT_INDENT_2))

@@ -1,7 +1,8 @@
 """`--distributed-executor-backend ray` on a two-node Ray cluster on this machine, every address 127.0.0.1:
 prefill units on one node and decode units on the other give transformers' greedy tokens through the HTTP
-API; an abort while blocks are copied frees them on both nodes; a decode actor killed mid-stream ends its
-streams with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
+API (and, with KV over gloo, through the engine); an abort while blocks are copied frees them on both nodes; a
+decode unit steps on while a copy into its pool is held; a decode actor killed mid-stream ends its streams
+with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import os
 import signal
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"     # NOTE: read once, when ray is imported: nodes take 127.0.0.1
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"                   # NOTE: the nodes inherit it: gloo's sockets on loopback
 
 import openai  # noqa: E402
 import pytest  # noqa: E402
@@ -24,8 +26,10 @@ from pdserve.engine.args import add_engine_args, engine_config_from_args  # noqa
 from pdserve.engine.core.messages import FinishReason, Request  # noqa: E402
 from pdserve.engine.core.sampling_params import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.ray import actor as ray_actor  # noqa: E402
 from pdserve.engine.ray import compute as ray_compute  # noqa: E402
 from pdserve.engine.ray.compute import RayCompute  # noqa: E402
+from pdserve.engine.ray import transport as ray_transport  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
 from pdserve.server.config import ServerConfig  # noqa: E402
@@ -114,6 +118,41 @@ def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_
     assert_pools_free(engine)
 
 
+def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_model, monkeypatch):  # noqa: F811
+    monkeypatch.setenv(ray_transport.ENV, ray_transport.GLOO)
+    gloo = Engine(ENGINE_CONFIG)
+    batch = prompts([5, 90, 37], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await gloo.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(
+                collect(gloo.submit(Request(f"g{i}", p, params))) for i, p in enumerate(batch))), 120)
+        finally:
+            await gloo.stop()
+
+    try:
+        assert gloo.units.prefill.transport.name == ray_transport.GLOO
+        results = asyncio.run(scenario())
+        for prompt, (tokens, _) in zip(batch, results):
+            expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                                   min_new_tokens=8)[0, len(prompt):].tolist()
+            assert tokens == expected
+        assert gloo.units.prefill.transport.name == ray_transport.GLOO      # no copy fell back
+        assert_pools_free(gloo)
+    finally:
+        gloo.close()
+
+
+def test_a_transport_named_wrong_is_refused_and_gloo_falls_back_for_good():
+    with pytest.raises(ValueError, match="PDSERVE_RAY_KV_TRANSPORT must be one of object-store, gloo"):
+        ray_transport.KVTransport("nccl")
+    transport = ray_transport.KVTransport(ray_transport.GLOO)
+    transport.fall_back("a unit restarted")
+    assert (transport.name, transport.configured) == (ray_transport.OBJECT_STORE, ray_transport.GLOO)
+
+
 def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
     long_prompt = prompts([1000], seed=5)[0]                     # 32 chunks of 32, each copied to the decode node
 
@@ -134,6 +173,85 @@ def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
 
     asyncio.run(scenario())
     assert_pools_free(engine)
+
+
+GATE = "pdserve-test-gate"
+
+
+def gate_actor():
+    """A Ray actor that holds every caller of `passed` while closed and counts those it holds (defined in a
+    function, so Ray ships the class by value to the nodes, as `unit_actor_with_held_reads`)."""
+    class Gate:
+        def __init__(self) -> None:
+            self.opened, self.held = asyncio.Event(), 0
+            self.opened.set()
+
+        async def close(self) -> None:
+            self.opened.clear()
+
+        async def open(self) -> None:
+            self.opened.set()
+
+        async def passed(self) -> None:
+            self.held += 1
+            await self.opened.wait()
+            self.held -= 1
+
+        async def holding(self) -> int:
+            return self.held
+    return ray.remote(num_cpus=0)(Gate).options(name=GATE).remote()
+
+
+def unit_actor_with_held_reads() -> type:
+    """`UnitActor` whose `read_blocks` (a hand-off's copy) waits at the gate first: a copy as slow as the
+    test wants."""
+    class HeldReads(ray_actor.UnitActor):
+        @ray.method(num_returns=2)
+        def read_blocks(self, blocks):
+            ray.get(ray.get_actor(GATE).passed.remote())
+            return super().read_blocks(blocks)
+    return HeldReads
+
+
+@pytest.fixture
+def gate(cluster):
+    handle = gate_actor()
+    yield handle
+    ray.kill(handle)
+
+
+def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(gate, monkeypatch):
+    monkeypatch.delenv(ray_transport.ENV, raising=False)           # the object store's reads are held
+    monkeypatch.setattr(ray_actor, "UnitActor", unit_actor_with_held_reads())
+    held = Engine(ENGINE_CONFIG)
+    running_prompt, landing_prompt = prompts([6, 40], seed=1)      # 40 tokens: 2 chunks, each copied
+
+    async def scenario():
+        await held.start()
+        try:
+            reference, _ = await collect(held.submit(Request("reference", landing_prompt, LONG)))
+            running = held.submit(Request("running", running_prompt, LONG))
+            await asyncio.wait_for(running.__anext__(), 60)                 # decoding on the decode node
+            await asyncio.wait_for(gate.close.remote(), 60)
+            landing = asyncio.ensure_future(collect(held.submit(Request("landing", landing_prompt, LONG))))
+            await until(lambda: ray.get(gate.holding.remote()) > 0, 60)     # its first copy is held
+            for _ in range(5):                                              # the decode unit steps meanwhile
+                event = await asyncio.wait_for(running.__anext__(), 60)
+                assert event.finish_reason is None
+            assert held.coordinator.decode[0].scheduler.find("landing") is None and not landing.done()
+            await asyncio.wait_for(gate.open.remote(), 60)
+            tokens, _ = await asyncio.wait_for(landing, 120)
+            await running.aclose()
+            return reference, tokens
+        finally:
+            await held.stop()
+
+    try:
+        reference, tokens = asyncio.run(scenario())
+        assert tokens == reference and len(tokens) == LONG.max_tokens
+        assert_pools_free(held)
+    finally:
+        held.close()
 
 
 def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(cluster, engine):

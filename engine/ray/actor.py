@@ -3,8 +3,11 @@
 `step` takes the same versioned wire frame a worker process reads from its pipe and answers with the
 same outcome (or error) frame. The pool's blocks leave through `read_blocks` and arrive through
 `write_blocks` as raw bytes (a numpy array the object store moves between nodes without copying on
-read); `write_blocks` runs in its own concurrency group, so a prefill unit's hand-off lands while this
-unit steps (the rows it writes belong to no running sequence yet).
+read). `write_blocks` is handed the bytes' reference inside a list, so Ray does not resolve it before
+the call: the call is dispatched at once and fetches the bytes in its own concurrency group's thread.
+An actor executes its calls in submission order, so a reference argument still being produced on the
+prefill node would hold every later call, this unit's steps included, until it arrived; fetched here,
+a hand-off lands while this unit steps (the rows it writes belong to no running sequence yet).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pdserve.engine.worker.processes import wire
 from pdserve.engine.worker.processes.worker_process import WorkerSpec, build_step_runner
 
 KV_GROUP = "kv"
+KV_THREADS = 4                       # hand-offs landing at once (each waits for its prefill step, then fetches)
 LEASE_GROUP = "lease"                # answers pings while a step runs: the unit's liveness lease
 
 
@@ -45,23 +49,53 @@ class UnitActor:
         except Exception as e:                          # NOTE: reported in the reply, as a worker process does
             return wire.encode_error(e)
 
-    def read_blocks(self, blocks: list[int]) -> np.ndarray:
-        """The blocks' bytes, in order: [len(blocks), layers, 2, block_size, kv_heads, head_dim * itemsize]."""
+    @ray.method(num_returns=2)
+    def read_blocks(self, blocks: list[int]) -> tuple[np.ndarray, int]:
+        """The blocks' bytes, in order ([len(blocks), layers, 2, block_size, kv_heads, head_dim * itemsize]),
+        and their size: the caller waits on the size (the read is done) without pulling the bytes."""
         if self.bits is not None:
-            return self.bits[blocks]
-        return self.pool[torch.tensor(blocks, device=self.pool.device)].cpu().view(torch.uint8).numpy()
+            data = self.bits[blocks]
+        else:
+            data = self.pool[torch.tensor(blocks, device=self.pool.device)].cpu().view(torch.uint8).numpy()
+        return data, data.nbytes
 
     @ray.method(concurrency_group=KV_GROUP)
-    def write_blocks(self, blocks: list[int], data: np.ndarray) -> int:
-        """Store `read_blocks`' bytes into `blocks` of this pool; returns the bytes written."""
+    def write_blocks(self, blocks: list[int], sent: list) -> int:
+        """Store the bytes `sent[0]` (a reference to `read_blocks`' first value) into `blocks` of this pool;
+        returns the bytes written. Raises the read's error where the read failed or its bytes are lost."""
+        data = ray.get(sent[0])
+        self._store(blocks, data)
+        return data.nbytes
+
+    def _store(self, blocks: list[int], data: np.ndarray) -> None:
         if self.bits is not None:
             self.bits[blocks] = data
         else:
             self.pool[torch.tensor(blocks, device=self.pool.device)] = \
                 torch.from_numpy(data.copy()).to(self.pool.device).view(self.pool.dtype)
-        return data.nbytes
 
 
-def remote_unit_actor(**options) -> type:
-    """`UnitActor` as a Ray actor class with `options` (resources, name, restarts)."""
-    return ray.remote(concurrency_groups={KV_GROUP: 1, LEASE_GROUP: 1}, **options)(UnitActor)
+class GlooUnitActor(UnitActor):
+    """A unit whose blocks can also move by Ray Direct Transport over gloo (`pdserve.engine.ray.transport`).
+    A class of its own: a method with a tensor transport makes Ray run every call of the actor on a thread
+    of its own, which the default transport has no need of."""
+
+    @ray.method(tensor_transport="gloo")
+    def read_blocks_gloo(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks, [len(blocks), layers, 2, block_size, kv_heads, head_dim] in host memory, kept here
+        until Ray has sent them to the actor whose call takes this result."""
+        return self.pool[torch.tensor(blocks, device=self.pool.device)].cpu()
+
+    def fence(self) -> None:
+        """Answers once the calls sent before it have run (this group runs calls one at a time, in order)."""
+
+    @ray.method(concurrency_group=KV_GROUP)
+    def write_blocks_gloo(self, blocks: list[int], data: torch.Tensor) -> int:
+        self.pool[torch.tensor(blocks, device=self.pool.device)] = data.to(self.pool.device)
+        return data.numel() * data.element_size()
+
+
+def remote_unit_actor(gloo: bool = False, **options) -> type:
+    """`UnitActor` (`GlooUnitActor` with `gloo`) as a Ray actor class with `options` (resources, restarts)."""
+    return ray.remote(concurrency_groups={KV_GROUP: KV_THREADS, LEASE_GROUP: 1}, **options)(
+        GlooUnitActor if gloo else UnitActor)

@@ -3,9 +3,11 @@ another node. The serve process keeps the unit's scheduler and block manager; ea
 out and one back over Ray actor calls.
 
 A prefill unit's hand-off blocks go straight from its actor to the decode unit's actor: this side only
-chains the calls (`read_blocks` on the prefill actor after its step, its result handed by reference to
-`write_blocks` on the decode actor), so the bytes move node to node through Ray's object store and never
-through this process. A step's outcome is given once its copies have landed, as a worker process does.
+chains the calls (`read_blocks` on the prefill actor after its step, `write_blocks` on the decode actor,
+which stores them on a thread its steps do not use; `pdserve.engine.ray.transport`), so the bytes move
+node to node (through Ray's object store, or over gloo) and never through this process, and the decode
+unit's steps are never queued behind a copy. A step's outcome is given once its copies have landed, as a
+worker process does, so the decode unit admits a sequence only once its KV is in its pool.
 
 A Ray error on any call (the actor or its node died) loses the unit: the step fails with an error naming
 the unit and node, and `recover` asks Ray for a fresh actor. A step that has not answered within LEASE_S
@@ -30,6 +32,7 @@ from pdserve.engine.worker.processes.worker_process import WorkerSpec
 from pdserve.engine.worker.step import BlockCopy, StepWork
 from pdserve.engine.worker.step_runner import StepOutcome
 from pdserve.engine.ray.actor import remote_unit_actor
+from pdserve.engine.ray.transport import GLOO, OBJECT_STORE, KVTransport, Sending
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
@@ -45,9 +48,12 @@ class UnitLost(WorkerDied):
 class RayCompute:
     kind = "ray"
 
-    def __init__(self, spec: WorkerSpec, threads: int, options: dict, peers: tuple[RayCompute, ...] = ()) -> None:
-        """`options`: Ray actor options (resources); `peers`: the decode units a prefill unit hands off to."""
+    def __init__(self, spec: WorkerSpec, threads: int, options: dict, peers: tuple[RayCompute, ...] = (),
+                 transport: KVTransport | None = None) -> None:
+        """`options`: Ray actor options (resources); `peers`: the decode units a prefill unit hands off to;
+        `transport`: how blocks move between the units (shared by all of them)."""
         self.spec, self.threads, self.options, self.peers = spec, threads, options, peers
+        self.transport = transport or KVTransport(OBJECT_STORE)
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
         self.eos_token_ids = spec.eos_token_ids
@@ -58,7 +64,8 @@ class RayCompute:
     # lifecycle
     def spawn(self) -> None:
         """Ask Ray for the actor; returns at once (`wait_ready` waits for its runner)."""
-        self.actor = remote_unit_actor().options(**self.options).remote(self.spec, self.threads)
+        gloo = self.transport.configured == GLOO
+        self.actor = remote_unit_actor(gloo).options(**self.options).remote(self.spec, self.threads)
         self._ready = self.actor.where.remote()
         self.lost = None
 
@@ -97,16 +104,14 @@ class RayCompute:
             raise WorkerStepError(f"in the {self.spec.name} unit on {self.node}: {doc['error']}")
         outcome = wire.decode_outcome(reply)
         copies = []
-        for copy, peer, (peer_actor, ack) in sends:
-            nbytes = await self._copied(actor, peer, peer_actor, ack)
+        for copy, peer, (peer_actor, sending) in sends:
+            nbytes = await self._copied(actor, peer, peer_actor, sending)
             copies.append((copy.key, TransferHandle.finished(nbytes, time.perf_counter() - started)))
         return replace(outcome, copies=tuple(copies))
 
-    @staticmethod
-    def _send(actor, peer_actor, copy: BlockCopy) -> tuple:
+    def _send(self, actor, peer_actor, copy: BlockCopy) -> tuple:
         """Chain the copy: this unit's blocks (read after its step, in call order) into the peer's pool."""
-        blocks = actor.read_blocks.remote(list(copy.src_blocks))
-        return peer_actor, peer_actor.write_blocks.remote(list(copy.dst_blocks), blocks)
+        return peer_actor, self.transport.send(actor, peer_actor, list(copy.src_blocks), list(copy.dst_blocks))
 
     async def _answer(self, actor, ref):
         """`ref`'s value; a Ray error, or no answer to a ping within the lease, loses this unit."""
@@ -115,11 +120,13 @@ class RayCompute:
         except (ray.exceptions.RayError, LeaseExpired) as e:
             raise UnitLost(self.lose(actor, e)) from None
 
-    async def _copied(self, actor, peer: RayCompute, peer_actor, ack) -> int:
-        """Bytes a copy into `peer` wrote. A lost peer: 0, and the copy counts as landed; the hand-off goes on
+    async def _copied(self, actor, peer: RayCompute, peer_actor, sending: Sending) -> int:
+        """Bytes a copy into `peer` wrote, once this unit has read them (leased on this unit) and the peer has
+        stored them (leased on the peer). A lost peer: 0, and the copy counts as landed; the hand-off goes on
         to the peer, whose next step fails with its own error (naming it and its node) while this unit serves."""
+        await self._answer(actor, sending.read)
         try:
-            return await _leased(peer_actor, ack)
+            return await _leased(peer_actor, sending.write())
         except LeaseExpired as e:
             peer.lose(peer_actor, e)
         except ray.exceptions.RayError as e:
@@ -144,6 +151,7 @@ class RayCompute:
         where its node is gone: until Ray marks that node dead, a fresh actor placed there dies, and is asked again)."""
         if self.lost is None and not force:
             return
+        self.transport.fall_back(f"the {self.spec.name} unit's Ray actor is started again")
         for attempt in range(SPAWN_ATTEMPTS):
             self.kill()
             self.spawn()

@@ -19,6 +19,7 @@ from pdserve.engine.process_units import started, worker_pools, worker_spec
 from pdserve.engine.topology import Plan, Units, unit_names
 from pdserve.engine.worker.processes.shared_pool import PoolSpec
 from pdserve.engine.ray.compute import RayCompute
+from pdserve.engine.ray.transport import KVTransport
 
 logger = logging.getLogger(__name__)
 ROLE_RESOURCE = "pdserve_{role}"
@@ -44,14 +45,17 @@ class RayConnection:
 def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int]) -> Units:
     connection = RayConnection(config.ray_address)
     try:
-        return replace(started(_units(config, model_config, plan, eos, connection)), shared=(connection,))
+        transport = KVTransport.from_env()
+        units = started(_units(config, model_config, plan, eos, connection, transport))
+        transport.connect([unit.actor for unit in units.all()])
+        return replace(units, shared=(connection,))
     except BaseException:
         connection.close()
         raise
 
 
 def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
-           connection: RayConnection) -> Units:
+           connection: RayConnection, transport: KVTransport) -> Units:
     pools = worker_pools(config, model_config, plan)
     base = worker_spec(config, model_config, plan, eos, pools.colocated or pools.decode, "cpu", (),
                        config.cpu_kernels)
@@ -61,7 +65,7 @@ def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: fro
         spec = replace(base, name=name, device="cuda:0" if device.type == "cuda" else "cpu", pool=pool_,
                        warmup_role=warmup, thread_counts=(threads,))
         return RayCompute(spec, threads, actor_options(role, device.type, threads, connection.resources),
-                          peers)
+                          peers, transport)
 
     if plan.mode == "colocated":
         n = len(plan.prefill_devices)
