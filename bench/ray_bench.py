@@ -61,6 +61,7 @@ def engine_config(args, backend: str) -> EngineConfig:
                         prefill_threads=args.threads, decode_threads=args.threads,
                         workers="thread" if ray_backend else "process",
                         distributed_executor_backend="ray" if ray_backend else None,
+                        ray_kv_transport=args.kv_transport,
                         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory),
                         scheduler=SchedulerConfig(max_model_len=args.prompt_tokens + args.max_tokens + 16,
                                                   max_num_seqs=max(args.requests, 1)))
@@ -217,14 +218,13 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--kv-iters", type=int, default=50)
     parser.add_argument("--kv-transport", choices=ray_transport.NAMES, default=ray_transport.OBJECT_STORE,
-                        help=f"how the Ray units move KV blocks (sets ${ray_transport.ENV})")
+                        help="how the Ray units move KV blocks (--ray-kv-transport)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compiled-graph", action="store_true",
                         help="also time a bare frame's round trip to each node: actor call vs Compiled Graph")
     parser.add_argument("--frame-bytes", type=int, default=2048, help="the frame --compiled-graph sends")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    os.environ[ray_transport.ENV] = args.kv_transport
     results = run(args)
     process, ray_ = results["process"], results["ray"]
     print(machine_description())

@@ -84,6 +84,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="with --distributed-executor-backend ray: the cluster to join, as `ray start --address` "
                         "takes it (host:port) (default: Ray's own resolution: $RAY_ADDRESS, else the cluster "
                         "started on this machine)")
+    g.add_argument("--ray-kv-transport", choices=("object-store", "gloo"), default=None,
+                   help="with --distributed-executor-backend ray: how KV blocks go from a prefill unit's actor to a "
+                        "decode unit's: through Ray's object store, or Ray Direct Transport over one gloo group "
+                        "(set GLOO_SOCKET_IFNAME to the nodes' interface; after a unit restarts, the object store) "
+                        "(default: object-store)")
     g.add_argument("--on-worker-failure", choices=("restart", "exit"), default="restart",
                    help="when a unit fails or a step runs past --step-timeout, its requests end with an "
                         "error, then: restart it (default; at most 3 times a minute; with other units serving, "
@@ -131,6 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         on_worker_failure=args.on_worker_failure,
         step_timeout=args.step_timeout,
         distributed_executor_backend=args.distributed_executor_backend, ray_address=args.ray_address,
+        ray_kv_transport=args.ray_kv_transport or "object-store",
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
@@ -143,6 +149,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _check_distributed(args: argparse.Namespace) -> None:
     if args.ray_address is not None and args.distributed_executor_backend != "ray":
         raise ValueError("--ray-address needs --distributed-executor-backend ray")
+    if args.ray_kv_transport is not None and args.distributed_executor_backend != "ray":
+        raise ValueError("--ray-kv-transport needs --distributed-executor-backend ray")
     if args.distributed_executor_backend == "ray" and args.workers != "thread":
         raise ValueError("--distributed-executor-backend ray runs every unit as a Ray actor; drop --workers")
 

@@ -41,6 +41,7 @@ class EngineConfig:
     step_timeout: float = 120.0       # seconds one step may run before its actor counts as failed; 0: never
     distributed_executor_backend: str | None = None   # "ray": units are Ray actors (engine.ray); None: --workers
     ray_address: str | None = None    # the Ray cluster to join; None: Ray's own resolution ($RAY_ADDRESS, local)
+    ray_kv_transport: str = "object-store"    # how Ray units move KV between nodes: object-store | gloo
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None   # drafts verified on the decode side; None: off

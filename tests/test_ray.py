@@ -5,6 +5,8 @@ decode unit steps on while a copy into its pool is held; a decode actor killed m
 with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import asyncio
 import contextlib
@@ -118,9 +120,8 @@ def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_
     assert_pools_free(engine)
 
 
-def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_model, monkeypatch):  # noqa: F811
-    monkeypatch.setenv(ray_transport.ENV, ray_transport.GLOO)
-    gloo = Engine(ENGINE_CONFIG)
+def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_model):  # noqa: F811
+    gloo = Engine(dataclasses.replace(ENGINE_CONFIG, ray_kv_transport=ray_transport.GLOO))
     batch = prompts([5, 90, 37], seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -146,7 +147,7 @@ def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_mod
 
 
 def test_a_transport_named_wrong_is_refused_and_gloo_falls_back_for_good():
-    with pytest.raises(ValueError, match="PDSERVE_RAY_KV_TRANSPORT must be one of object-store, gloo"):
+    with pytest.raises(ValueError, match="--ray-kv-transport must be one of object-store, gloo"):
         ray_transport.KVTransport("nccl")
     transport = ray_transport.KVTransport(ray_transport.GLOO)
     transport.fall_back("a unit restarted")
@@ -221,7 +222,6 @@ def gate(cluster):
 
 
 def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(gate, monkeypatch):
-    monkeypatch.delenv(ray_transport.ENV, raising=False)           # the object store's reads are held
     monkeypatch.setattr(ray_actor, "UnitActor", unit_actor_with_held_reads())
     held = Engine(ENGINE_CONFIG)
     running_prompt, landing_prompt = prompts([6, 40], seed=1)      # 40 tokens: 2 chunks, each copied

@@ -4,7 +4,7 @@
 store and the decode actor's `write_blocks` pulls them (the reference handed to it inside a list, so no
 call of the decode actor waits for it; see `pdserve.engine.ray.actor`).
 
-`gloo` (`PDSERVE_RAY_KV_TRANSPORT=gloo`): Ray Direct Transport. The prefill actor's `read_blocks_gloo`
+`gloo` (`--ray-kv-transport gloo`): Ray Direct Transport. The prefill actor's `read_blocks_gloo`
 returns the blocks as a tensor kept in the actor, and Ray sends it over one `torch_gloo` collective group
 made over every unit's actor once all have started (set GLOO_SOCKET_IFNAME to the interface the nodes
 reach each other on). The write is submitted only once the read has answered (a reference argument still
@@ -16,14 +16,12 @@ copies through the object store, with a warning.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 
 logger = logging.getLogger(__name__)
-ENV = "PDSERVE_RAY_KV_TRANSPORT"
 OBJECT_STORE, GLOO = "object-store", "gloo"
 NAMES = (OBJECT_STORE, GLOO)
 
@@ -42,13 +40,9 @@ class KVTransport:
 
     def __init__(self, name: str = OBJECT_STORE) -> None:
         if name not in NAMES:
-            raise ValueError(f"{ENV} must be one of {', '.join(NAMES)}, got {name!r}")
+            raise ValueError(f"--ray-kv-transport must be one of {', '.join(NAMES)}, got {name!r}")
         self.configured = self.name = name
         self.group = None
-
-    @classmethod
-    def from_env(cls) -> KVTransport:
-        return cls(os.environ.get(ENV) or OBJECT_STORE)
 
     def connect(self, actors: list) -> None:
         """Make the gloo group over `actors` (every unit's, started); the object store where it cannot be made."""

@@ -45,7 +45,7 @@ class RayConnection:
 def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int]) -> Units:
     connection = RayConnection(config.ray_address)
     try:
-        transport = KVTransport.from_env()
+        transport = KVTransport(config.ray_kv_transport)
         units = started(_units(config, model_config, plan, eos, connection, transport))
         transport.connect([unit.actor for unit in units.all()])
         return replace(units, shared=(connection,))
