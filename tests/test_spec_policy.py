@@ -3,6 +3,8 @@ spec-decode counters as the server exports them and `pdserve bench` reads them."
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length
+from pdserve.engine.core.spec_policy import Acceptance, DraftGate, StepBudget, allot
 from pdserve.engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from pdserve.server.metrics import Metrics
@@ -88,25 +90,64 @@ def seeded_cost(seed=0) -> StepCostModel:
     return cost
 
 
-def test_a_draft_is_kept_only_where_its_expected_tokens_save_more_than_its_verify_time():
+def best_lengths(rates, caps, rows, budget):
+    """Brute force: the draft lengths with the most expected tokens per second within the time limit."""
+    def rate(lengths):
+        tokens = rows + sum(r ** j for r, n in zip(rates, lengths) for j in range(1, n + 1))
+        return tokens / (budget.plain + budget.per_draft * sum(lengths))
+    fits = [n for n in itertools.product(*(range(c + 1) for c in caps))
+            if budget.plain + budget.per_draft * sum(n) <= budget.limit]
+    return max(fits, key=rate), rate
+
+
+def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
     gate = DraftGate(num_speculative_tokens=16, disable_by_batch_size=None)
-    assert gate.threshold(1, 0) == 0.0 and gate.threshold(3, 0) is None     # unmeasured: the roofline guess
+    assert gate.budget(1, 0) == StepBudget() and gate.budget(3, 0) is None     # unmeasured: the roofline guess
     gate.use(seeded_cost(), learns=False)
-    for rows in (1, 4, 12):
-        plain = FIXED + PER_ROW * rows
-        threshold = gate.threshold(rows, 0)
-        assert threshold == pytest.approx(rows * PER_TOKEN / plain, rel=0.02)
-        for rate in (0.3, 0.6, 0.8, 0.95):
-            j = draft_length(rate, threshold, 16)
-            per_token_step = plain / rows                      # what the step spends on each row's token
-            assert all(rate ** i * per_token_step > PER_TOKEN * 0.98 for i in range(1, j + 1))
-            assert j == 16 or rate ** (j + 1) * per_token_step < PER_TOKEN * 1.02
-            with_drafts = (rows + sum(rate ** i for i in range(1, j + 1))) / (plain + j * PER_TOKEN)
-            assert with_drafts >= rows / plain * 0.999          # the step yields tokens no slower
-    assert draft_length(0.95, gate.threshold(1, 0), 16) > draft_length(0.6, gate.threshold(1, 0), 16) > 0
-    assert gate.threshold(14, 0) is None                        # 14 * c >= T0: no draft can pay
-    assert gate.threshold(1, 8) is None                         # a step carrying prefill drafts nothing
-    assert DraftGate(4, disable_by_batch_size=2).threshold(3, 0) is None
+    for rows, rates in ((1, (0.6,)), (1, (0.95,)), (4, (0.3, 0.8)), (4, (0.7, 0.9, 0.5)), (12, (0.97, 0.6))):
+        budget = gate.budget(rows, 0)
+        assert budget.plain == pytest.approx(FIXED + PER_ROW * rows, rel=0.02)
+        assert budget.per_draft == pytest.approx(PER_TOKEN, rel=0.02) and budget.limit == math.inf
+        caps = [6] * len(rates)
+        best, rate = best_lengths(rates, caps, rows, budget)
+        probed = [n or 1 for n in best]                        # a drafting row left without drafts probes
+        assert allot(rates, caps, rows, budget) == probed
+        assert rate(best) >= rows / budget.plain               # the step yields tokens no slower
+    assert gate.threshold(1, 0) == pytest.approx(PER_TOKEN / (FIXED + PER_ROW), rel=0.02)
+    assert gate.budget(14, 0) is None                           # 14 * c >= T0: no draft can pay
+    assert gate.budget(1, 8) is None                            # a step carrying prefill drafts nothing
+    assert DraftGate(4, disable_by_batch_size=2).budget(3, 0) is None
+
+
+def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted_rows_first():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=16, prompt_lookup_min=1, prompt_lookup_max=3))
+    speculator.gate.use(seeded_cost(), learns=False)
+    blocks = BlockManager(num_blocks=64, block_size=16)
+    scheduler = DecodeScheduler(blocks, 8, on_preempt=lambda seq: None, speculator=speculator)
+    text = tuple(range(100, 140))
+    likely, unlikely = (Sequence(Request(name, text + text[:5], SamplingParams(max_tokens=100, temperature=0.0)),
+                                 [text[5]]) for name in ("likely", "unlikely"))
+    for _ in range(10):
+        speculator.observe(likely, 4, 4)                        # nearly every draft kept: 16 next
+    speculator.observe(unlikely, 16, 12)                        # 12 of 16: 13 next, at a lower rate
+    for seq in (likely, unlikely):
+        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        scheduler.add(seq)
+
+    def drafted(itl_slo):
+        speculator.serve(itl_slo)
+        lengths = {seq.request_id: len(seq.drafts) for seq in scheduler.schedule()}
+        for seq in (likely, unlikely):                          # undo the step
+            seq.num_in_flight, seq.num_computed_tokens, seq.drafts = 0, seq.num_tokens - 1, ()
+        return lengths, FIXED + 2 * PER_ROW + PER_TOKEN * sum(lengths.values())
+
+    unbounded, seconds = drafted(None)
+    assert unbounded == {"likely": 16, "unlikely": 4} and seconds > 0.040    # the rate rule alone: 61 ms
+    bounded, seconds = drafted(0.040)
+    assert seconds <= 0.040                                     # 9 drafts fill the SLO's room, the likelier row's
+    assert bounded == {"likely": int((0.040 - FIXED - 2 * PER_ROW) / PER_TOKEN), "unlikely": 0}
+    assert drafted(0.015)[0] == {"likely": 0, "unlikely": 0}    # already past the SLO without drafts: none
 
 
 def test_a_rows_acceptance_estimate_follows_its_verifications():
