@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from pdserve.bench.loadtest import format_spec_decode
 from pdserve.bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
+from pdserve.engine.coordinator.slo import HEADROOM
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import ActorStats, EngineStats, Request
 from pdserve.engine.core.sampling_params import SamplingParams
@@ -97,7 +99,16 @@ def best_lengths(rates, caps, rows, budget):
         return tokens / (budget.plain + budget.per_draft * sum(lengths))
     fits = [n for n in itertools.product(*(range(c + 1) for c in caps))
             if budget.plain + budget.per_draft * sum(n) <= budget.limit]
-    return max(fits, key=rate), rate
+    return list(max(fits, key=rate)), rate
+
+
+def with_probes(lengths, caps, budget):
+    """A drafting row left without drafts probes with one, while the step stays within its limit."""
+    lengths, seconds = list(lengths), budget.plain + budget.per_draft * sum(lengths)
+    for i, cap in enumerate(caps):
+        if cap and not lengths[i] and seconds + budget.per_draft <= budget.limit:
+            seconds, lengths[i] = seconds + budget.per_draft, 1
+    return lengths
 
 
 def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
@@ -107,12 +118,15 @@ def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
     for rows, rates in ((1, (0.6,)), (1, (0.95,)), (4, (0.3, 0.8)), (4, (0.7, 0.9, 0.5)), (12, (0.97, 0.6))):
         budget = gate.budget(rows, 0)
         assert budget.plain == pytest.approx(FIXED + PER_ROW * rows, rel=0.02)
-        assert budget.per_draft == pytest.approx(PER_TOKEN, rel=0.02) and budget.limit == math.inf
+        assert budget.per_draft == pytest.approx(PER_TOKEN, rel=0.02)
+        assert budget.limit == pytest.approx(HEADROOM * budget.plain)     # no SLO known: the SLO's own share
         caps = [6] * len(rates)
         best, rate = best_lengths(rates, caps, rows, budget)
-        probed = [n or 1 for n in best]                        # a drafting row left without drafts probes
-        assert allot(rates, caps, rows, budget) == probed
+        assert allot(rates, caps, rows, budget) == with_probes(best, caps, budget)
         assert rate(best) >= rows / budget.plain               # the step yields tokens no slower
+        unbounded = replace(budget, limit=math.inf)
+        assert allot(rates, caps, rows, unbounded) == with_probes(best_lengths(rates, caps, rows, unbounded)[0],
+                                                                  caps, unbounded)
     assert gate.threshold(1, 0) == pytest.approx(PER_TOKEN / (FIXED + PER_ROW), rel=0.02)
     assert gate.budget(14, 0) is None                           # 14 * c >= T0: no draft can pay
     assert gate.budget(1, 8) is None                            # a step carrying prefill drafts nothing
@@ -142,8 +156,10 @@ def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted
             seq.num_in_flight, seq.num_computed_tokens, seq.drafts = 0, seq.num_tokens - 1, ()
         return lengths, FIXED + 2 * PER_ROW + PER_TOKEN * sum(lengths.values())
 
-    unbounded, seconds = drafted(None)
-    assert unbounded == {"likely": 16, "unlikely": 4} and seconds > 0.040    # the rate rule alone: 61 ms
+    plain = FIXED + 2 * PER_ROW
+    bounded, seconds = drafted(None)                            # the rate rule alone: 16 + 4 drafts, 61 ms
+    assert seconds <= HEADROOM * plain                          # no SLO known: the SLO's own share of the step
+    assert bounded == {"likely": int((HEADROOM - 1) * plain / PER_TOKEN), "unlikely": 0}
     bounded, seconds = drafted(0.040)
     assert seconds <= 0.040                                     # 9 drafts fill the SLO's room, the likelier row's
     assert bounded == {"likely": int((0.040 - FIXED - 2 * PER_ROW) / PER_TOKEN), "unlikely": 0}

@@ -11,9 +11,12 @@ while the step's predicted time stays within max(T0, ITL SLO):
 - the rate rule gives each stream the most tokens per second of step time; none draft once D * c >= T0;
 - the ITL rule bounds what a stream waits for its next token. A row that rejects its drafts, and every
   row of the step that drafts nothing, gets one token after the whole step, so drafts may make a step
-  only as long as the ITL SLO allows; one already longer than the SLO without drafts gets none. (Adaptive
-  mode's planner holds a step's prefill tokens to the same bound, so a verify step is never longer than
-  the steps plain decoding runs there.)
+  only as long as the ITL SLO allows (adaptive mode's planner holds prefill riding along in a decode step
+  to the same bound), and at most HEADROOM times its plain time: the ITL SLO is derived as HEADROOM times
+  a decode step, "the step, and as much again" for what rides along (engine.coordinator.slo), and that
+  share, applied to this step, keeps a verify step within what a stream would wait for a mixed step
+  even where the derived SLO (a full batch's) is far above this step. So the step may take
+  max(T0, min(ITL SLO, HEADROOM * T0)); one already past the SLO without drafts gets none.
 
 T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
 draft tokens, so c is what verifying costs here, not a prefill token's price); until it has measured
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from pdserve.engine.coordinator.slo import HEADROOM
 
 # NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
 # CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
@@ -90,7 +95,7 @@ class DecodeStepFit:
 @dataclass(frozen=True, slots=True)
 class StepBudget:
     """A step's predicted seconds without drafts, seconds per verified draft token, and the most seconds
-    the step may take with its drafts; all None when nothing is measured yet (a roofline guess drafts)."""
+    the step may take with its drafts; `plain` None when nothing is measured yet (a roofline guess drafts)."""
 
     plain: float | None = None
     per_draft: float = 0.0
@@ -170,8 +175,8 @@ class DraftGate:
             return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
         if rows * per_draft >= plain:
             return None                                # no draft can raise the step's rate
-        limit = math.inf if self.itl_slo is None else max(plain, self.itl_slo)
-        return StepBudget(plain, per_draft, limit)
+        slo = math.inf if self.itl_slo is None else self.itl_slo
+        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)))
 
     def threshold(self, rows: int, prefill_tokens: int) -> float | None:
         """The acceptance probability a lone draft token of this step must beat (D * c / T0), or None."""
