@@ -166,6 +166,19 @@ def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted
     assert drafted(0.015)[0] == {"likely": 0, "unlikely": 0}    # already past the SLO without drafts: none
 
 
+def test_a_verify_cost_measured_long_ago_does_not_keep_drafting_shut():
+    gate = DraftGate(num_speculative_tokens=4, disable_by_batch_size=None)
+    gate.observe_step(1, 4, 1.0, threads=2, drafts=4)           # one verify step slowed by something else
+    for _ in range(3):
+        gate.observe_step(1, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(1, 0) is None                            # a draft looks dearer than the step: none
+    for _ in range(200):
+        gate.observe_step(1, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(1, 0) == StepBudget()                    # faded: the roofline guess drafts (and measures)
+    gate.observe_step(1, 4, 0.024, threads=2, drafts=4)
+    assert gate.budget(1, 0).per_draft < 0.002                  # the new step now weighs most (1 ms a draft)
+
+
 def test_a_rows_acceptance_estimate_follows_its_verifications():
     acceptance = Acceptance()
     assert acceptance.rate(0.5) == 0.5

@@ -20,9 +20,10 @@ while the step's predicted time stays within max(T0, ITL SLO):
 
 T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
 draft tokens, so c is what verifying costs here, not a prefill token's price); until it has measured
-three steps, from the unit's step cost model; before either, a step drafts when it has at most
-FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess) and no time bound applies. A step that carries
-prefill chunks drafts nothing: it is already the long step whose wait sets the short streams' tail ITL.
+three steps, or while no recent step carried a draft, from the unit's step cost model; before either,
+a step drafts when it has at most FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess), no time bound.
+A step that carries prefill chunks drafts nothing: it is already the long step whose wait sets the short
+streams' tail ITL.
 `disable_by_batch_size` stays a hard limit.
 """
 from __future__ import annotations
@@ -84,9 +85,11 @@ class DecodeStepFit:
         self._fits[threads] = (FIT_DECAY * a + np.outer(x, x), FIT_DECAY * b + seconds * x, n + 1)
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
-        """(fixed, per row, per draft token) seconds at `threads`, or None before three steps there."""
+        """(fixed, per row, per draft token) seconds at `threads`, or None before three steps there or while
+        no recent step verified a draft (its weighted sum of squared draft counts under one: a cost measured
+        once, say in a step slowed by something else, must not keep the gate shut for good)."""
         fit = self._fits.get(threads)
-        if fit is None or fit[2] < 3:
+        if fit is None or fit[2] < 3 or fit[0][2, 2] < 1.0:
             return None
         a, b, _ = fit
         return np.maximum(np.linalg.solve(a + FIT_RIDGE * np.eye(3), b), 0.0)
