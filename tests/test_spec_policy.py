@@ -94,17 +94,18 @@ def seeded_cost(seed=0) -> StepCostModel:
 
 def best_lengths(rates, caps, rows, budget):
     """Brute force: the draft lengths with the most expected tokens per second within the time limit."""
+    def seconds(lengths):
+        return budget.plain + (budget.first if sum(lengths) else 0.0) + budget.per_draft * sum(lengths)
+
     def rate(lengths):
-        tokens = rows + sum(r ** j for r, n in zip(rates, lengths) for j in range(1, n + 1))
-        return tokens / (budget.plain + budget.per_draft * sum(lengths))
-    fits = [n for n in itertools.product(*(range(c + 1) for c in caps))
-            if budget.plain + budget.per_draft * sum(n) <= budget.limit]
+        return (rows + sum(r ** j for r, n in zip(rates, lengths) for j in range(1, n + 1))) / seconds(lengths)
+    fits = [n for n in itertools.product(*(range(c + 1) for c in caps)) if seconds(n) <= budget.limit]
     return list(max(fits, key=rate)), rate
 
 
 def with_probes(lengths, caps, budget):
     """A drafting row left without drafts probes with one, while the step stays within its limit."""
-    lengths, seconds = list(lengths), budget.plain + budget.per_draft * sum(lengths)
+    lengths, seconds = list(lengths), budget.plain + budget.first + budget.per_draft * sum(lengths)
     for i, cap in enumerate(caps):
         if cap and not lengths[i] and seconds + budget.per_draft <= budget.limit:
             seconds, lengths[i] = seconds + budget.per_draft, 1
@@ -127,6 +128,11 @@ def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
         unbounded = replace(budget, limit=math.inf)
         assert allot(rates, caps, rows, unbounded) == with_probes(best_lengths(rates, caps, rows, unbounded)[0],
                                                                   caps, unbounded)
+    lone = StepBudget(plain=0.029, per_draft=0.0005, limit=0.058, first=0.012)   # a one-row step's dear first draft
+    for rates in ((0.3,), (0.5,), (0.6,), (0.9,)):
+        best, rate = best_lengths(rates, [7], 1, lone)
+        assert allot(rates, [7], 1, lone) == with_probes(best, [7], lone)
+    assert allot((0.3,), [7], 1, lone) == [1] and allot((0.9,), [7], 1, lone) == [7]    # a probe; every draft
     assert gate.threshold(1, 0) == pytest.approx(PER_TOKEN / (FIXED + PER_ROW), rel=0.02)
     assert gate.budget(14, 0) is None                           # 14 * c >= T0: no draft can pay
     assert gate.budget(1, 8) is None                            # a step carrying prefill drafts nothing
@@ -168,15 +174,15 @@ def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted
 
 def test_a_verify_cost_measured_long_ago_does_not_keep_drafting_shut():
     gate = DraftGate(num_speculative_tokens=4, disable_by_batch_size=None)
-    gate.observe_step(1, 4, 1.0, threads=2, drafts=4)           # one verify step slowed by something else
+    gate.observe_step(2, 4, 1.0, threads=2, drafts=4)           # one verify step slowed by something else
     for _ in range(3):
-        gate.observe_step(1, 0, 0.020, threads=2, drafts=0)
-    assert gate.budget(1, 0) is None                            # a draft looks dearer than the step: none
+        gate.observe_step(2, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(2, 0) is None                            # a draft looks dearer than the step: none
     for _ in range(200):
-        gate.observe_step(1, 0, 0.020, threads=2, drafts=0)
-    assert gate.budget(1, 0) == StepBudget()                    # faded: the roofline guess drafts (and measures)
-    gate.observe_step(1, 4, 0.024, threads=2, drafts=4)
-    assert gate.budget(1, 0).per_draft < 0.002                  # the new step now weighs most (1 ms a draft)
+        gate.observe_step(2, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(2, 0) == StepBudget()                    # faded: the roofline guess drafts (and measures)
+    gate.observe_step(2, 4, 0.024, threads=2, drafts=4)
+    assert gate.budget(2, 0).per_draft < 0.002                  # the new step now weighs most (1 ms a draft)
 
 
 def test_a_rows_acceptance_estimate_follows_its_verifications():

@@ -2,13 +2,13 @@
 acceptance.
 
 A step of D decode rows yields D tokens in T0 seconds (its predicted time without drafts). Verifying one
-more draft token adds c seconds and yields, at draft position j of a row that accepts each draft with
-probability a, a^j expected tokens. Candidates are taken best first (largest a^j: the rows with the
-lowest acceptance lose their drafts first) while each one raises the step's expected tokens per second,
-i.e. while a^j > c * Y / T (Y tokens expected of the T seconds taken so far, starting at D / T0), and
-while the step's predicted time stays within max(T0, ITL SLO):
+more draft token adds c seconds (a lone row's first one more: `DecodeStepFit`) and yields, at draft
+position j of a row that accepts each draft with probability a, a^j expected tokens. Candidates are
+taken best first (largest a^j: the rows with the lowest acceptance lose their drafts first) while each
+one raises the step's expected tokens per second, i.e. while a^j > c * Y / T (Y tokens expected of the T seconds taken so far), and while the step's
+predicted time stays within its limit; they are kept if together they beat the step without drafts:
 
-- the rate rule gives each stream the most tokens per second of step time; none draft once D * c >= T0;
+- the rate rule gives the streams the most tokens per second of step time; none draft once D * c >= T0;
 - the ITL rule bounds what a stream waits for its next token. A row that rejects its drafts, and every
   row of the step that drafts nothing, gets one token after the whole step, so drafts may make a step
   only as long as the ITL SLO allows (adaptive mode's planner holds prefill riding along in a decode step
@@ -74,25 +74,29 @@ class Acceptance:
 
 @dataclass(slots=True)
 class DecodeStepFit:
-    """Seconds of a decode-only step = fixed + per row x rows + per draft x draft tokens, one exponentially
-    weighted least-squares fit per thread count, from the steps this unit ran."""
+    """Seconds of a decode-only step = fixed + per row x rows + per draft x draft tokens - a one-token step's
+    discount, one exponentially weighted least-squares fit per thread count, from the steps this unit ran.
+
+    The discount: a step of one token runs every projection as a matrix-vector product, the CPU kernels'
+    one-row path, which streams weights faster than their path for several rows (engine/kernels
+    native_linear), so a lone row's first draft costs more than the ones after it."""
 
     _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
 
     def observe(self, threads: int | None, rows: int, drafts: int, seconds: float) -> None:
-        a, b, n = self._fits.get(threads, (np.zeros((3, 3)), np.zeros(3), 0))
-        x = np.array([1.0, rows, drafts])
+        a, b, n = self._fits.get(threads, (np.zeros((4, 4)), np.zeros(4), 0))
+        x = np.array([1.0, rows, drafts, -float(rows + drafts == 1)])
         self._fits[threads] = (FIT_DECAY * a + np.outer(x, x), FIT_DECAY * b + seconds * x, n + 1)
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
-        """(fixed, per row, per draft token) seconds at `threads`, or None before three steps there or while
+        """(fixed, per row, per draft token, one-token discount) seconds at `threads`, or None before three steps there or while
         no recent step verified a draft (its weighted sum of squared draft counts under one: a cost measured
         once, say in a step slowed by something else, must not keep the gate shut for good)."""
         fit = self._fits.get(threads)
         if fit is None or fit[2] < 3 or fit[0][2, 2] < 1.0:
             return None
         a, b, _ = fit
-        return np.maximum(np.linalg.solve(a + FIT_RIDGE * np.eye(3), b), 0.0)
+        return np.maximum(np.linalg.solve(a + FIT_RIDGE * np.eye(4), b), 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,7 @@ class StepBudget:
     plain: float | None = None
     per_draft: float = 0.0
     limit: float = math.inf
+    first: float = 0.0              # what a step's first draft costs beyond per_draft (a lone row's discount lost)
 
 
 def draft_length(rate: float, threshold: float, cap: int) -> int:
@@ -117,11 +122,12 @@ def draft_length(rate: float, threshold: float, cap: int) -> int:
 def allot(rates: Sequence[float], caps: Sequence[int], rows: int, budget: StepBudget) -> list[int]:
     """Draft lengths for the drafting rows (acceptance `rates`, at most `caps`) of a step of `rows` decode
     rows: candidates best first while each raises the step's expected tokens per second and the step stays
-    within `budget.limit`; then every drafting row left without one gets a probe of one where time allows."""
+    within `budget.limit`, kept if they beat the step without drafts (the first draft also costs
+    `budget.first`); then every drafting row left without one gets a probe of one where time allows."""
     lengths = [0] * len(rates)
     if budget.plain is None:
         return list(caps)
-    seconds, tokens, c = budget.plain, float(rows), budget.per_draft
+    seconds, tokens, c = budget.plain + budget.first, float(rows), budget.per_draft
     best = [(-rate, i, rate) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
     heapq.heapify(best)
     while best:
@@ -133,6 +139,8 @@ def allot(rates: Sequence[float], caps: Sequence[int], rows: int, budget: StepBu
             heapq.heapreplace(best, (-gain * rates[i], i, gain * rates[i]))
         else:
             heapq.heappop(best)
+    if tokens * budget.plain <= rows * seconds:        # no better than no drafts at all
+        lengths, seconds = [0] * len(rates), budget.plain + budget.first
     for i, cap in enumerate(caps):                     # NOTE: a probe keeps a row's acceptance measured
         if cap > 0 and not lengths[i] and seconds + c <= budget.limit:
             seconds, lengths[i] = seconds + c, 1
@@ -173,30 +181,32 @@ class DraftGate:
     def budget(self, rows: int, prefill_tokens: int) -> StepBudget | None:
         if prefill_tokens > 0 or rows <= 0 or (self.max_rows is not None and rows > self.max_rows):
             return None
-        plain, per_draft = self._predicted(rows)
+        plain, per_draft, first = self._predicted(rows)
         if plain is None:
             return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
-        if rows * per_draft >= plain:
+        if rows * (per_draft + first) >= plain:
             return None                                # no draft can raise the step's rate
         slo = math.inf if self.itl_slo is None else self.itl_slo
-        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)))
+        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)), first)
 
     def threshold(self, rows: int, prefill_tokens: int) -> float | None:
         """The acceptance probability a lone draft token of this step must beat (D * c / T0), or None."""
         budget = self.budget(rows, prefill_tokens)
         if budget is None:
             return None
-        return 0.0 if budget.plain is None else rows * budget.per_draft / budget.plain
+        return 0.0 if budget.plain is None else rows * (budget.per_draft + budget.first) / budget.plain
 
-    def _predicted(self, rows: int) -> tuple[float | None, float]:
-        """(seconds of the step without drafts, seconds per verified draft token), or (None, 0) unmeasured."""
+    def _predicted(self, rows: int) -> tuple[float | None, float, float]:
+        """(seconds of the step without drafts, seconds per verified draft token, the first draft's extra),
+        or (None, 0, 0) unmeasured."""
         own = self.fit.coefficients(self.threads)
         if own is not None:
-            return float(own[0] + own[1] * rows), float(own[2])
+            first = float(own[3]) if rows == 1 else 0.0
+            return float(own[0] + own[1] * rows) - first, float(own[2]), first
         if self.cost is None:
-            return None, 0.0
+            return None, 0.0, 0.0
         plain = self.cost.predict(self.threads, rows, 0)
         full = self.cost.predict(self.threads, rows, self.k)
         if plain is None or full is None or plain <= 0.0:
-            return None, 0.0
-        return plain, max(full - plain, 0.0) / self.k
+            return None, 0.0, 0.0
+        return plain, max(full - plain, 0.0) / self.k, 0.0
