@@ -124,17 +124,22 @@ def test_penalties_min_tokens_and_stop_tokens_see_the_drafts_as_history():
     assert [len(t) for t in spec[:2]] == [30, 37]
 
 
-def test_seeded_sampled_rows_are_reproducible():
+def test_seeded_sampled_rows_give_the_tokens_plain_sampling_gives():
+    """A seeded row draws each position from its (seed, output number) stream and keeps drafts equal to the
+    draws: the same tokens without speculation, in any mode, whatever drafts each step's cost allowed."""
     params = SamplingParams(max_tokens=30, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
     requests = [Request(f"r{i}", p, params) for i, p in enumerate(echo_prompts([30, 12], seed=4))]
+    plain, engine = generate("colocated", requests)
+    engine.close()
     first, engine = generate("colocated", requests, SPEC)
+    counters = speculator(engine).counters
     engine.close()
     second, engine = generate("disaggregated", requests, SPEC)
     engine.close()
-    assert first == second and all(len(t) == 30 for t in first)
+    assert first == second == plain and all(len(t) == 30 for t in first)
+    assert counters.num_drafts > 0
 
 
-# pools left free
 @pytest.mark.parametrize("mode", ("colocated", "disaggregated"))
 def test_aborts_mid_verification_free_every_block(mode):
     engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32, speculative=SPEC))

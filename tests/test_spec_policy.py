@@ -3,19 +3,23 @@ spec-decode counters as the server exports them and `pdserve bench` reads them."
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from pdserve.bench.loadtest import format_spec_decode
 from pdserve.bench.server_metrics import parse_prefix_cache, prefix_cache_delta, spec_decode_delta
+from pdserve.engine.coordinator.slo import HEADROOM
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import ActorStats, EngineStats, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length
+from pdserve.engine.core.spec_policy import Acceptance, DraftGate, StepBudget, allot
 from pdserve.engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from pdserve.server.metrics import Metrics
@@ -88,25 +92,97 @@ def seeded_cost(seed=0) -> StepCostModel:
     return cost
 
 
-def test_a_draft_is_kept_only_where_its_expected_tokens_save_more_than_its_verify_time():
+def best_lengths(rates, caps, rows, budget):
+    """Brute force: the draft lengths with the most expected tokens per second within the time limit."""
+    def seconds(lengths):
+        return budget.plain + (budget.first if sum(lengths) else 0.0) + budget.per_draft * sum(lengths)
+
+    def rate(lengths):
+        return (rows + sum(r ** j for r, n in zip(rates, lengths) for j in range(1, n + 1))) / seconds(lengths)
+    fits = [n for n in itertools.product(*(range(c + 1) for c in caps)) if seconds(n) <= budget.limit]
+    return list(max(fits, key=rate)), rate
+
+
+def with_probes(lengths, caps, budget):
+    """A drafting row left without drafts probes with one, while the step stays within its limit."""
+    lengths, seconds = list(lengths), budget.plain + budget.first + budget.per_draft * sum(lengths)
+    for i, cap in enumerate(caps):
+        if cap and not lengths[i] and seconds + budget.per_draft <= budget.limit:
+            seconds, lengths[i] = seconds + budget.per_draft, 1
+    return lengths
+
+
+def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
     gate = DraftGate(num_speculative_tokens=16, disable_by_batch_size=None)
-    assert gate.threshold(1, 0) == 0.0 and gate.threshold(3, 0) is None     # unmeasured: the roofline guess
+    assert gate.budget(1, 0) == StepBudget() and gate.budget(3, 0) is None     # unmeasured: the roofline guess
     gate.use(seeded_cost(), learns=False)
-    for rows in (1, 4, 12):
-        plain = FIXED + PER_ROW * rows
-        threshold = gate.threshold(rows, 0)
-        assert threshold == pytest.approx(rows * PER_TOKEN / plain, rel=0.02)
-        for rate in (0.3, 0.6, 0.8, 0.95):
-            j = draft_length(rate, threshold, 16)
-            per_token_step = plain / rows                      # what the step spends on each row's token
-            assert all(rate ** i * per_token_step > PER_TOKEN * 0.98 for i in range(1, j + 1))
-            assert j == 16 or rate ** (j + 1) * per_token_step < PER_TOKEN * 1.02
-            with_drafts = (rows + sum(rate ** i for i in range(1, j + 1))) / (plain + j * PER_TOKEN)
-            assert with_drafts >= rows / plain * 0.999          # the step yields tokens no slower
-    assert draft_length(0.95, gate.threshold(1, 0), 16) > draft_length(0.6, gate.threshold(1, 0), 16) > 0
-    assert gate.threshold(14, 0) is None                        # 14 * c >= T0: no draft can pay
-    assert gate.threshold(1, 8) is None                         # a step carrying prefill drafts nothing
-    assert DraftGate(4, disable_by_batch_size=2).threshold(3, 0) is None
+    for rows, rates in ((1, (0.6,)), (1, (0.95,)), (4, (0.3, 0.8)), (4, (0.7, 0.9, 0.5)), (12, (0.97, 0.6))):
+        budget = gate.budget(rows, 0)
+        assert budget.plain == pytest.approx(FIXED + PER_ROW * rows, rel=0.02)
+        assert budget.per_draft == pytest.approx(PER_TOKEN, rel=0.02)
+        assert budget.limit == pytest.approx(HEADROOM * budget.plain)     # no SLO known: the SLO's own share
+        caps = [6] * len(rates)
+        best, rate = best_lengths(rates, caps, rows, budget)
+        assert allot(rates, caps, rows, budget) == with_probes(best, caps, budget)
+        assert rate(best) >= rows / budget.plain               # the step yields tokens no slower
+        unbounded = replace(budget, limit=math.inf)
+        assert allot(rates, caps, rows, unbounded) == with_probes(best_lengths(rates, caps, rows, unbounded)[0],
+                                                                  caps, unbounded)
+    lone = StepBudget(plain=0.029, per_draft=0.0005, limit=0.058, first=0.012)   # a one-row step's dear first draft
+    for rates in ((0.3,), (0.5,), (0.6,), (0.9,)):
+        best, rate = best_lengths(rates, [7], 1, lone)
+        assert allot(rates, [7], 1, lone) == with_probes(best, [7], lone)
+    assert allot((0.3,), [7], 1, lone) == [1] and allot((0.9,), [7], 1, lone) == [7]    # a probe; every draft
+    assert gate.threshold(1, 0) == pytest.approx(PER_TOKEN / (FIXED + PER_ROW), rel=0.02)
+    assert gate.budget(14, 0) is None                           # 14 * c >= T0: no draft can pay
+    assert gate.budget(1, 8) is None                            # a step carrying prefill drafts nothing
+    assert DraftGate(4, disable_by_batch_size=2).budget(3, 0) is None
+
+
+def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted_rows_first():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=16, prompt_lookup_min=1, prompt_lookup_max=3))
+    speculator.gate.use(seeded_cost(), learns=False)
+    blocks = BlockManager(num_blocks=64, block_size=16)
+    scheduler = DecodeScheduler(blocks, 8, on_preempt=lambda seq: None, speculator=speculator)
+    text = tuple(range(100, 140))
+    likely, unlikely = (Sequence(Request(name, text + text[:5], SamplingParams(max_tokens=100, temperature=0.0)),
+                                 [text[5]]) for name in ("likely", "unlikely"))
+    for _ in range(10):
+        speculator.observe(likely, 4, 4)                        # nearly every draft kept: 16 next
+    speculator.observe(unlikely, 16, 12)                        # 12 of 16: 13 next, at a lower rate
+    for seq in (likely, unlikely):
+        seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        scheduler.add(seq)
+
+    def drafted(itl_slo):
+        speculator.serve(itl_slo)
+        lengths = {seq.request_id: len(seq.drafts) for seq in scheduler.schedule()}
+        for seq in (likely, unlikely):                          # undo the step
+            seq.num_in_flight, seq.num_computed_tokens, seq.drafts = 0, seq.num_tokens - 1, ()
+        return lengths, FIXED + 2 * PER_ROW + PER_TOKEN * sum(lengths.values())
+
+    plain = FIXED + 2 * PER_ROW
+    bounded, seconds = drafted(None)                            # the rate rule alone: 16 + 4 drafts, 61 ms
+    assert seconds <= HEADROOM * plain                          # no SLO known: the SLO's own share of the step
+    assert bounded == {"likely": int((HEADROOM - 1) * plain / PER_TOKEN), "unlikely": 0}
+    bounded, seconds = drafted(0.040)
+    assert seconds <= 0.040                                     # 9 drafts fill the SLO's room, the likelier row's
+    assert bounded == {"likely": int((0.040 - FIXED - 2 * PER_ROW) / PER_TOKEN), "unlikely": 0}
+    assert drafted(0.015)[0] == {"likely": 0, "unlikely": 0}    # already past the SLO without drafts: none
+
+
+def test_a_verify_cost_measured_long_ago_does_not_keep_drafting_shut():
+    gate = DraftGate(num_speculative_tokens=4, disable_by_batch_size=None)
+    gate.observe_step(2, 4, 1.0, threads=2, drafts=4)           # one verify step slowed by something else
+    for _ in range(3):
+        gate.observe_step(2, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(2, 0) is None                            # a draft looks dearer than the step: none
+    for _ in range(200):
+        gate.observe_step(2, 0, 0.020, threads=2, drafts=0)
+    assert gate.budget(2, 0) == StepBudget()                    # faded: the roofline guess drafts (and measures)
+    gate.observe_step(2, 4, 0.024, threads=2, drafts=4)
+    assert gate.budget(2, 0).per_draft < 0.002                  # the new step now weighs most (1 ms a draft)
 
 
 def test_a_rows_acceptance_estimate_follows_its_verifications():

@@ -102,6 +102,7 @@ class AdaptiveDecodeActor(DecodeActor):
         rows = (*batch.decode, *batch.verify)
         self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks) + drafts, seconds,
                           context=sum(s.num_computed_tokens for s in rows))
+        super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 
     def drop(self, seq: Sequence) -> None:
         self.local.remove(seq)

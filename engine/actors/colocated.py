@@ -7,7 +7,7 @@ from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.messages import Abort, Request
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.speculative import SpeculativeConfig, Speculator
+from pdserve.engine.core.speculative import SpeculativeConfig, speculator_for
 from pdserve.engine.worker.compute import Compute
 
 
@@ -18,7 +18,7 @@ class ColocatedActor(Actor):
                  max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False,
                  speculative: SpeculativeConfig | None = None) -> None:
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
-        self.speculator = Speculator(speculative) if speculative else None
+        self.speculator = speculator_for(speculative, config.itl_slo_ms)
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.kv_watermark = kv_watermark

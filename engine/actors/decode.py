@@ -9,7 +9,7 @@ from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Reservatio
 from pdserve.engine.core.prefix_cache import extend_hashes
 from pdserve.engine.core.scheduler import DecodeScheduler
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.speculative import SpeculativeConfig, Speculator
+from pdserve.engine.core.speculative import SpeculativeConfig, speculator_for
 from pdserve.engine.worker.compute import Compute
 
 
@@ -22,7 +22,7 @@ class DecodeActor(Actor):
                  max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False,
                  speculative: SpeculativeConfig | None = None) -> None:
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
-        self.speculator = Speculator(speculative) if speculative else None
+        self.speculator = speculator_for(speculative, config.itl_slo_ms)
         self.max_num_seqs = config.max_num_seqs
         self.kv_watermark = kv_watermark
         self.scheduler = DecodeScheduler(self.blocks, config.max_num_seqs, on_preempt=self._send_back,

@@ -178,18 +178,25 @@ class DecodeScheduler:
         return tuple(chosen)
 
     def draft(self, chosen: tuple[Sequence, ...], prefill_tokens: int = 0) -> None:
-        """Drafts for the chosen sequences with nothing else in flight, where the step's cost allows."""
-        threshold = self.speculator.threshold(len(chosen), prefill_tokens) if self.speculator else None
-        if threshold is None:
+        """Drafts for the chosen sequences with nothing else in flight, as many as the step's cost allows."""
+        if self.speculator is None:
             return
-        for seq in chosen:
-            if seq.num_in_flight == 1:
-                self._draft(seq, threshold)
+        seqs = [seq for seq in chosen if seq.num_in_flight == 1]
+        rooms = [self._room(seq) for seq in seqs]
+        lengths = self.speculator.plan(seqs, rooms, len(chosen), prefill_tokens)
+        if lengths is None:
+            return
+        for seq, room, allotted in zip(seqs, rooms, lengths):
+            if room > 0:
+                self._draft(seq, room, allotted)
 
-    def _draft(self, seq: Sequence, threshold: float) -> None:
-        """Give `seq` drafts to verify this step, as many as max_tokens, the context and free blocks allow."""
-        room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
-        drafts = self.speculator.drafts(seq, room, threshold) if room > 0 else ()
+    def _room(self, seq: Sequence) -> int:
+        """Drafts `seq` may take: as many as max_tokens and the context allow, past its next token."""
+        return min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+
+    def _draft(self, seq: Sequence, room: int, allotted: int) -> None:
+        """Give `seq` up to `allotted` drafts to verify this step, as many as `room` and free blocks allow."""
+        drafts = self.speculator.drafts(seq, room, allotted)
         if not drafts:
             return
         held = len(seq.block_table) * self.blocks.block_size

@@ -1,30 +1,50 @@
-"""Where drafts pay: per step, from the predicted cost of verifying them; per row, from its acceptance.
+"""Where drafts pay: per step, from the measured cost of verifying them and the ITL SLO; per row, from its
+acceptance.
 
-A step of D decode rows yields D tokens in T0 seconds (the step cost model's prediction without
-drafts). Verifying one more draft token adds c seconds to that step (the model's marginal cost of a
-verified token) and yields, for a row that accepts each draft with probability a, a^j expected
-tokens at draft position j. The j-th draft is worth verifying when it yields tokens at a better rate
-than the step does: a^j / c > D / T0, i.e. a^j > D * c / T0 (the step's threshold). So a row drafts
-the longest j with a^j above the threshold: long drafts where acceptance is high and steps are
-cheap, none once D * c / T0 reaches 1 (large or compute-bound steps).
+A step of D decode rows yields D tokens in T0 seconds (its predicted time without drafts). Verifying one
+more draft token adds c seconds (a lone row's first one more: `DecodeStepFit`) and yields, at draft
+position j of a row that accepts each draft with probability a, a^j expected tokens. Candidates are
+taken best first (largest a^j: the rows with the lowest acceptance lose their drafts first) while each
+one raises the step's expected tokens per second, i.e. while a^j > c * Y / T (Y tokens expected of the T seconds taken so far), and while the step's
+predicted time stays within its limit; they are kept if together they beat the step without drafts:
 
-A step that carries prefill chunks drafts nothing: it is already the long step whose wait sets the
-short streams' tail ITL, and the verifying rows would take the chunk path next to it.
+- the rate rule gives the streams the most tokens per second of step time; none draft once D * c >= T0;
+- the ITL rule bounds what a stream waits for its next token. A row that rejects its drafts, and every
+  row of the step that drafts nothing, gets one token after the whole step, so drafts may make a step
+  only as long as the ITL SLO allows (adaptive mode's planner holds prefill riding along in a decode step
+  to the same bound), and at most HEADROOM times its plain time: the ITL SLO is derived as HEADROOM times
+  a decode step, "the step, and as much again" for what rides along (engine.coordinator.slo), and that
+  share, applied to this step, keeps a verify step within what a stream would wait for a mixed step
+  even where the derived SLO (a full batch's) is far above this step. So the step may take
+  max(T0, min(ITL SLO, HEADROOM * T0)); one already past the SLO without drafts gets none.
 
-Before the cost model has measured anything, a step drafts when it has at most
-FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess); `disable_by_batch_size` stays a hard limit.
+T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
+draft tokens, so c is what verifying costs here, not a prefill token's price); until it has measured
+three steps, or while no recent step carried a draft, from the unit's step cost model; before either,
+a step drafts when it has at most FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess), no time bound.
+A step that carries prefill chunks drafts nothing: it is already the long step whose wait sets the short
+streams' tail ITL.
+`disable_by_batch_size` stays a hard limit.
 """
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
+
+from pdserve.engine.coordinator.slo import HEADROOM
 
 # NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
 # CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
-# costs about one plain step. Used only until the step cost model has measured steps.
+# costs about one plain step. Used only until a step cost is measured.
 FLAT_STEP_TOKENS = 32
 ACCEPTANCE_DECAY = 0.8       # weight of a row's older verifications in its acceptance estimate
+FIT_DECAY = 0.97             # DecodeStepFit: as the step cost model (engine.actors.step_cost)
+FIT_RIDGE = 1e-3
 
 
 class StepCost(Protocol):
@@ -52,6 +72,44 @@ class Acceptance:
         return (self.hits + prior) / (self.trials + 1.0)
 
 
+@dataclass(slots=True)
+class DecodeStepFit:
+    """Seconds of a decode-only step = fixed + per row x rows + per draft x draft tokens - a one-token step's
+    discount, one exponentially weighted least-squares fit per thread count, from the steps this unit ran.
+
+    The discount: a step of one token runs every projection as a matrix-vector product, the CPU kernels'
+    one-row path, which streams weights faster than their path for several rows (engine/kernels
+    native_linear), so a lone row's first draft costs more than the ones after it."""
+
+    _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+
+    def observe(self, threads: int | None, rows: int, drafts: int, seconds: float) -> None:
+        a, b, n = self._fits.get(threads, (np.zeros((4, 4)), np.zeros(4), 0))
+        x = np.array([1.0, rows, drafts, -float(rows + drafts == 1)])
+        self._fits[threads] = (FIT_DECAY * a + np.outer(x, x), FIT_DECAY * b + seconds * x, n + 1)
+
+    def coefficients(self, threads: int | None) -> np.ndarray | None:
+        """(fixed, per row, per draft token, one-token discount) seconds at `threads`, or None before three steps there or while
+        no recent step verified a draft (its weighted sum of squared draft counts under one: a cost measured
+        once, say in a step slowed by something else, must not keep the gate shut for good)."""
+        fit = self._fits.get(threads)
+        if fit is None or fit[2] < 3 or fit[0][2, 2] < 1.0:
+            return None
+        a, b, _ = fit
+        return np.maximum(np.linalg.solve(a + FIT_RIDGE * np.eye(4), b), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    """A step's predicted seconds without drafts, seconds per verified draft token, and the most seconds
+    the step may take with its drafts; `plain` None when nothing is measured yet (a roofline guess drafts)."""
+
+    plain: float | None = None
+    per_draft: float = 0.0
+    limit: float = math.inf
+    first: float = 0.0              # what a step's first draft costs beyond per_draft (a lone row's discount lost)
+
+
 def draft_length(rate: float, threshold: float, cap: int) -> int:
     """The longest j <= cap with rate ** j > threshold."""
     if threshold <= 0.0 or rate >= 1.0:
@@ -61,8 +119,36 @@ def draft_length(rate: float, threshold: float, cap: int) -> int:
     return min(cap, math.ceil(math.log(threshold) / math.log(rate)) - 1)
 
 
+def allot(rates: Sequence[float], caps: Sequence[int], rows: int, budget: StepBudget) -> list[int]:
+    """Draft lengths for the drafting rows (acceptance `rates`, at most `caps`) of a step of `rows` decode
+    rows: candidates best first while each raises the step's expected tokens per second and the step stays
+    within `budget.limit`, kept if they beat the step without drafts (the first draft also costs
+    `budget.first`); then every drafting row left without one gets a probe of one where time allows."""
+    lengths = [0] * len(rates)
+    if budget.plain is None:
+        return list(caps)
+    seconds, tokens, c = budget.plain + budget.first, float(rows), budget.per_draft
+    best = [(-rate, i, rate) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
+    heapq.heapify(best)
+    while best:
+        _, i, gain = best[0]
+        if seconds + c > budget.limit or gain * seconds <= c * tokens:
+            break                                      # too long, or it would lower the step's rate
+        seconds, tokens, lengths[i] = seconds + c, tokens + gain, lengths[i] + 1
+        if lengths[i] < caps[i]:
+            heapq.heapreplace(best, (-gain * rates[i], i, gain * rates[i]))
+        else:
+            heapq.heappop(best)
+    if tokens * budget.plain <= rows * seconds:        # no better than no drafts at all
+        lengths, seconds = [0] * len(rates), budget.plain + budget.first
+    for i, cap in enumerate(caps):                     # NOTE: a probe keeps a row's acceptance measured
+        if cap > 0 and not lengths[i] and seconds + c <= budget.limit:
+            seconds, lengths[i] = seconds + c, 1
+    return lengths
+
+
 class DraftGate:
-    """Each step's threshold on a draft token's acceptance probability, or None: no drafts this step."""
+    """Each step's budget for drafts (`budget`), or None: no drafts this step."""
 
     def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None) -> None:
         self.k = num_speculative_tokens
@@ -70,31 +156,57 @@ class DraftGate:
         self.cost: StepCost | None = None
         self.learns = False
         self.threads: int | None = None
+        self.fit = DecodeStepFit()
+        self.itl_slo: float | None = None      # seconds; the engine's ITL SLO once known (`serve`)
 
     def use(self, cost: StepCost, learns: bool) -> None:
-        """Predict from `cost`; `learns`: this gate feeds it the steps it observes (else its owner does)."""
+        """Predict from `cost` until this unit's own fit has measured its steps; `learns`: this gate feeds
+        it the steps it observes (else its owner does)."""
         self.cost, self.learns = cost, learns
 
-    def observe_step(self, decode_rows: int, tokens: int, seconds: float, threads: int) -> None:
+    def serve(self, itl_slo: float | None) -> None:
+        """Bound each step's added verification time by the ITL SLO (seconds; None: no bound)."""
+        self.itl_slo = itl_slo
+
+    def observe_step(self, decode_rows: int, tokens: int, seconds: float, threads: int, drafts: int | None = None
+                     ) -> None:
+        """A step of `decode_rows` rows and `tokens` more (prefill or draft tokens); `drafts`: its draft
+        tokens when it carried no prefill (it then feeds this unit's own fit of decode steps)."""
         self.threads = threads
         if self.cost is not None and self.learns:
             self.cost.observe(threads, decode_rows, tokens, seconds)
+        if drafts is not None and decode_rows:
+            self.fit.observe(threads, decode_rows, drafts, seconds)
 
-    def threshold(self, rows: int, prefill_tokens: int) -> float | None:
+    def budget(self, rows: int, prefill_tokens: int) -> StepBudget | None:
         if prefill_tokens > 0 or rows <= 0 or (self.max_rows is not None and rows > self.max_rows):
             return None
-        plain, marginal = self._predicted(rows)
+        plain, per_draft, first = self._predicted(rows)
         if plain is None:
-            return 0.0 if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
-        threshold = rows * marginal / plain
-        return threshold if threshold < 1.0 else None
+            return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
+        if rows * (per_draft + first) >= plain:
+            return None                                # no draft can raise the step's rate
+        slo = math.inf if self.itl_slo is None else self.itl_slo
+        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)), first)
 
-    def _predicted(self, rows: int) -> tuple[float | None, float]:
-        """(seconds of the step without drafts, seconds per verified draft token), or (None, 0) unmeasured."""
+    def threshold(self, rows: int, prefill_tokens: int) -> float | None:
+        """The acceptance probability a lone draft token of this step must beat (D * c / T0), or None."""
+        budget = self.budget(rows, prefill_tokens)
+        if budget is None:
+            return None
+        return 0.0 if budget.plain is None else rows * (budget.per_draft + budget.first) / budget.plain
+
+    def _predicted(self, rows: int) -> tuple[float | None, float, float]:
+        """(seconds of the step without drafts, seconds per verified draft token, the first draft's extra),
+        or (None, 0, 0) unmeasured."""
+        own = self.fit.coefficients(self.threads)
+        if own is not None:
+            first = float(own[3]) if rows == 1 else 0.0
+            return float(own[0] + own[1] * rows) - first, float(own[2]), first
         if self.cost is None:
-            return None, 0.0
+            return None, 0.0, 0.0
         plain = self.cost.predict(self.threads, rows, 0)
         full = self.cost.predict(self.threads, rows, self.k)
         if plain is None or full is None or plain <= 0.0:
-            return None, 0.0
-        return plain, max(full - plain, 0.0) / self.k
+            return None, 0.0, 0.0
+        return plain, max(full - plain, 0.0) / self.k, 0.0

@@ -17,7 +17,7 @@ import numpy as np
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.spec_policy import Acceptance, DraftGate, draft_length
+from pdserve.engine.core.spec_policy import Acceptance, DraftGate, allot
 from pdserve.engine.core.suffix_proposer import SEPARATOR, SuffixCache, SuffixParams, propose_suffix
 
 METHODS = ("ngram", "suffix")
@@ -146,6 +146,16 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
+def speculator_for(config: SpeculativeConfig | None, itl_slo_ms: float | None) -> "Speculator | None":
+    """A decode-side actor's speculator (None without `config`), bounded by the user's ITL SLO where set; a
+    derived SLO is known only at the engine's start, which hands it on with `Speculator.serve`."""
+    if config is None:
+        return None
+    speculator = Speculator(config)
+    speculator.serve(itl_slo_ms / 1e3 if itl_slo_ms else None)
+    return speculator
+
+
 class Speculator:
     """Drafts for the rows of a decode step, and per-row draft lengths from their recent acceptance."""
 
@@ -156,21 +166,34 @@ class Speculator:
         self.overall = Acceptance(decay=1.0)
         self.cache = SuffixCache(config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
 
-    def threshold(self, num_rows: int, prefill_tokens: int = 0) -> float | None:
-        """The acceptance probability a draft token of this step must beat, or None: this step drafts nothing."""
-        return self.gate.threshold(num_rows, prefill_tokens)
+    def plan(self, seqs: list[Sequence], rooms: list[int], num_rows: int, prefill_tokens: int = 0
+             ) -> list[int] | None:
+        """How many drafts each of `seqs` (with room for `rooms` more tokens) verifies in a step of `num_rows`
+        decode rows and `prefill_tokens` prefill tokens (engine.core.spec_policy), or None: none draft."""
+        budget = self.gate.budget(num_rows, prefill_tokens)
+        if budget is None:
+            return None
+        prior = self.overall.rate(0.5)
+        states = [self._state(seq) for seq in seqs]
+        caps = [0 if seq.params.constrained or state.pause > 0 else max(0, min(state.k, room))
+                for seq, state, room in zip(seqs, states, rooms)]
+        return allot([state.acceptance.rate(prior) for state in states], caps, num_rows, budget)
 
-    def drafts(self, seq: Sequence, room: int, threshold: float = 0.0) -> tuple[int, ...]:
-        """At most `room` draft tokens for `seq`'s next step (its output so far recorded, nothing in flight)."""
+    def serve(self, itl_slo: float | None) -> None:
+        """The engine's ITL SLO (seconds) bounds each step's added verification time (engine.core.spec_policy)."""
+        self.gate.serve(itl_slo)
+
+    def drafts(self, seq: Sequence, room: int, allotted: int | None = None) -> tuple[int, ...]:
+        """At most `room` and `allotted` (None: the row's own length) draft tokens for `seq`'s next step (its
+        output so far recorded, nothing in flight); a paused row counts one step of its pause instead."""
         if seq.params.constrained:     # NOTE: verification applies no grammar mask or logit_bias yet
             return ()
         state = self._state(seq)
         if state.pause > 0:
             state.pause -= 1
             return ()
-        cap = min(state.k, room)
-        k = max(min(1, cap), draft_length(state.acceptance.rate(self.overall.rate(0.5)), threshold, cap))
-        if k <= 0:                     # NOTE: at least one draft probes a row; misses pause it (back-off)
+        k = min(state.k, room, state.k if allotted is None else allotted)
+        if k <= 0:
             return ()
         tokens = state.sync(seq)
         c = self.config
@@ -209,10 +232,11 @@ class Speculator:
             state.pause, state.backoff = state.backoff, min(2 * state.backoff, MAX_BACKOFF_STEPS)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        """A finished step, for the step cost model: its rows, and its prefill and draft tokens (as the
-        adaptive actor counts them)."""
+        """A finished step, for the step cost model (its rows, and its prefill and draft tokens, as the adaptive
+        actor counts them) and, without prefill chunks, for this unit's own fit of decode steps."""
         rows = len(batch.decode) + len(batch.verify)
-        self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads)
+        drafts = None if batch.chunks else sum(len(d) for d in batch.verify_drafts)
+        self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads, drafts)
 
     def retire(self, seq: Sequence) -> None:
         """`seq` left the decode side: its output joins the suffix cache."""

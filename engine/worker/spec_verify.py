@@ -1,13 +1,14 @@
 """Verifying drafts from the logits of every draft position: which drafts are kept, and one more token.
 
 Greedy rows keep the longest prefix of drafts equal to the argmax, then take the argmax after it,
-so they emit exactly what plain decoding would. Random rows use rejection sampling with a
-deterministic draft (q one-hot at the draft d): d is kept with probability p(d); at the first
-rejection the token is drawn from p with d removed, renormalised; after K kept drafts a bonus
-token is drawn from p. Every emitted token is then distributed as plain sampling's. Position j of
-a row is processed as the row's output number (recorded outputs + j), with drafts 0 .. j-1 in its
-penalty history and its min_tokens mask, and seeded rows draw from (seed, output number) streams:
-acceptance from the sampler's stream, the replacement token from a second one.
+so they emit exactly what plain decoding would. Random rows draw each position's token as plain
+sampling draws it (the sampler's `choose`, a seeded row from its (seed, output number) stream) and keep
+the drafts while they equal those draws, then the draw after them. With a deterministic draft d this is
+rejection sampling: d is kept with probability p(d), and at the first rejection the token is distributed
+as p with d removed, renormalised; so every emitted token is distributed as plain sampling's, and a seeded
+row emits exactly the tokens it would without speculation, whatever drafts it was given. Position j of a
+row is processed as the row's output number (recorded outputs + j), with drafts 0 .. j-1 in its penalty
+history and its min_tokens mask.
 
 Everything runs on the logits' device without reading anything back (`verify_on_device`); the kept
 counts, the tokens and the logprobs come back with the step's one read-back (`read_verified`).
@@ -22,13 +23,9 @@ import torch
 
 from pdserve.engine.core.messages import TokenLogprob
 from pdserve.engine.transfer.host_copy import ReadBack, upload
-from pdserve.engine.worker.sampling.categorical import sample_categorical
 from pdserve.engine.worker.sampling.sampler import Sampler
 from pdserve.engine.worker.sampling.sampling_table import SamplingBatch, SamplingTable
-from pdserve.engine.worker.sampling.seeded_noise import seeded_uniforms
 from pdserve.engine.worker.step import VerifyInput
-
-RESAMPLE_SALT = 0x5BD1E995      # a seeded row's replacement draws: a stream apart from its acceptance draws
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +62,7 @@ def verify_on_device(sampler: Sampler, table: SamplingTable, logits: torch.Tenso
     if batch.plain_greedy:
         return _kept_and_emitted(logits.argmax(dim=-1), drafts, rows, lengths)
     x = sampler.processed(logits, _with_draft_history(batch, rows, lengths, device))
-    greedy_choice = x.argmax(dim=-1)                                        # [N]
-    if batch.all_greedy:
-        return _kept_and_emitted(greedy_choice, drafts, rows, lengths)
-    probs = sampler.probabilities(x, batch)                                 # [N, V]
-    p_draft = probs.gather(1, drafts.clamp_min(0).unsqueeze(1)).squeeze(1)
-    accept = torch.where(batch.greedy, greedy_choice == drafts, _uniforms(batch, 0) < p_draft) & (drafts >= 0)
-    kept = _kept(accept, lengths)
-    last = upload(_starts(lengths), device) + kept                          # [R] entries
-    sampled = _draw_final(probs[last], drafts[last], _select(batch, last))
-    final = torch.where(batch.greedy[last], greedy_choice[last], sampled)
-    return Verified(kept, _emitted(rows, lengths, kept, final))
+    return _kept_and_emitted(sampler.choose(x, batch), drafts, rows, lengths)
 
 
 def with_logprobs(verified: Verified, logits: torch.Tensor, table: SamplingTable,
@@ -144,7 +131,7 @@ def _kept(accept: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
 
 def _kept_and_emitted(choice: torch.Tensor, drafts: torch.Tensor, rows: Sequence[VerifyInput],
                       lengths: np.ndarray) -> Verified:
-    """Greedy rows: drafts kept while they equal the argmax, then the argmax after them."""
+    """Drafts kept while they equal each position's chosen token (argmax or draw), then the token after them."""
     kept = _kept(choice == drafts, lengths)
     final = choice[upload(_starts(lengths), choice.device) + kept]
     return Verified(kept, _emitted(rows, lengths, kept, final))
@@ -183,26 +170,3 @@ def _with_draft_history(batch: SamplingBatch, rows: Sequence[VerifyInput], lengt
         batch.output_counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=device),
                                        accumulate=True)
     return batch
-
-
-def _uniforms(batch: SamplingBatch, salt: int) -> torch.Tensor:
-    """[N] float64 uniforms on the logits' device: seeded entries from (seed ^ salt, output number)."""
-    device = batch.temperature.device
-    uniforms = torch.rand(batch.num_rows, dtype=torch.float64, device=device)
-    if batch.seeded_rows is not None:
-        uniforms[batch.seeded_rows] = seeded_uniforms(batch.seeds ^ salt, batch.positions).to(device)
-    return uniforms
-
-
-def _select(batch: SamplingBatch, entries: torch.Tensor) -> torch.Tensor:
-    """Uniforms for the replacement draws at `entries` (a second stream for seeded rows)."""
-    return _uniforms(batch, RESAMPLE_SALT)[entries]
-
-
-def _draw_final(probs: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [R, V] at each row's first unkept position, the draft there (-1 after the last) -> [R] tokens."""
-    column = drafts.clamp_min(0).unsqueeze(1)                            # [R, 1]
-    rejected = (drafts >= 0).unsqueeze(1)
-    residual = probs.scatter(1, column, torch.where(rejected, 0.0, probs.gather(1, column)))  # p without the draft
-    empty = residual.sum(dim=-1, keepdim=True) <= 0                     # NOTE: p(d) = 1 is never rejected
-    return sample_categorical(torch.where(empty, probs, residual), uniforms)

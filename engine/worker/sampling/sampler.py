@@ -54,7 +54,7 @@ class Sampler:
         processed = self.processed(logits, batch)
         if constraints is not None:
             constraints.apply(processed)
-        tokens = self._choose(processed, batch)  # [B]
+        tokens = self.choose(processed, batch)  # [B]
         return _with_logprobs(logits, tokens, batch)
 
     def __call__(self, logits: torch.Tensor,
@@ -73,7 +73,9 @@ class Sampler:
         tokens, logprobs = unpack(readback, slots, batch)
         return list(zip(tokens, logprobs or (None,) * len(tokens)))
 
-    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row of processed `logits` [B, V]: greedy rows' argmax, random rows' draw (seeded rows
+        from their (seed, output number) stream)."""
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         probs = self.probabilities(logits, batch)  # [B, V]
