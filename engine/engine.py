@@ -147,9 +147,15 @@ class Engine:
             logger.info("%s", self._slos.describe())
             self.coordinator.planner = self._planner()
         for actor in self.coordinator.serving:          # a retired unit's stand-in never starts
-            actor.start()
+            self._start_actor(actor)
         self.supervisor.start()
         self._running = True
+
+    def _start_actor(self, actor: Actor) -> None:
+        """Start `actor`, its speculator bounded by the engine's ITL SLO (a derived one exists only now)."""
+        if actor.speculator is not None:
+            actor.speculator.serve(self._slos and self._slos.itl)
+        actor.start()
 
     async def _measure(self) -> MeasuredUnits | None:
         return await measure_units(self.config, self.plan, self.units, self.model_config.vocab_size)
@@ -219,7 +225,7 @@ class Engine:
             if actor.unit_name in old.retired:
                 self.coordinator.retire(actor, actor, old.down[actor.unit_name])
         for actor in self.coordinator.serving:
-            actor.start()
+            self._start_actor(actor)
         self._running = True
 
     # one unit's failure (engine.supervisor decides when): only its requests end
@@ -248,7 +254,7 @@ class Engine:
         fresh = wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
         fresh.on_failure = self.supervisor.actor_failed
         self.coordinator.unit_up(actor, fresh)
-        fresh.start()
+        self._start_actor(fresh)
 
     async def retire_unit(self, actor: Actor, why: str, stuck: bool) -> None:
         """`actor`'s unit serves no more, until the server restarts (its requests have ended): a fresh actor

@@ -12,7 +12,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.core.speculative import SpeculativeConfig, Speculator
 from pdserve.engine.core.suffix_proposer import SEPARATOR, SuffixCache, SuffixParams, propose_suffix
-from tests.test_spec_decode import GREEDY, echo_prompts, generate, speculator
+from tests.test_spec_decode import GREEDY, drafts_unpriced, echo_prompts, generate, speculator  # noqa: F401
 
 
 # a brute-force reference: every count by scanning the texts
