@@ -15,7 +15,8 @@ predicted time stays within its limit; they are kept if together they beat the s
   to the same bound), and at most HEADROOM times its plain time: the ITL SLO is derived as HEADROOM times
   a decode step, "the step, and as much again" for what rides along (engine.coordinator.slo), and that
   share, applied to this step, keeps a verify step within what a stream would wait for a mixed step
-  even where the derived SLO (a full batch's) is far above this step. So the step may take
+  even where the SLO is far above this step (a one-row step, say, under an SLO derived at the knee
+  batch's step). So the step may take
   max(T0, min(ITL SLO, HEADROOM * T0)); one already past the SLO without drafts gets none.
 
 T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
