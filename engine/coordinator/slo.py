@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.actors.step_cost import StepCostModel
-from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.config import SLO_HEADROOM, SchedulerConfig
 
-HEADROOM = 2.0               # the derived SLOs: the measured step, and as much again (see above)
+HEADROOM = SLO_HEADROOM      # the derived SLOs: the measured step, and as much again (see above)
 KNEE = 2.0                   # the knee batch: where a decode step has grown to twice the one-row step
 
 

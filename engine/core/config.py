@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SLO_HEADROOM = 2.0           # a derived SLO: the measured step, and as much again for what rides along it
+#                              (engine.coordinator.slo); a verify step's limit uses the same share (core.spec_policy)
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:

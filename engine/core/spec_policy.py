@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.engine.coordinator.slo import HEADROOM
+from pdserve.engine.core.config import SLO_HEADROOM as HEADROOM
 
 # NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
 # CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
