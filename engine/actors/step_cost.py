@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.engine.core.weighted_fit import WeightedFit
+
 CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens: the ridge term then weighs the four alike
 FEATURES = 4
 
@@ -22,31 +24,27 @@ class StepCostModel:
 
     decay: float = 0.97
     ridge: float = 1e-3
-    _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    _fits: dict[int | None, WeightedFit] = field(default_factory=dict)
     _prefill_steps: dict[int | None, int] = field(default_factory=dict)    # observed steps that carried prefill
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
                 context: int = 0) -> None:
-        a, b, n = self._fits.get(threads, (np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES), 0))
-        x = _features(decode_rows, prefill_tokens, context)
-        self._fits[threads] = (self.decay * a + np.outer(x, x), self.decay * b + seconds * x, n + 1)
+        fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
+        fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
         if prefill_tokens:
             self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
 
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""
         fit = self._fits.get(threads)
-        return fit is not None and fit[2] >= 3
+        return fit is not None and fit.observations >= 3
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
         (unmeasured there: the most threads measured), or None before three observations."""
         fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
                                                                       reverse=True)), None)
-        if fit is None or fit[2] < 3:
-            return None
-        a, b, _ = fit
-        return np.maximum(np.linalg.solve(a + self.ridge * np.eye(FEATURES), b), 0.0)
+        return None if fit is None or fit.observations < 3 else fit.coefficients()
 
     def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0) -> float | None:
         c = self.coefficients(threads)

@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from pdserve.engine.core.config import SLO_HEADROOM as HEADROOM
+from pdserve.engine.core.weighted_fit import WeightedFit
 
 # NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
 # CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
@@ -82,22 +83,20 @@ class DecodeStepFit:
     one-row path, which streams weights faster than their path for several rows (engine/kernels
     native_linear), so a lone row's first draft costs more than the ones after it."""
 
-    _fits: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    _fits: dict[int | None, WeightedFit] = field(default_factory=dict)
 
     def observe(self, threads: int | None, rows: int, drafts: int, seconds: float) -> None:
-        a, b, n = self._fits.get(threads, (np.zeros((4, 4)), np.zeros(4), 0))
-        x = np.array([1.0, rows, drafts, -float(rows + drafts == 1)])
-        self._fits[threads] = (FIT_DECAY * a + np.outer(x, x), FIT_DECAY * b + seconds * x, n + 1)
+        fit = self._fits.setdefault(threads, WeightedFit(4, FIT_DECAY, FIT_RIDGE))
+        fit.observe(np.array([1.0, rows, drafts, -float(rows + drafts == 1)]), seconds)
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per row, per draft token, one-token discount) seconds at `threads`, or None before three steps there or while
         no recent step verified a draft (its weighted sum of squared draft counts under one: a cost measured
         once, say in a step slowed by something else, must not keep the gate shut for good)."""
         fit = self._fits.get(threads)
-        if fit is None or fit[2] < 3 or fit[0][2, 2] < 1.0:
+        if fit is None or fit.observations < 3 or fit.weight(2) < 1.0:
             return None
-        a, b, _ = fit
-        return np.maximum(np.linalg.solve(a + FIT_RIDGE * np.eye(4), b), 0.0)
+        return fit.coefficients()
 
 
 @dataclass(frozen=True, slots=True)
