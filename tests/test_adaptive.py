@@ -9,7 +9,8 @@ import random
 import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
-from pdserve.engine.coordinator.planner import Planner, Waiting
+from pdserve.engine.coordinator.coordinator import Route
+from pdserve.engine.coordinator.planner import Planner, Stream, Waiting
 from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
@@ -190,6 +191,27 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
         misses[now] = planner.step_budget(state, decode.cost).chosen.ttft_misses
     assert misses == {100.2: 0, 103.5: 1}                 # past its TTFT SLO only by the later clock
     decode.local.remove(decode.local.find("queued"))
+    engine.close()
+
+
+def test_the_planner_reads_each_streams_decoding_so_far_off_the_coordinators_clock():
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
+    prefill, decode = engine.actors
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    seq = Sequence(Request("decoding", prompts([40])[0], params), output_token_ids=[7, 7])
+    engine.coordinator.table["decoding"] = Route(decode=decode.index)
+    decode.scheduler.add(seq)
+    streams = {}
+    for now, tokens in ((10.0, 0), (10.3, 3)):          # first seen at 10.0; three tokens in 0.3 s since
+        seq.output_token_ids += [7] * tokens
+        engine.coordinator.clock = lambda: now
+        streams[now] = engine.coordinator.load(decode).streams
+    assert streams == {10.0: (Stream(0, 0.0, 48),), 10.3: (Stream(3, pytest.approx(0.3), 45),)}
+    seq.done = True                                      # finished; its row still in the step in flight
+    assert engine.coordinator.load(decode).streams[0].remaining == 0
+    seq.done = False
+    decode.scheduler.remove(seq)
+    engine.coordinator.finished("decoding")
     engine.close()
 
 

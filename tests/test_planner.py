@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
-from pdserve.engine.coordinator.planner import LoadState, Planner, Waiting
+from pdserve.engine.coordinator.planner import LoadState, Planner, Stream, Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.config import SchedulerConfig
@@ -48,6 +48,25 @@ def test_a_long_prompt_goes_remote_when_local_chunks_would_miss_the_slos():
     assert local[1000].itl_misses == 10 and local[1000].ttft_misses == 0      # one 530 ms step stalls every row
     assert decision.chosen.misses == 0 and decision.chosen.first_token == pytest.approx(0.51, rel=0.05)
     assert "remote" in decision.reason and "local chunks of 40" in decision.reason
+
+
+def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spent_ones_do_not():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0009)          # e.g. one core, where the decode unit steps on two
+    fresh = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 10)
+    decision = planner.place(1000, 1000, fresh, decode_cost(), prefill)
+    whole = next(p for p in decision.candidates if p.chunk == 1000)
+    assert whole.misses == 0             # one 530 ms step over 64 tokens of 30 ms: a 38 ms mean, within 50 ms
+    assert decision.local and decision.chosen.chunk == 1000       # more tok/s than 0.91 s on the prefill unit
+    spent = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(100, 6.5, 64),) * 10)   # 65 ms so far
+    behind = planner.place(1000, 1000, spent, decode_cost(), prefill)
+    assert next(p for p in behind.candidates if p.chunk == 1000).itl_misses == 10
+    assert not behind.local and behind.chosen.misses == 0
+    ending = LoadState(10, (), 0, streams=(Stream(100, 6.5, 0),) * 10)       # each ends with the step in flight
+    assert planner.place(1000, 1000, ending, decode_cost(), prefill).chosen.chunk == 1000
+    mixed = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 9 + (Stream(100, 6.5, 64),))
+    assert next(p for p in planner.place(1000, 1000, mixed, decode_cost(), prefill).candidates
+                if p.chunk == 1000).itl_misses == 1
 
 
 def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():

@@ -23,7 +23,7 @@ from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.coordinator.faults import UnitFaults
-from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Waiting
+from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Stream, Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Route:
 
     prefill: int | None = None
     decode: int | None = None
+    decoding: tuple[float, int] | None = None   # when the planner first saw it decode, and its tokens then
 
 
 class Coordinator(UnitFaults):
@@ -156,7 +157,7 @@ class Coordinator(UnitFaults):
             return
         seq = Sequence(message.request, list(message.output_token_ids))
         index = self._first_token_unit(self.prefill, seq)
-        route.prefill, route.decode = index, None
+        route.prefill, route.decode, route.decoding = index, None, None
         if index is None:                       # no prefill unit up: it waits for one to come back
             self._parked.append(message)
             return
@@ -238,7 +239,20 @@ class Coordinator(UnitFaults):
                          share and (share.prefill_own if rows or queue else prefill_alone), prefill.busy,
                          decode_context=context,
                          decode_remaining=max((s.params.max_tokens - len(s.output_token_ids) for s in running),
-                                              default=0))
+                                              default=0),
+                         streams=tuple(self._stream(s, now) for s in running))
+
+    def _stream(self, seq: Sequence, now: float) -> Stream:
+        """What decoding `seq` has taken since the planner first saw it decode (fresh when it is not routed;
+        ending when it finished, though its row is still in the step in flight)."""
+        route, tokens = self.table.get(seq.request_id), len(seq.output_token_ids)
+        remaining = 0 if seq.done else max(0, seq.params.max_tokens - tokens)
+        if route is None:
+            return Stream(remaining=remaining)
+        if route.decoding is None:
+            route.decoding = (now, tokens)
+        since, first = route.decoding
+        return Stream(tokens - first, now - since, remaining)
 
     def partner_busy(self, actor: Actor) -> bool:
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""

@@ -14,10 +14,12 @@ The actions, for the prompts a decode unit may prefill itself:
   decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
 - lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
 
-A stream misses the ITL SLO when a step it decodes in is predicted past it and past the decode-only step
-of its batch (a batch whose decode-only step is already past the SLO misses it whatever the action: only
-what prefill adds to it counts, so the planner keeps such steps as short as decoding alone); a prompt misses the TTFT
-SLO when its first token is predicted past it, counted from its arrival. Tokens per second are the
+A stream misses the ITL SLO when its mean time between tokens, counted to its `max_tokens`, is predicted past
+it: the time it has decoded so far, the action's steps while it decodes in them, and decode-only steps for the
+rest (DistServe's TPOT, the mean goodput counts). A stream with slack absorbs a long step; one already past
+the SLO on decode-only steps misses it whatever the action, so only what prefill adds counts against it (the
+planner keeps its steps as short as decoding alone). A prompt misses the TTFT SLO when its first token is
+predicted past it, counted from its arrival. Tokens per second are the
 tokens decoded and the prompt tokens served (cached ones too) until the action's last first token. Nothing here reads a clock: the
 coordinator hands in how long each prompt has waited.
 """
@@ -45,6 +47,16 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class Stream:
+    """A sequence decoding: what its mean time between tokens has used and what it still takes."""
+
+    gaps: int = 0                    # tokens it decoded since it was first seen decoding
+    spent: float = 0.0               # seconds those took
+    remaining: int | None = None     # the most tokens it may still take (None: unknown, counted as one;
+                                     # 0: it ends with the step in flight, and nothing it waits for is missed)
+
+
+@dataclass(frozen=True, slots=True)
 class LoadState:
     """What a decision reads off a decode unit and the prefill unit it would hand a prompt to."""
 
@@ -57,6 +69,7 @@ class LoadState:
     prefill_busy: bool = False
     decode_context: int = 0                  # KV tokens the decoding rows read per step
     decode_remaining: int = 0                # the most tokens a decoding row may still take (0: unknown)
+    streams: tuple[Stream, ...] = ()         # the decoding rows (fewer than `decode_rows`: the rest fresh)
 
     @property
     def local_threads(self) -> int | None:
@@ -183,7 +196,7 @@ class Planner:
             at = delay + (steps * step if steps <= full else full * step + last_step)
             ttft_misses += waiting.waited + at > self.slos.ttft
         horizon = delay + full * step + last_step
-        itl_misses = rows if rows and max(step, last_step) > self._itl_limit(state, decode) else 0
+        itl_misses = self._itl_misses(state, decode, ((full, step), (int(bool(last)), last_step)))
         tokens = rows * (full + bool(last)) + sum(w.served for w in queue)
         return Prediction("local", chunk, ttft_misses, itl_misses, tokens / horizon if horizon else 0.0,
                           horizon, step)
@@ -196,10 +209,8 @@ class Planner:
         drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
         whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
         later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
-        itl_misses = rows if alone > self._itl_limit(state, decode) else 0
         tokens = rows * state.decode_remaining + sum(w.served for w in queue)
-        return Prediction("wait", 0, later.ttft_misses, itl_misses, tokens / later.first_token, later.first_token,
-                          alone)
+        return Prediction("wait", 0, later.ttft_misses, 0, tokens / later.first_token, later.first_token, alone)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
                 prefill: StepCostModel | None) -> Prediction | None:
@@ -222,15 +233,31 @@ class Planner:
             served = sum(w.served for w in state.local_queue)
             rate += served / meanwhile.first_token if meanwhile.first_token else 0.0
         rate += rows / step if step else 0.0
-        itl_misses = rows if rows and step > self._itl_limit(state, decode) else 0
+        itl_misses = self._itl_misses(state, decode, ((math.ceil(first_token / step), step),) if step else ())
         return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
 
-    def _itl_limit(self, state: LoadState, decode: StepCostModel) -> float:
-        """The step a stream of `state` misses the ITL SLO past: the SLO, or the decode-only step of its
-        batch on the cores the unit steps with now where that is longer (no action avoids it)."""
-        alone = decode.predict(state.local_threads, state.decode_rows, 0, state.decode_context) if \
-            state.decode_rows else None
-        return max(self.slos.itl, alone or 0.0)
+    def _itl_misses(self, state: LoadState, decode: StepCostModel, steps: Sequence[tuple[int, float]]) -> int:
+        """The decoding streams whose mean time between tokens the action's `steps` ((how many, seconds each),
+        in order) put past the ITL SLO, where decode-only steps would not have (see the module docstring)."""
+        if not state.decode_rows:
+            return 0
+        alone = decode.predict(state.local_threads, state.decode_rows, 0, state.decode_context)
+        fresh = Stream(remaining=state.decode_remaining or None)
+        streams = (*state.streams[:state.decode_rows], *[fresh] * (state.decode_rows - len(state.streams)))
+        return sum(self._misses_itl(stream, alone, steps) for stream in streams)
+
+    def _misses_itl(self, stream: Stream, alone: float, steps: Sequence[tuple[int, float]]) -> bool:
+        if stream.remaining == 0:
+            return False
+        remaining = stream.remaining or 1
+        left, added = remaining, 0.0
+        for count, seconds in steps:
+            taken = min(count, left)
+            added += taken * max(0.0, seconds - alone)
+            left -= taken
+        tokens = stream.gaps + remaining
+        decode_only = stream.spent + remaining * alone
+        return added > 0 and (decode_only + added) / tokens > max(self.slos.itl, decode_only / tokens)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
         """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
