@@ -143,8 +143,11 @@ class Engine:
 
     async def start(self) -> None:
         if self._slos is None:
-            self._slos = derive_slos(self.config.scheduler, self.plan.max_model_len, await self._measure())
+            measured = await self._measure()
+            self._slos = derive_slos(self.config.scheduler, self.plan.max_model_len, measured)
             logger.info("%s", self._slos.describe())
+            if measured is not None:
+                self.coordinator.learn_costs(measured)
             self.coordinator.planner = self._planner()
         for actor in self.coordinator.serving:          # a retired unit's stand-in never starts
             self._start_actor(actor)
@@ -441,8 +444,8 @@ def _unit_loader(config: EngineConfig):
 
 async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> MeasuredUnits | None:
     """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
-    when an SLO is to be derived; None when both are set. The profile's cost models are its own: the
-    units' cost models (routing, the planner) learn from serving steps alone, as they did before.
+    when an SLO is to be derived; None when both are set, on their own threads. The units' cost models
+    (routing, the planner) start from it (`Coordinator.learn_costs`) and learn from serving steps on.
     (The simulator, pdserve.engine.sim, profiles its simulated units with it too.)"""
     sched = config.scheduler
     if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:

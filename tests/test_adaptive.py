@@ -194,6 +194,24 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
     engine.close()
 
 
+def test_the_units_cost_models_start_from_the_start_up_profile():
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=64))
+    prefill, decode = engine.actors
+    decode_threads, prefill_threads = (decode.share.decode_own, decode.share.prefill_own) if decode.share else \
+        (None, None)
+    assert not decode.cost.measured(decode_threads) and not prefill.cost.measured(prefill_threads)
+
+    async def started():
+        return None
+
+    asyncio.run(run_engine(engine, started()))                  # nothing served: only the profile's steps
+    assert decode.cost.measured(decode_threads) and decode.cost.predict(decode_threads, 8, 0) > \
+        decode.cost.predict(decode_threads, 1, 0)
+    assert prefill.cost.seconds_per_prefill_token(prefill_threads) > 0
+    assert prefill.cost.predict(prefill_threads, 0, 64) > prefill.cost.predict(prefill_threads, 0, 1)
+    engine.close()
+
+
 def test_the_planner_reads_each_streams_decoding_so_far_off_the_coordinators_clock():
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
     prefill, decode = engine.actors

@@ -8,6 +8,7 @@ sharing is measured, not assumed. The adaptive actors feed it; the coordinator's
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,13 @@ class StepCostModel:
         fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
         if prefill_tokens:
             self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
+
+    def learn_from(self, profile: "StepCostModel") -> None:
+        """Start from what `profile` observed (the start-up profile's shapes separate the coefficients, which a
+        few serving steps alone do not); the steps observed after it weigh more as its observations decay."""
+        for threads, fit in profile._fits.items():
+            self._fits[threads] = copy.deepcopy(fit)
+        self._prefill_steps.update(profile._prefill_steps)
 
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""

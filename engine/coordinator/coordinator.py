@@ -25,6 +25,7 @@ from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.coordinator.faults import UnitFaults
 from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Stream, Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
+from pdserve.engine.coordinator.slo import MeasuredUnits
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,13 @@ class Coordinator(UnitFaults):
 
     def _lent(self, cost: StepCostModel, own: int, total: int, rows: int, tokens: int, context: int, partner_slo: float) -> int:
         return total if self.planner.lend(cost, own, total, rows, tokens, context, partner_slo) else own
+
+    def learn_costs(self, measured: MeasuredUnits) -> None:
+        """Each adaptive unit's cost model starts from the start-up profile of its role's first unit."""
+        for actors, profile in ((self.decode, measured.decode), (self.prefill, measured.prefill)):
+            for actor in actors:
+                if isinstance(actor, (AdaptiveDecodeActor, LendingPrefillActor)):
+                    actor.cost.learn_from(profile)
 
     def _log(self, what: str, decision: Decision) -> None:
         """Log a decision at debug level when its kind of action changes."""

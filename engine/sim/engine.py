@@ -143,8 +143,10 @@ class SimEngine:
         """As Engine.start: the SLOs not set are derived from a profile of the (simulated) units, then the
         adaptive mode's planner decides with them."""
         sched = self.config.scheduler
-        self.slos = derive_slos(sched, self.plan.max_model_len,
-                                await measure_units(self.config, self.plan, self.units, self.vocab_size))
+        measured = await measure_units(self.config, self.plan, self.units, self.vocab_size)
+        self.slos = derive_slos(sched, self.plan.max_model_len, measured)
+        if measured is not None:
+            self.coordinator.learn_costs(measured)
         if self.mode == "adaptive":
             self.coordinator.planner = Planner(self.slos, sched.max_prefill_tokens)
         for actor in self.coordinator.actors:
