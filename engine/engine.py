@@ -444,8 +444,10 @@ def _unit_loader(config: EngineConfig):
 
 async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> MeasuredUnits | None:
     """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
-    when an SLO is to be derived; None when both are set, on their own threads. The units' cost models
-    (routing, the planner) start from it (`Coordinator.learn_costs`) and learn from serving steps on.
+    when an SLO is to be derived; None when both are set: each on its own threads and, where cores are lent,
+    on both units' threads too (the decode unit then prefills as well, as it does when it borrows cores).
+    The units' cost models (routing, the planner) start from it (`Coordinator.learn_costs`) and learn from
+    serving steps on.
     (The simulator, pdserve.engine.sim, profiles its simulated units with it too.)"""
     sched = config.scheduler
     if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:
@@ -456,7 +458,11 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
                          share and (share.decode_own,) or (None,))
     prefill = decode if colocated else UnitProfile(units.prefill, StepCostModel(), False, True,
                                                    share and (share.prefill_own,) or (None,))
-    for profile in (decode,) if colocated else (decode, prefill):
+    profiles = [decode] if colocated else [decode, prefill]
+    if share is not None:            # lent cores: each unit as it steps on both units' threads
+        profiles += [dataclasses.replace(decode, prefills=True, thread_counts=(share.total,)),
+                     dataclasses.replace(prefill, thread_counts=(share.total,))]
+    for profile in profiles:
         await profile_unit(profile, sched, plan.max_model_len, vocab_size)
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
 
