@@ -69,6 +69,18 @@ def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spen
                 if p.chunk == 1000).itl_misses == 1
 
 
+def test_a_prompt_goes_where_all_the_queued_prefill_ends_soonest_when_neither_choice_misses():
+    planner = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)      # no first token misses here
+    prefill = linear_cost(0.01, 0.0, 0.0005)                  # as fast a token as the decode unit
+    queued = LoadState(0, (Waiting(128),) * 10, remote_backlog_tokens=8000)     # 0.7 s here, 4 s there
+    decision = planner.place(128, 128, queued, decode_cost(), prefill)
+    assert decision.local and decision.chosen.misses == 0
+    remote = next(p for p in decision.candidates if p.action == "remote")
+    assert remote.misses == 0 and remote.first_token == pytest.approx(4.1, rel=0.05)
+    idle = planner.place(128, 128, LoadState(0, (Waiting(128),) * 10), decode_cost(), prefill)
+    assert not idle.local                                     # an idle prefill unit: the work is shared
+
+
 def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():
     planner = Planner(SLOS, max_prefill_tokens=2048)
     slow_prefill = linear_cost(0.01, 0.0, 0.002)       # e.g. the prefill unit on one core, decode on two

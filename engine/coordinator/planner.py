@@ -2,7 +2,9 @@
 
 For each candidate action the step cost models (`pdserve.engine.actors.step_cost`) predict the TTFT of
 the prompts waiting and the ITL of the streams decoding; the planner takes the action with the fewest
-predicted SLO misses and, among equals, the most tokens per second (DistServe's goodput, then throughput).
+predicted SLO misses and, among equals, the most tokens per second (DistServe's goodput, then throughput):
+the same work (every prompt queued on either unit, and the streams decoding) over the time until all of
+its prefill is done, so a remote prefill behind a long backlog is worth what it is.
 
 The actions, for the prompts a decode unit may prefill itself:
 
@@ -19,9 +21,9 @@ it: the time it has decoded so far, the action's steps while it decodes in them,
 rest (DistServe's TPOT, the mean goodput counts). A stream with slack absorbs a long step; one already past
 the SLO on decode-only steps misses it whatever the action, so only what prefill adds counts against it (the
 planner keeps its steps as short as decoding alone). A prompt misses the TTFT SLO when its first token is
-predicted past it, counted from its arrival. Tokens per second are the
-tokens decoded and the prompt tokens served (cached ones too) until the action's last first token. Nothing here reads a clock: the
-coordinator hands in how long each prompt has waited.
+predicted past it, counted from its arrival. Tokens per second are the tokens decoded and the prompt tokens
+served (cached ones too, and the prefill unit's backlog) until the last of that prefill is done, on either
+unit. Nothing here reads a clock: the coordinator hands in how long each prompt has waited.
 """
 from __future__ import annotations
 
@@ -143,7 +145,8 @@ class Planner:
             return Decision(Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0))
         length = length or max(local_tokens, remote_tokens)
         queue = (*state.local_queue, Waiting(local_tokens, 0.0, length))
-        candidates = self._local_candidates(queue, state, decode, state.local_threads)
+        backlog = self._backlog(state, prefill)
+        candidates = self._local_candidates(queue, state, decode, state.local_threads, backlog)
         remote = self._remote(remote_tokens, length, state, decode, prefill)
         if remote is not None:
             candidates.append(remote)
@@ -162,13 +165,13 @@ class Planner:
 
     # predictions
     def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
-                          threads: int | None) -> list[Prediction]:
+                          threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> list[Prediction]:
         total = max(1, sum(w.tokens for w in queue))
         whole = min(total, self.max_prefill_tokens)
         chunks = [min(c, total) for c in (self._fitting_chunk(state, decode, threads), whole) if c > 0]
-        candidates = [self._local(queue, c, state, decode, threads) for c in dict.fromkeys(chunks)]
+        candidates = [self._local(queue, c, state, decode, threads, backlog=backlog) for c in dict.fromkeys(chunks)]
         if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
-            candidates.append(self._wait(queue, state, decode, threads))
+            candidates.append(self._wait(queue, state, decode, threads, backlog))
         return candidates
 
     def _fitting_chunk(self, state: LoadState, decode: StepCostModel, threads: int | None) -> int:
@@ -182,8 +185,9 @@ class Planner:
         return max(0, min(self.max_prefill_tokens, int((self.slos.itl - alone) / per_token)))
 
     def _local(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
-               threads: int | None, delay: float = 0.0) -> Prediction:
-        """The queue prefilled in chunks of `chunk` tokens per decode step, after `delay` seconds."""
+               threads: int | None, delay: float = 0.0, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
+        """The queue prefilled in chunks of `chunk` tokens per decode step, after `delay` seconds, while the
+        prefill unit works off its `backlog` (seconds, prompt tokens)."""
         rows, context = state.decode_rows, state.decode_context
         step = decode.predict(threads, rows, chunk, context)
         total = max(1, sum(w.tokens for w in queue))
@@ -197,20 +201,23 @@ class Planner:
             ttft_misses += waiting.waited + at > self.slos.ttft
         horizon = delay + full * step + last_step
         itl_misses = self._itl_misses(state, decode, ((full, step), (int(bool(last)), last_step)))
-        tokens = rows * (full + bool(last)) + sum(w.served for w in queue)
-        return Prediction("local", chunk, ttft_misses, itl_misses, tokens / horizon if horizon else 0.0,
-                          horizon, step)
+        span = max(horizon, backlog[0])
+        alone = decode.predict(threads, rows, 0, context) if rows else 0.0
+        decoded = rows * (full + bool(last)) + (rows * (span - horizon) / alone if alone else 0.0)
+        tokens = decoded + sum(w.served for w in queue) + backlog[1]
+        return Prediction("local", chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon, step)
 
     def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
-              threads: int | None) -> Prediction:
+              threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
         """No prefill while the streams decode; the whole queue once the longest may have ended."""
         rows = state.decode_rows
         alone = decode.predict(threads, rows, 0, state.decode_context)
         drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
         whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
         later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
-        tokens = rows * state.decode_remaining + sum(w.served for w in queue)
-        return Prediction("wait", 0, later.ttft_misses, 0, tokens / later.first_token, later.first_token, alone)
+        span = max(later.first_token, backlog[0])
+        tokens = rows * state.decode_remaining + sum(w.served for w in queue) + backlog[1]
+        return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
                 prefill: StepCostModel | None) -> Prediction | None:
@@ -224,15 +231,15 @@ class Planner:
         threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
         step = decode.predict(threads, rows, 0, state.decode_context) if rows else 0.0
-        ttft_misses, rate = int(first_token > self.slos.ttft), length / first_token if first_token else 0.0
+        ttft_misses, span, served = int(first_token > self.slos.ttft), first_token, length + state.remote_backlog_tokens
         if state.local_queue:
             meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
                                                     threads))
             ttft_misses += meanwhile.ttft_misses
             step = max(step, meanwhile.step)
-            served = sum(w.served for w in state.local_queue)
-            rate += served / meanwhile.first_token if meanwhile.first_token else 0.0
-        rate += rows / step if step else 0.0
+            served += sum(w.served for w in state.local_queue)
+            span = max(span, meanwhile.first_token)
+        rate = (served + (rows * span / step if step else 0.0)) / span if span else 0.0
         itl_misses = self._itl_misses(state, decode, ((math.ceil(first_token / step), step),) if step else ())
         return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
 
@@ -258,6 +265,13 @@ class Planner:
         tokens = stream.gaps + remaining
         decode_only = stream.spent + remaining * alone
         return added > 0 and (decode_only + added) / tokens > max(self.slos.itl, decode_only / tokens)
+
+    def _backlog(self, state: LoadState, prefill: StepCostModel | None) -> tuple[float, int]:
+        """The seconds the prefill unit is predicted busy with its queue whatever this decision, and its tokens."""
+        if not state.remote_backlog_tokens or prefill is None or prefill.coefficients(state.prefill_threads) is None:
+            return 0.0, 0
+        return (self._prefill_seconds(state.remote_backlog_tokens, prefill, state.prefill_threads),
+                state.remote_backlog_tokens)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
         """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
