@@ -32,7 +32,8 @@ from pdserve.engine.supervisor import Supervisor
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
+from pdserve.engine.topology import (core_share, load_units, make_plan, unit_names, wire_actor, wire_actors,
+                                     with_draft_models)
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Engine:
             keep_freed_memory_in_process()
         load = _unit_loader(config)
         self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
+        self.units = on_single_threaded_loader(with_draft_models, self.units, config, self.model_config, self.plan)
         self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
         self._slos: Slos | None = None
         self.coordinator = self._wire()

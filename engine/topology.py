@@ -24,6 +24,7 @@ from pdserve.engine.worker.compute import Compute, ThreadCompute
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.startup.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from pdserve.engine.worker.device import with_index
+from pdserve.engine.worker.draft_model import draft_proposers
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.startup.sizing import PoolSizer
 from pdserve.engine.worker.step_runner import Peer, StepRunner
@@ -178,6 +179,7 @@ class Units:
     prefills: tuple[Compute, ...] = ()
     shared: tuple = ()               # what the units step over or were spawned with: closed last
     costs: dict = field(default_factory=dict)   # (role, index) -> its StepCostModel: kept over actor restarts
+    drafters: tuple = ()             # per decode (colocated) unit: its draft model (method draft_model)
 
     @property
     def decode(self) -> Compute:
@@ -199,6 +201,20 @@ class Units:
             unit.close()
         for pool in self.shared:
             pool.close()
+
+
+def with_draft_models(units: Units, config: EngineConfig, model_config: ModelConfig, plan: Plan) -> Units:
+    """`units` with a draft model per decode (or colocated) unit where the method is draft_model: on the unit's
+    device, in this process (beside the unit's speculator), its pool as many blocks as the unit's and room
+    for every row's drafts."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return units
+    size = config.cache.block_size
+    room = config.scheduler.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, size)
+    return replace(units, drafters=draft_proposers(
+        spec.model, model_config, plan.dtype, tuple(u.device for u in units.decodes),
+        tuple(u.num_blocks + room for u in units.decodes), size, plan.max_model_len))
 
 
 def unit_names(role: str, count: int) -> list[str]:
@@ -319,11 +335,12 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
     """A fresh actor over unit `index` of `role` (a restarted unit gets one alone)."""
     sched, cache = config.scheduler, config.cache
     caching = cache.enable_prefix_caching
+    drafter = units.drafters[index] if units.drafters and role != "prefill" else None
     if plan.mode == "colocated":
         unit = units.decodes[index]
         return _costed(ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
                                       _overlap(config, plan.prefill_devices[index], config.speculative), caching,
-                                      config.speculative), StepCostModel(), learns=True)
+                                      config.speculative, drafter), StepCostModel(), learns=True)
     device = (plan.prefill_devices if role == "prefill" else plan.decode_devices)[index]
     unit = (units.prefills if role == "prefill" else units.decodes)[index]
     overlap = _overlap(config, device, None if role == "prefill" else config.speculative)
@@ -331,13 +348,13 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
         if role == "prefill":
             return PrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching)
         return _costed(DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                                   config.speculative), StepCostModel(), learns=True)
+                                   config.speculative, drafter), StepCostModel(), learns=True)
     share = core_share(plan)
     cost = units.cost(role, index)
     if role == "prefill":
         return LendingPrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching, cost=cost, share=share)
     return _costed(AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                                       config.speculative, cost=cost, share=share), cost, learns=False)
+                                       config.speculative, drafter, cost=cost, share=share), cost, learns=False)
 
 
 def core_share(plan: Plan) -> CoreShare | None:
