@@ -4,6 +4,7 @@ drafts, greedy outputs stay those of plain decoding, a draft equal to the target
 and aborts, preemption and finished requests leave neither pool nor the draft's KV holding anything."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -17,15 +18,18 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.spec_policy import DraftGate
 from pdserve.engine.core.speculative import SpeculativeConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.demo import DemoSize, make_weights, model_config
 from pdserve.engine.worker.draft_model import DraftModelProposer, load_draft_model
+from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from tests.models import _ROOT, demo_checkpoint, engine_config
 from tests.test_engine_modes import abort_after, assert_pools_free, prompts, run_engine, staggered, wait_idle
 from tests.test_spec_decode import GREEDY, drafts_unpriced  # noqa: F401  (the fixture pins the gate open)
 
+REAL_BUDGET = DraftGate.budget          # NOTE: drafts_unpriced replaces it in every test of this module
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -110,6 +114,27 @@ def test_config_needs_a_model_for_draft_model_only():
             SpeculativeConfig.from_json(bad)
 
 
+def test_pdserve_serve_passes_the_draft_model_through():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "draft_model", "model": "/d", '
+                                                      '"num_speculative_tokens": 2}'])
+    assert server_config_from_args(args).engine.speculative == SpeculativeConfig("draft_model", 2, model="/d")
+
+
+def test_the_gate_prices_each_draft_token_at_one_draft_forward():
+    """A step of 2 rows: 10 ms plain, 1 ms per verified draft token, and 3 ms per draft forward."""
+    gate = DraftGate(4, None)
+    for rows, drafts in ((1, 0), (2, 0), (2, 4), (3, 2), (1, 3), (2, 1)):
+        gate.observe_step(rows, drafts, 0.008 + 0.001 * rows + 0.001 * drafts, threads=1, drafts=drafts)
+    verify = REAL_BUDGET(gate, 2, 0).per_draft
+    assert verify == pytest.approx(0.001, rel=0.01)        # the fit's ridge shifts it a little
+    gate.draft_forward = 0.003
+    assert REAL_BUDGET(gate, 2, 0).per_draft == pytest.approx(verify + 0.003)
+    gate.draft_forward = 0.005                          # 2 rows x 6 ms per draft token >= 10 ms: no draft pays
+    assert REAL_BUDGET(gate, 2, 0) is None
+
+
 def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes():
     with pytest.raises(ValueError, match=r"vocabulary of 512 tokens.* 1024"):
         Engine(engine_config(demo_checkpoint(), mode="colocated", speculative=spec(random_draft(64, 512))))
@@ -164,6 +189,15 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted():
     plain, drafted, counters = plain_and_drafted("disaggregated", requests, spec(demo_checkpoint()))
     assert drafted == plain
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+def test_seeded_sampled_rows_give_the_tokens_plain_sampling_gives():
+    """Greedy drafts are one-hot proposals: the verification's rule keeps plain sampling's draws exactly."""
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+    requests = [Request(f"r{i}", p, params) for i, p in enumerate(echo_prompts([30, 12], seed=4))]
+    plain, drafted, counters = plain_and_drafted("colocated", requests, spec(demo_checkpoint()))
+    assert drafted == plain and all(len(t) == 30 for t in drafted)
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens     # sampling rejects some greedy drafts
 
 
 def test_process_workers_give_the_same_greedy_tokens():
