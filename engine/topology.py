@@ -205,16 +205,17 @@ class Units:
 
 def with_draft_models(units: Units, config: EngineConfig, model_config: ModelConfig, plan: Plan) -> Units:
     """`units` with a draft model per decode (or colocated) unit where the method is draft_model: on the unit's
-    device, in this process (beside the unit's speculator), its pool as many blocks as the unit's and room
-    for every row's drafts."""
+    device, in this process (beside the unit's speculator), run on the unit's compute thread where it has one
+    here, its pool as many blocks as the unit's and room for every row's drafts."""
     spec = config.speculative
     if spec is None or spec.method != "draft_model":
         return units
     size = config.cache.block_size
     room = config.scheduler.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, size)
+    runs = tuple(u.call if isinstance(u, ThreadCompute) else None for u in units.decodes)
     return replace(units, drafters=draft_proposers(
         spec.model, model_config, plan.dtype, tuple(u.device for u in units.decodes),
-        tuple(u.num_blocks + room for u in units.decodes), size, plan.max_model_len))
+        tuple(u.num_blocks + room for u in units.decodes), runs, size, plan.max_model_len))
 
 
 def unit_names(role: str, count: int) -> list[str]:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -184,11 +185,19 @@ def test_greedy_tokens_identical_with_a_smaller_draft(mode):
     assert counters.num_drafts > 0 and counters.num_draft_tokens > counters.num_accepted_tokens
 
 
-def test_the_target_as_its_own_draft_has_every_draft_accepted():
+def test_the_target_as_its_own_draft_has_every_draft_accepted(monkeypatch):
+    threads, propose = set(), DraftModelProposer._propose
+
+    def on_thread(self, rows):
+        threads.add(threading.current_thread().name)
+        return propose(self, rows)
+
+    monkeypatch.setattr(DraftModelProposer, "_propose", on_thread)
     requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(echo_prompts([20, 40, 9], seed=2))]
     plain, drafted, counters = plain_and_drafted("disaggregated", requests, spec(demo_checkpoint()))
     assert drafted == plain
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+    assert threads == {"pdserve-decode_0"}              # the decode unit's compute thread, not the loop's
 
 
 def test_seeded_sampled_rows_give_the_tokens_plain_sampling_gives():

@@ -3,7 +3,9 @@ the target's vocabulary that proposes each drafting row's next k tokens greedily
 
 It lives beside the decode unit's speculator, in the engine's process, on the decode unit's device: the
 scheduler asks for drafts while it plans a step (no step of that unit is in flight then: speculation
-turns async scheduling off), so thread and process workers alike get them without a new message.
+turns async scheduling off), so thread and process workers alike get them without a new message. Its
+forwards run on the unit's compute thread (thread workers: its cores, its CUDA stream, its OpenMP team),
+or on a thread of its own beside a worker process's unit, never on the event loop's thread.
 
 Per request it remembers how many of the request's tokens its KV holds (`cached`) and the drafts it fed
 after them (`fed`). A proposal first keeps the fed drafts the request's tokens now confirm (the accepted
@@ -15,6 +17,8 @@ context, i.e. one-hot proposals, which the verification's rule accepts exactly (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,12 +70,23 @@ def load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device:
     return load_model(draft_config(path, target), dtype, device, max_model_len)
 
 
+Run = Callable[..., object]     # run(fn, *args): fn(*args) on some thread, waited for
+
+
+def own_thread() -> Run:
+    """A thread of its own for a draft whose unit has no compute thread in this process (a worker process's)."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-draft")
+    return lambda fn, *args: executor.submit(fn, *args).result()
+
+
 class DraftModelProposer:
     """Greedy drafts from `model` over a KV pool of `num_blocks` blocks of its own (engine.core.speculative's
-    `DraftModel`). A row that finds no free block drafts nothing that step."""
+    `DraftModel`), its forwards run by `run` (the decode unit's compute thread; default: a thread of its
+    own), never on the caller's. A row that finds no free block drafts nothing that step."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, run: Run | None = None) -> None:
         self.model = model
+        self.run = run or own_thread()
         model.use_backend(kernels.choose_backend(model.embed_tokens.weight))
         self.device = model.embed_tokens.weight.device
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -89,9 +104,12 @@ class DraftModelProposer:
         self.rows.pop(request_id, None)
         self.blocks.free(request_id)
 
-    @torch.inference_mode()
     def propose(self, rows) -> list[tuple[int, ...]]:
         """Per (request id, its tokens, k): k greedy draft tokens (none where the pool is full)."""
+        return self.run(self._propose, rows)
+
+    @torch.inference_mode()
+    def _propose(self, rows) -> list[tuple[int, ...]]:
         catchups = [self._catch_up(request_id, tokens, k) for request_id, tokens, k in rows]
         live = [c for c in catchups if c is not None]
         drafts: dict[str, list[int]] = {c.request_id: [] for c in live}
@@ -177,10 +195,12 @@ class DraftModelProposer:
 
 
 def draft_proposers(path: str, target: ModelConfig, dtype: torch.dtype, devices: tuple[torch.device, ...],
-                    num_blocks: tuple[int, ...], block_size: int, max_model_len: int) -> tuple[DraftModelProposer, ...]:
-    """One proposer per decode unit (on `devices`, pools of `num_blocks`); units on one device share weights."""
+                    num_blocks: tuple[int, ...], runs: tuple[Run | None, ...], block_size: int, max_model_len: int
+                    ) -> tuple[DraftModelProposer, ...]:
+    """One proposer per decode unit (on `devices`, pools of `num_blocks`, forwards run by `runs`); units on
+    one device share the weights."""
     models: dict[torch.device, CausalLM] = {}
     for device in dict.fromkeys(devices):
         models[device] = load_draft_model(path, target, dtype, device, max_model_len)
-    return tuple(DraftModelProposer(models[d], n, block_size) for d, n in zip(devices, num_blocks))
+    return tuple(DraftModelProposer(models[d], n, block_size, run) for d, n, run in zip(devices, num_blocks, runs))
 
