@@ -32,8 +32,8 @@ from pdserve.engine.supervisor import Supervisor
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import (core_share, load_units, make_plan, unit_names, wire_actor, wire_actors,
-                                     with_draft_models)
+from pdserve.engine.topology import (check_draft_model, core_share, load_units, make_plan, unit_names, wire_actor,
+                                     wire_actors, with_draft_models)
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
+        check_draft_model(config, self.model_config)
         self.plan = make_plan(config, self.model_config)
         if any(device.type == "cpu" for device in self.plan.devices):
             keep_freed_memory_in_process()

@@ -24,6 +24,7 @@ from pdserve.engine.core.speculative import SpeculativeConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.demo import DemoSize, make_weights, model_config
+from pdserve.engine.topology import check_draft_model
 from pdserve.engine.worker.draft_model import DraftModelProposer, load_draft_model
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from tests.models import _ROOT, demo_checkpoint, engine_config
@@ -136,9 +137,16 @@ def test_the_gate_prices_each_draft_token_at_one_draft_forward():
     assert REAL_BUDGET(gate, 2, 0) is None
 
 
-def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes():
+def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(monkeypatch):
+    monkeypatch.setattr("pdserve.engine.engine.on_single_threaded_loader", lambda *a: pytest.fail("loaded first"))
     with pytest.raises(ValueError, match=r"vocabulary of 512 tokens.* 1024"):
         Engine(engine_config(demo_checkpoint(), mode="colocated", speculative=spec(random_draft(64, 512))))
+
+
+def test_the_ray_backend_is_refused_with_a_draft_model():
+    config = engine_config(demo_checkpoint(), distributed_executor_backend="ray", speculative=spec(demo_checkpoint()))
+    with pytest.raises(ValueError, match="Ray backend"):
+        check_draft_model(config, ModelConfig.from_dir(demo_checkpoint()))
 
 
 # proposals
