@@ -184,6 +184,18 @@ def test_proposals_are_the_drafts_greedy_continuation_after_accepts_and_rejectio
     assert proposer.blocks.num_used == 0 and not proposer.rows
 
 
+def test_a_row_without_free_draft_blocks_drafts_nothing_and_holds_nothing():
+    target = ModelConfig.from_dir(demo_checkpoint())
+    proposer = DraftModelProposer(load_draft_model(str(demo_checkpoint()), target, torch.float32,
+                                                   torch.device("cpu"), 512), num_blocks=3, block_size=16)
+    short, long = (torch.tensor(p).numpy() for p in prompts([20, 50], seed=9))
+    assert proposer.propose([("long", long, 4), ("short", short, 4)])[0] == ()     # 53 positions: 4 blocks
+    assert len(proposer.propose([("short", short, 4)])[0]) == 4
+    assert not proposer.blocks.holds("long") and "long" not in proposer.rows
+    proposer.release("short")
+    assert proposer.blocks.num_used == 0
+
+
 # the engine: the same greedy tokens, every pool free
 @pytest.mark.parametrize("mode", ("colocated", "disaggregated", "adaptive"))
 def test_greedy_tokens_identical_with_a_smaller_draft(mode):
