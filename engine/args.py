@@ -105,7 +105,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4}\' (n-gram prompt lookup over the prompt and output so far), '
                         'or \'{"method": "suffix"}\' (suffix decoding over the prompt, the output and earlier '
                         "requests' outputs; suffix_decoding_max_tree_depth, _max_cached_requests, "
-                        "_max_spec_factor, _min_token_prob as in vLLM). Steps draft where the measured step "
+                        "_max_spec_factor, _min_token_prob as in vLLM), or '{\"method\": \"draft_model\", "
+                        "\"model\": PATH}' (a smaller model with the same tokenizer drafts greedily). Steps draft where the measured step "
                         "cost says verifying pays; optional disable_by_batch_size: never in steps with more "
                         "decode rows. Turns async scheduling off for the decode side (default: off)")
     g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",

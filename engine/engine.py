@@ -26,6 +26,7 @@ from pdserve.engine.core.messages import (
     TokenEvent,
     TokenLogprob,
 )
+from pdserve.engine.draft_units import check_draft_model, with_draft_models
 from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.process_units import load_process_units
 from pdserve.engine.supervisor import Supervisor
@@ -100,11 +101,13 @@ class Engine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.model_config.eos_token_ids)
+        check_draft_model(config, self.model_config)
         self.plan = make_plan(config, self.model_config)
         if any(device.type == "cpu" for device in self.plan.devices):
             keep_freed_memory_in_process()
         load = _unit_loader(config)
         self.units = on_single_threaded_loader(load, config, self.model_config, self.plan, self.eos_token_ids)
+        self.units = on_single_threaded_loader(with_draft_models, self.units, config, self.model_config, self.plan)
         self.supervisor = Supervisor(self, config.on_worker_failure, config.step_timeout)
         self._slos: Slos | None = None
         self.coordinator = self._wire()

@@ -178,6 +178,7 @@ class Units:
     prefills: tuple[Compute, ...] = ()
     shared: tuple = ()               # what the units step over or were spawned with: closed last
     costs: dict = field(default_factory=dict)   # (role, index) -> its StepCostModel: kept over actor restarts
+    drafters: tuple = ()             # per decode (colocated) unit: its draft model (method draft_model)
 
     @property
     def decode(self) -> Compute:
@@ -319,11 +320,12 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
     """A fresh actor over unit `index` of `role` (a restarted unit gets one alone)."""
     sched, cache = config.scheduler, config.cache
     caching = cache.enable_prefix_caching
+    drafter = units.drafters[index] if units.drafters and role != "prefill" else None
     if plan.mode == "colocated":
         unit = units.decodes[index]
         return _costed(ColocatedActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit,
                                       _overlap(config, plan.prefill_devices[index], config.speculative), caching,
-                                      config.speculative), StepCostModel(), learns=True)
+                                      config.speculative, drafter), StepCostModel(), learns=True)
     device = (plan.prefill_devices if role == "prefill" else plan.decode_devices)[index]
     unit = (units.prefills if role == "prefill" else units.decodes)[index]
     overlap = _overlap(config, device, None if role == "prefill" else config.speculative)
@@ -331,13 +333,13 @@ def wire_actor(config: EngineConfig, plan: Plan, units: Units, emit: Emit, role:
         if role == "prefill":
             return PrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching)
         return _costed(DecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                                   config.speculative), StepCostModel(), learns=True)
+                                   config.speculative, drafter), StepCostModel(), learns=True)
     share = core_share(plan)
     cost = units.cost(role, index)
     if role == "prefill":
         return LendingPrefillActor(unit, sched, plan.max_model_len, emit, overlap, caching, cost=cost, share=share)
     return _costed(AdaptiveDecodeActor(unit, sched, cache.kv_watermark, plan.max_model_len, emit, overlap, caching,
-                                       config.speculative, cost=cost, share=share), cost, learns=False)
+                                       config.speculative, drafter, cost=cost, share=share), cost, learns=False)
 
 
 def core_share(plan: Plan) -> CoreShare | None:

@@ -7,7 +7,7 @@ from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.messages import Abort, Request
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.speculative import SpeculativeConfig, speculator_for
+from pdserve.engine.core.speculative import DraftModel, SpeculativeConfig, speculator_for
 from pdserve.engine.worker.compute import Compute
 
 
@@ -16,9 +16,9 @@ class ColocatedActor(Actor):
 
     def __init__(self, unit: Compute, config: SchedulerConfig, kv_watermark: float,
                  max_model_len: int, emit: Emit, overlap: bool = False, prefix_caching: bool = False,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft_model: DraftModel | None = None) -> None:
         super().__init__(unit, max_model_len, emit, overlap, prefix_caching)
-        self.speculator = speculator_for(speculative, config.itl_slo_ms)
+        self.speculator = speculator_for(speculative, config.itl_slo_ms, draft_model)
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.kv_watermark = kv_watermark

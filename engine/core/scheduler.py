@@ -186,17 +186,17 @@ class DecodeScheduler:
         lengths = self.speculator.plan(seqs, rooms, len(chosen), prefill_tokens)
         if lengths is None:
             return
-        for seq, room, allotted in zip(seqs, rooms, lengths):
-            if room > 0:
-                self._draft(seq, room, allotted)
+        drafting = [(seq, room, allotted) for seq, room, allotted in zip(seqs, rooms, lengths) if room > 0]
+        proposals = self.speculator.draft_rows(*zip(*drafting)) if drafting else ()
+        for (seq, _, _), drafts in zip(drafting, proposals):
+            self._place(seq, drafts)
 
     def _room(self, seq: Sequence) -> int:
         """Drafts `seq` may take: as many as max_tokens and the context allow, past its next token."""
         return min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
 
-    def _draft(self, seq: Sequence, room: int, allotted: int) -> None:
-        """Give `seq` up to `allotted` drafts to verify this step, as many as `room` and free blocks allow."""
-        drafts = self.speculator.drafts(seq, room, allotted)
+    def _place(self, seq: Sequence, drafts: tuple[int, ...]) -> None:
+        """Give `seq` its `drafts` to verify this step, as many as free blocks allow."""
         if not drafts:
             return
         held = len(seq.block_table) * self.blocks.block_size
@@ -234,6 +234,8 @@ class DecodeScheduler:
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self._forget(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self.on_preempt(seq)
 
     def remove(self, seq: Sequence) -> None:

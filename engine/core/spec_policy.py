@@ -25,7 +25,9 @@ three steps, or while no recent step carried a draft, from the unit's step cost 
 a step drafts when it has at most FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess), no time bound.
 A step that carries prefill chunks drafts nothing: it is already the long step whose wait sets the short
 streams' tail ITL.
-`disable_by_batch_size` stays a hard limit.
+`disable_by_batch_size` stays a hard limit. A draft model's own forwards run before the step, so each draft
+token is also priced at one measured draft forward (`draft_forward`; a forward serves every drafting row,
+so for several rows this overprices them).
 """
 from __future__ import annotations
 
@@ -158,6 +160,7 @@ class DraftGate:
         self.threads: int | None = None
         self.fit = DecodeStepFit()
         self.itl_slo: float | None = None      # seconds; the engine's ITL SLO once known (`serve`)
+        self.draft_forward: float | None = None    # a draft model's measured seconds per forward, if any
 
     def use(self, cost: StepCost, learns: bool) -> None:
         """Predict from `cost` until this unit's own fit has measured its steps; `learns`: this gate feeds
@@ -182,6 +185,7 @@ class DraftGate:
         if prefill_tokens > 0 or rows <= 0 or (self.max_rows is not None and rows > self.max_rows):
             return None
         plain, per_draft, first = self._predicted(rows)
+        per_draft += self.draft_forward or 0.0         # NOTE: one draft forward per draft token (exact for one row)
         if plain is None:
             return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
         if rows * (per_draft + first) >= plain:

@@ -1,16 +1,19 @@
 """Speculative decoding on the decode side, plain Python: drafts, and how many to verify per row.
 
-Two proposers, vLLM's methods: "ngram" (prompt lookup: the continuation of the newest earlier
+Three proposers, vLLM's methods: "ngram" (prompt lookup: the continuation of the newest earlier
 occurrence of the sequence's last n tokens, for the longest n in [prompt_lookup_min,
-prompt_lookup_max] that occurs) and "suffix" (Snowflake's suffix decoding over the request's
-prompt and output and a FIFO cache of earlier requests' outputs: engine.core.suffix_proposer).
+prompt_lookup_max] that occurs), "suffix" (Snowflake's suffix decoding over the request's
+prompt and output and a FIFO cache of earlier requests' outputs: engine.core.suffix_proposer) and
+"draft_model" (a smaller model's greedy continuation: a `DraftModel`, engine.worker.draft_model).
 Whether a step drafts, and how long each row's draft is, follows the predicted cost of verifying
 it and the row's recent acceptance (engine.core.spec_policy); a row that keeps missing pauses.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -20,13 +23,14 @@ from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.core.spec_policy import Acceptance, DraftGate, allot
 from pdserve.engine.core.suffix_proposer import SEPARATOR, SuffixCache, SuffixParams, propose_suffix
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 64
 MISSES_BEFORE_BACKOFF = 2     # verifications in a row that accepted nothing before a row pauses
 MAX_BACKOFF_STEPS = 64        # longest pause; each further miss after a pause doubles it up to this
 NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                  "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+METHOD_FIELDS = {"ngram": NGRAM_FIELDS, "suffix": SUFFIX_FIELDS, "draft_model": ("model",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = None     # None: the step cost model decides (engine.core.spec_policy)
+    model: str | None = None                     # draft_model: the draft's checkpoint (as --model spells one)
 
     @classmethod
     def from_json(cls, text: str | dict | None) -> "SpeculativeConfig | None":
@@ -57,7 +62,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: unsupported field(s) {unknown}; known: {sorted(known)}")
         defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
         method = fields.get("method", defaults["method"])
-        foreign = sorted(set(fields) & set(SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS))
+        others = {name for m, names in METHOD_FIELDS.items() if m != method for name in names}
+        foreign = sorted(set(fields) & others)
         if foreign:
             raise ValueError(f"--speculative-config: {foreign} do not apply to method {method!r}")
         if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
@@ -81,6 +87,9 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("--speculative-config: disable_by_batch_size must be >= 1")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError("--speculative-config: \"model\" (the draft's checkpoint) is required for method "
+                             f"'draft_model' and applies to no other (method {self.method!r}, model {self.model!r})")
         self._validate_suffix()
 
     def _validate_suffix(self) -> None:
@@ -109,6 +118,23 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
             start = int(hits[-1]) + n
             return tokens[start:start + k].tolist()
     return []
+
+
+class DraftModel(Protocol):
+    """A draft model with its own KV on the decode unit (engine.worker.draft_model.DraftModelProposer)."""
+
+    def propose(self, rows: Seq[tuple[str, np.ndarray, int]]) -> list[tuple[int, ...]]:
+        """Per (request id, its tokens so far, k): the draft model's k greedy next tokens."""
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's draft KV."""
+
+    def reset(self) -> None:
+        """Forget every request's draft KV."""
+
+    @property
+    def forward_seconds(self) -> float | None:
+        """Measured seconds of one draft forward in a steady step (catch-up of a token or two), or None yet."""
 
 
 @dataclass(slots=True)
@@ -146,12 +172,14 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def speculator_for(config: SpeculativeConfig | None, itl_slo_ms: float | None) -> "Speculator | None":
+def speculator_for(config: SpeculativeConfig | None, itl_slo_ms: float | None,
+                   draft_model: DraftModel | None = None) -> "Speculator | None":
     """A decode-side actor's speculator (None without `config`), bounded by the user's ITL SLO where set; a
-    derived SLO is known only at the engine's start, which hands it on with `Speculator.serve`."""
+    derived SLO is known only at the engine's start, which hands it on with `Speculator.serve`.
+    `draft_model`: the unit's loaded draft for method "draft_model"."""
     if config is None:
         return None
-    speculator = Speculator(config)
+    speculator = Speculator(config, draft_model)
     speculator.serve(itl_slo_ms / 1e3 if itl_slo_ms else None)
     return speculator
 
@@ -159,8 +187,13 @@ def speculator_for(config: SpeculativeConfig | None, itl_slo_ms: float | None) -
 class Speculator:
     """Drafts for the rows of a decode step, and per-row draft lengths from their recent acceptance."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None) -> None:
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError(f"method {config.method!r} with{'out' if draft_model is None else ''} a draft model")
         self.config = config
+        self.draft_model = draft_model
+        if draft_model is not None:
+            draft_model.reset()                     # NOTE: a restarted actor's speculator starts afresh
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.gate = DraftGate(config.num_speculative_tokens, config.disable_by_batch_size)
         self.overall = Acceptance(decay=1.0)
@@ -186,20 +219,36 @@ class Speculator:
     def drafts(self, seq: Sequence, room: int, allotted: int | None = None) -> tuple[int, ...]:
         """At most `room` and `allotted` (None: the row's own length) draft tokens for `seq`'s next step (its
         output so far recorded, nothing in flight); a paused row counts one step of its pause instead."""
+        return self.draft_rows([seq], [room], [allotted])[0]
+
+    def draft_rows(self, seqs: Seq[Sequence], rooms: Seq[int], allotted: Seq[int | None]) -> list[tuple[int, ...]]:
+        """`drafts` for several rows at once (a draft model runs them as one batch)."""
+        lengths = [self._length(seq, room, a) for seq, room, a in zip(seqs, rooms, allotted)]
+        if self.draft_model is not None:
+            return self._model_drafts(seqs, lengths)
+        return [self._lookup(seq, k) if k > 0 else () for seq, k in zip(seqs, lengths)]
+
+    def _lookup(self, seq: Sequence, k: int) -> tuple[int, ...]:
+        tokens, c = seq.spec.sync(seq), self.config
+        if self.cache is None:
+            return tuple(propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max))
+        return propose_suffix(seq.spec.tokens, len(tokens), self.cache, k, c.suffix_params).tokens
+
+    def _length(self, seq: Sequence, room: int, allotted: int | None) -> int:
+        """How many drafts `seq` takes this step (0: none; a paused row counts one step of its pause)."""
         if seq.params.constrained:     # NOTE: verification applies no grammar mask or logit_bias yet
-            return ()
+            return 0
         state = self._state(seq)
         if state.pause > 0:
             state.pause -= 1
-            return ()
-        k = min(state.k, room, state.k if allotted is None else allotted)
-        if k <= 0:
-            return ()
-        tokens = state.sync(seq)
-        c = self.config
-        if self.cache is None:
-            return tuple(propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max))
-        return propose_suffix(state.tokens, len(tokens), self.cache, k, c.suffix_params).tokens
+            return 0
+        return max(0, min(state.k, room, state.k if allotted is None else allotted))
+
+    def _model_drafts(self, seqs: Seq[Sequence], lengths: Seq[int]) -> list[tuple[int, ...]]:
+        rows = [(seq.request_id, seq.spec.sync(seq), k) for seq, k in zip(seqs, lengths) if k > 0]
+        proposals = iter(self.draft_model.propose(rows) if rows else ())
+        self.gate.draft_forward = self.draft_model.forward_seconds
+        return [next(proposals) if k > 0 else () for k in lengths]
 
     def settle(self, seq: Sequence, blocks: BlockManager, num_accepted: int) -> None:
         """`seq`'s verification is recorded: forget the rejected drafts' positions and the blocks past the kept ones."""
@@ -239,9 +288,15 @@ class Speculator:
         self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads, drafts)
 
     def retire(self, seq: Sequence) -> None:
-        """`seq` left the decode side: its output joins the suffix cache."""
+        """`seq` left the decode side (finished or aborted): its output joins the suffix cache."""
         if self.cache is not None:
             self.cache.add(seq.output_token_ids)
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget `seq`'s draft state, its draft KV included (it left, or was preempted)."""
+        if self.draft_model is not None:
+            self.draft_model.release(seq.request_id)
         seq.spec = None
 
     def forget_outputs(self) -> None:

@@ -87,6 +87,10 @@ class ThreadCompute:
     async def wait(self, handle: TransferHandle) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, handle.wait)
 
+    def call(self, fn, *args):
+        """`fn(*args)` on the compute thread (its cores and stream), waited for: for work between two steps."""
+        return self._executor.submit(fn, *args).result()
+
     async def recover(self, force: bool) -> None:
         """Nothing to do: a step left running finishes before the next one starts (one thread, in order)."""
         if force:
