@@ -256,8 +256,7 @@ class Engine:
         """A fresh actor over `actor`'s unit (a worker process that died or hangs is spawned again)."""
         await self.coordinator.quiesce(actor)
         await actor.unit.recover(force=recover_stuck)
-        role = "prefill" if actor in self.coordinator.prefill else "decode"
-        fresh = wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
+        fresh = self._fresh_actor(actor)
         fresh.on_failure = self.supervisor.actor_failed
         self.coordinator.unit_up(actor, fresh)
         self._start_actor(fresh)
@@ -267,13 +266,17 @@ class Engine:
         that never starts stands in for it, so its pool reads free and routing skips it for good.
         `stuck`: its thread is inside a step, abandoned (nothing is waited for on it)."""
         await self.coordinator.quiesce(actor, stuck)
-        role = "prefill" if actor in self.coordinator.prefill else "decode"
-        stand_in = wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
+        stand_in = self._fresh_actor(actor)
         self.coordinator.retire(actor, stand_in, why)
         if stuck and actor.unit.kind == "thread":
             logger.error("unit %s retired: its compute thread is stuck in a step and is abandoned; its %s stay "
                          "taken until the server restarts", actor.unit_name, _compute_of(actor.unit))
         logger.error("unit %s retired, the other units serve on: %s", actor.unit_name, why)
+
+    def _fresh_actor(self, actor: Actor) -> Actor:
+        """A new actor (nothing queued, not started) over `actor`'s unit, in its role."""
+        role = "prefill" if actor in self.coordinator.prefill else "decode"
+        return wire_actor(self.config, self.plan, self.units, self._on_step, role, actor.index)
 
     def units_up(self) -> list[dict]:
         """Every unit: its name, role, whether it serves now, its state and, when down, why (for /health)."""
