@@ -195,7 +195,7 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
 
 
 def test_the_units_cost_models_start_from_the_start_up_profile():
-    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=64))
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=512))
     prefill, decode = engine.actors
     decode_threads, prefill_threads = (decode.share.decode_own, decode.share.prefill_own) if decode.share else \
         (None, None)
@@ -207,11 +207,11 @@ def test_the_units_cost_models_start_from_the_start_up_profile():
     asyncio.run(run_engine(engine, started()))                  # nothing served: only the profile's steps
     assert decode.cost.measured(decode_threads)
     assert prefill.cost.seconds_per_prefill_token(prefill_threads) > 0
-    assert prefill.cost.predict(prefill_threads, 0, 64) > prefill.cost.predict(prefill_threads, 0, 1)
+    assert prefill.cost.predict(prefill_threads, 0, 512) > prefill.cost.predict(prefill_threads, 0, 1)
     if decode.share is not None:                                # and on the lent cores, both phases
         total = decode.share.total
         assert decode.cost.seconds_per_prefill_token(total) > 0 and prefill.cost.seconds_per_prefill_token(total) > 0
-        assert decode.cost.measured(total) and decode.cost.predict(total, 0, 64) > decode.cost.predict(total, 0, 1)
+        assert decode.cost.measured(total) and decode.cost.predict(total, 0, 512) > decode.cost.predict(total, 0, 1)
     engine.close()
 
 
