@@ -147,7 +147,7 @@ static void linear_team(const T* x, int64_t ldx, const T* w, const T* bias, T* y
 #pragma omp parallel num_threads(threads)
   {
     int64_t begin, end;
-    team_range(N, R * LANES, &begin, &end);
+    team_range(N, R, &begin, &end);  // whole tiles; coarser units split small N unevenly
     if (M == 1)
       gemv_rows(x, w, bias, y, begin, end, K);
     else
