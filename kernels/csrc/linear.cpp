@@ -16,8 +16,8 @@ constexpr int64_t PREFETCH_AHEAD = 1024;  // elements ahead on the one-row strea
 constexpr int64_t TILE_AHEAD_BYTES = 4096;  // bytes ahead on each row stream of a tile
 
 // Prefetches go to L2 (prefetcht1): into L1 (prefetcht0) a tile's streams ran at 0.55-0.7x the
-// bytes per second of the one-row stream, into L2 at 1.0-1.3x (Zen 4). The one-row stream of
-// bfloat16 measured no better in L2 and keeps L1.
+// bytes per second of the one-row stream, into L2 at 1.0-1.3x (EPYC Zen 4, 1-2 threads). The
+// one-row stream of bfloat16 measured no better in L2 and keeps L1.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline void prefetch_row(const float* p) { prefetch_l2(p); }
 inline void prefetch_row(const bf16* p) { __builtin_prefetch(p, 0, 3); }
@@ -65,8 +65,9 @@ template <> struct Step<bf16> {  // lane i += w[2i] x[2i] + w[2i+1] x[2i+1], exa
 };
 #endif
 
-// Weight rows per tile for m rows of x: R * m accumulators and R weight vectors within 32 registers.
-constexpr int tile_rows(int m) { return m <= 6 ? 4 : 3; }
+// Weight rows per tile for m rows of x (more than TILE_M: TILE_M's): a tile holds U * R * m
+// accumulators and U * R weight vectors, within the 32 vector registers.
+constexpr int tile_rows(int64_t m) { return m <= 6 ? 4 : 3; }
 // K unrolled so that a tile keeps at least 8 independent accumulators (FMA latency x throughput).
 constexpr int k_unroll(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
 
@@ -158,10 +159,10 @@ static void linear_team(const T* x, int64_t ldx, const T* w, const T* bias, T* y
 template <typename T>
 static void linear(const T* x, int64_t ldx, const T* w, const T* bias, T* y, int64_t ldy, int64_t M, int64_t N,
                    int64_t K, int threads) {
-  if (M <= 6)
-    linear_team<T, tile_rows(6)>(x, ldx, w, bias, y, ldy, M, N, K, threads);
+  if (tile_rows(M) == 4)
+    linear_team<T, 4>(x, ldx, w, bias, y, ldy, M, N, K, threads);
   else
-    linear_team<T, tile_rows(TILE_M)>(x, ldx, w, bias, y, ldy, M, N, K, threads);
+    linear_team<T, 3>(x, ldx, w, bias, y, ldy, M, N, K, threads);
 }
 
 }  // namespace pd
