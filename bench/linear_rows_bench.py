@@ -70,9 +70,10 @@ def time_pass(function, xs, weights, out, threads) -> float:
 
 
 def bench_case(functions: dict, shape, dtype, threads, row_counts, repeats) -> dict:
-    """{label: {rows: seconds}}: every label and row count timed once per repeat, interleaved; the
-    median over repeats of each time relative to the first label's one-row time of the same repeat
-    (so a drift of the machine's bandwidth between repeats cancels), times the median of that one."""
+    """{label: {rows: seconds}}: every label and row count timed once per repeat, interleaved (labels
+    in alternating order); the median over repeats of each time relative to the first label's
+    one-row time of the same repeat (so a drift of the machine's bandwidth between repeats cancels),
+    times the median of that one."""
     n, k = shape
     element = torch.finfo(dtype).bits // 8
     copies = max(2, -(-STREAM_BYTES // (n * k * element)))
@@ -83,7 +84,8 @@ def bench_case(functions: dict, shape, dtype, threads, row_counts, repeats) -> d
     samples = {(label, m): [] for label in functions for m in row_counts}
     for repeat in range(repeats + 1):
         for m in row_counts:
-            for label, function in functions.items():
+            order = list(functions.items())
+            for label, function in order[::-1] if repeat % 2 else order:  # no label always first
                 seconds = time_pass(function[dtype], xs[m], weights, outs[m], threads)
                 if repeat:  # the first round warms up
                     samples[label, m].append(seconds)
