@@ -76,15 +76,25 @@ def test_decode_attention_reads_only_its_layer_and_blocks():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [*range(1, 10), 17, 64])       # every tile of x rows, and several tiles
+@pytest.mark.parametrize("in_features", [40, 200, 613])         # K: under 2 steps, a tail of 8, an odd tail
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(dtype, rows, bias, threads):
-    gen = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 200, generator=gen).to(dtype), torch.randn(97, 200, generator=gen).to(dtype)
+def test_linear_matches_f_linear(dtype, rows, in_features, bias, threads):
+    gen = torch.Generator().manual_seed(rows * in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(97, in_features, generator=gen).to(dtype)  # 97 rows: whole tiles and a rest
     b = torch.randn(97, generator=gen).to(dtype) if bias else None
     out = linear_native(x, weight, b)
     assert out.dtype == dtype and out.shape == (rows, 97)
     assert rel_err(out, F.linear(x.double(), weight.double(), None if b is None else b.double())) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_linear_with_fewer_weight_rows_than_a_tile(dtype, rows, threads):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=gen).to(dtype), torch.randn(3, 96, generator=gen).to(dtype)
+    assert rel_err(linear_native(x, weight), F.linear(x.double(), weight.double())) < TOLERANCE[dtype]
 
 
 def test_linear_reads_rows_with_a_stride():
