@@ -84,8 +84,22 @@ def test_probe_picks_float32_where_bf16_is_emulated():
 
     result = defaults.probe({name: call(name) for name in cost}, clock=lambda: now[0])
     assert result.speedup("bfloat16") == pytest.approx(1 / 120)
-    assert calls.count("bfloat16") == 2 < calls.count("float32")          # dropped after two turns
+    assert calls.count("bfloat16") == 3                                   # the budget spent after three turns
     assert choose_cpu_dtype(AVX512_BF16, lambda names: result).value == "float32"
+
+
+def test_probe_keeps_a_candidate_whose_warm_up_and_one_more_call_were_slow():
+    """bf16 twice 20x slow (its warm-up, then one interrupted call), then 2x faster than float32: it stays."""
+    cost = {"float32": [1e-3] * 20, "bfloat16": [2e-2, 2e-2] + [5e-4] * 18}
+    now = [0.0]
+
+    def call(name):
+        def run():
+            now[0] += cost[name].pop(0)
+        return run
+
+    result = defaults.probe({name: call(name) for name in cost}, clock=lambda: now[0])
+    assert result.speedup("bfloat16") == pytest.approx(2.0)
 
 
 def test_probe_on_this_machine_times_every_candidate():

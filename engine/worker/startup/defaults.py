@@ -27,7 +27,7 @@ SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, ~1 ms where a 
 PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP, well under 1 ms with hardware
 PROBE_BUDGET_S = 0.005             # all candidates together, once the slow ones have dropped out
 PROBE_MAX_TURNS = 20
-CLEARLY_SLOWER = 10.0              # after two turns, a candidate this much slower than the best drops out
+CLEARLY_SLOWER = 10.0              # after three turns, a candidate this much slower than the best drops out
 HALF_UNITS = {"bfloat16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16")),
               "float16": (("amx_fp16", "AMX-FP16"), ("avx512_fp16", "AVX512_FP16"))}
 
@@ -155,13 +155,14 @@ def choose_dtype(devices: Sequence[torch.device]) -> Choice:
 def probe(candidates: Mapping[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter,
           budget_s: float = PROBE_BUDGET_S, max_turns: int = PROBE_MAX_TURNS) -> ProbeResult:
     """Best time of one call of each candidate, called in turns (so noise hits all alike) until
-    `budget_s` is spent; after two turns a candidate clearly slower than the best drops out."""
+    `budget_s` is spent; after three turns (the first pays warm-up costs) a candidate clearly slower than
+    the best drops out (after two, one interrupted call beside the warm-up dropped bfloat16 at a start)."""
     best = dict.fromkeys(candidates, float("inf"))
     live, started = list(candidates), clock()
     for turn in range(max_turns):
         for name in live:
             best[name] = min(best[name], _time_call(candidates[name], clock))
-        if turn >= 1:                                        # NOTE: turn 0 includes warm-up costs
+        if turn >= 2:                                        # NOTE: turn 0 includes warm-up costs
             live = [n for n in live if best[n] <= CLEARLY_SLOWER * min(best.values())]
         if turn >= 2 and clock() - started > budget_s:
             break
