@@ -20,7 +20,7 @@ from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.model.quant import gguf_source, quantize_model
 from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.transfer.select import select_transfer
-from pdserve.engine.worker.compute import Compute, ThreadCompute
+from pdserve.engine.worker.compute import Compute, ThreadCompute, share_cores
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.startup.defaults import Choice, choose_devices, choose_dtype, visible_gpus
 from pdserve.engine.worker.device import with_index
@@ -249,6 +249,7 @@ def load_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos:
     prefills = tuple(ThreadCompute(StepRunner(r, _peers(config, device, plan.decode_devices, decode_runners)), n, c)
                      for r, device, n, c in zip(prefill_runners, plan.prefill_devices,
                                                 unit_names("prefill", len(prefill_runners)), prefill_cores))
+    share_cores((*prefills, *decodes))
     return Units(decodes, prefills)
 
 

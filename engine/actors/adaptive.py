@@ -5,9 +5,10 @@ planner (`pdserve.engine.coordinator.planner`) picks, the prompts the planner ke
 coordinator decides when the actor takes a prompt and sends the others to a prefill unit. On CPU
 the two actors' cores are one pool of threads: a side whose partner has nothing to do may step on
 both sides' cores, when the planner predicts that faster (each unit's cost model keeps one fit per
-thread count); it gives them back at the launch after the partner has work again (measured:
-switching thread counts per step costs nothing, and an idle OpenMP team does not steal a busy
-thread's core: measured with 5507e67, which added lending; bench/RESULTS.md, "Serving modes").
+thread count); it gives them back at the launch after the partner has work again (switching thread
+counts per step costs nothing: measured with 5507e67, which added lending). The partner's idle
+OpenMP workers are given back when its cores are borrowed (`pdserve.engine.worker.openmp`: left
+alone they slowed every lent step).
 """
 from __future__ import annotations
 

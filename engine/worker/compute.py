@@ -14,6 +14,7 @@ import torch
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.openmp import release_thread_pool
 from pdserve.engine.worker.step import StepWork
 from pdserve.engine.worker.step_runner import PendingOutcome, StepOutcome, StepRunner
 
@@ -37,6 +38,14 @@ class Compute(Protocol):
     def close(self) -> None: ...
 
 
+def share_cores(units) -> None:
+    """Tell each CPU thread unit which others step on some of its cores (adaptive mode's core lending): before
+    it steps on more than one thread, their idle OpenMP pools are given back (`pdserve.engine.worker.openmp`)."""
+    threads = [u for u in units if isinstance(u, ThreadCompute) and u.cpu_cores]
+    for unit in threads:
+        unit.core_neighbours = tuple(o for o in threads if o is not unit and set(o.cpu_cores) & set(unit.cpu_cores))
+
+
 class ThreadCompute:
     """One compute thread pinned to the runner's device (or, on CPU, to `cpu_cores`).
 
@@ -53,7 +62,9 @@ class ThreadCompute:
         self.block_size, self.eos_token_ids = self.runner.block_size, self.runner.eos_token_ids
         self.cpu_cores = cpu_cores
         self.fault = Fault.from_env(name)
+        self.core_neighbours: tuple[ThreadCompute, ...] = ()    # see share_cores
         self._active = 0                 # steps running on the thread now (0 or 1)
+        self._pool_threads = 1           # most threads a step used since the thread's OpenMP pool was given back
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-{name}", initializer=self._init_thread)
         self._reader = None
         if step_runner.reads_back_later:
@@ -61,6 +72,9 @@ class ThreadCompute:
 
     def submit(self, work: StepWork) -> asyncio.Future:
         loop = asyncio.get_running_loop()
+        if (work.threads or len(self.cpu_cores)) > 1:
+            for other in self.core_neighbours:
+                other.release_idle_pool()
         if self._reader is None:
             return loop.run_in_executor(self._executor, self._run, work)
         return asyncio.ensure_future(self._read_back(loop.run_in_executor(self._executor, self._launch, work)))
@@ -83,6 +97,13 @@ class ThreadCompute:
             return step(work)
         finally:
             self._active -= 1
+            self._pool_threads = max(self._pool_threads, torch.get_num_threads())
+
+    def release_idle_pool(self) -> None:
+        """Give back the thread's OpenMP workers, unless it is stepping (a neighbour borrows its cores)."""
+        if self._pool_threads > 1 and not self._active:
+            self._pool_threads = 1
+            self._executor.submit(release_thread_pool)
 
     async def wait(self, handle: TransferHandle) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, handle.wait)

@@ -1,0 +1,51 @@
+"""Giving back a thread's OpenMP worker threads.
+
+libgomp (torch's OpenMP runtime, and the native kernels') keeps one pool of worker threads per thread that
+ever ran a parallel region on more than one thread. While the workers of all pools together are fewer than
+the cores it spin-waits between parallel regions; past that it puts them to sleep after every region and
+wakes them through the kernel for the next. A step is hundreds of small regions, so one idle pool left on
+another thread slows every multi-threaded step: on a 2-core EPYC a 1 MB element-wise op on two threads took
+4x as long, a 2048x2048 bf16 GEMV 2x, and adaptive mode's lent steps 1.1-1.5x (bench/RESULTS.md, "OpenMP
+pools"). So a thread that is done stepping on several cores gives its pool back (`release_thread_pool`):
+the loading thread after warm-up, and the idle partner of a unit that borrows its cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+OMP_PAUSE_SOFT = 1
+
+
+@functools.cache
+def _pause_resource_all():
+    """libgomp's `omp_pause_resource_all` (OpenMP 5.0, GCC 9+) as loaded in this process; None without it."""
+    path = _loaded_libgomp()
+    if path is None:
+        return None
+    try:
+        pause = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        logger.debug("%s has no omp_pause_resource_all: OpenMP pools are kept", path)
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
+def _loaded_libgomp() -> str | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and ".so" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
+def release_thread_pool() -> bool:
+    """Join the calling thread's OpenMP worker threads (its next parallel region starts a fresh pool).
+    False where the OpenMP runtime cannot (not libgomp, or one older than GCC 9): nothing is done."""
+    pause = _pause_resource_all()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
