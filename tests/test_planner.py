@@ -193,6 +193,26 @@ def test_lending_is_decided_from_the_predicted_step_on_each_thread_count():
     assert planner.lend(StepCostModel(), 1, 2, 8, 0, 0, partner_slo=0.05)    # unmeasured: try it
 
 
+def test_lending_is_tried_again_once_its_fit_is_older_than_a_fit_remembers():
+    """The lent fit learns only from lent steps: measured slow once (a moment of low memory bandwidth, say),
+    it would keep a unit on its own cores for good."""
+    planner, cost = Planner(SLOS, max_prefill_tokens=2048), StepCostModel()
+    for rows in (1, 8, 16, 32):
+        cost.observe(2, rows, 0, 0.01 + 0.004 * rows)           # lent steps, measured at a slow moment
+        cost.observe(1, rows, 0, 0.01 + 0.003 * rows)
+    tried = []
+    for _ in range(200):
+        lend = planner.lend(cost, 1, 2, 16, 0, 0, partner_slo=1.0)
+        tried.append(lend)
+        if lend:
+            cost.observe(2, 16, 0, 0.01 + 0.0015 * 16)           # as fast as lent steps are now
+        else:
+            cost.observe(1, 16, 0, 0.01 + 0.003 * 16)
+    window = int(1 / (1 - cost.decay))                          # 33 steps
+    assert tried.index(True) == window and not any(tried[:window])   # the lent fit is older than own's memory
+    assert all(tried[-50:])                                      # a few tries, and it lends from then on
+
+
 def test_context_tokens_are_a_coefficient_of_their_own():
     cost = StepCostModel()
     for rows, context in [(1, 100), (8, 800), (8, 8000), (16, 4000), (4, 16000), (2, 200)]:

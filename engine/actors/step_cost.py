@@ -27,11 +27,15 @@ class StepCostModel:
     ridge: float = 1e-3
     _fits: dict[int | None, WeightedFit] = field(default_factory=dict)
     _prefill_steps: dict[int | None, int] = field(default_factory=dict)    # observed steps that carried prefill
+    _observed: int = 0                                                    # steps observed, every thread count
+    _last_observed: dict[int | None, int] = field(default_factory=dict)   # threads -> _observed at its latest
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
                 context: int = 0) -> None:
         fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
         fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
+        self._observed += 1
+        self._last_observed[threads] = self._observed
         if prefill_tokens:
             self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
 
@@ -41,11 +45,19 @@ class StepCostModel:
         for threads, fit in profile._fits.items():
             self._fits[threads] = copy.deepcopy(fit)
         self._prefill_steps.update(profile._prefill_steps)
+        self._observed = max(self._observed, profile._observed)
+        self._last_observed.update(profile._last_observed)
 
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""
         fit = self._fits.get(threads)
         return fit is not None and fit.observations >= 3
+
+    def stale(self, threads: int | None) -> bool:
+        """More steps observed at other thread counts since the latest at `threads` than a fit remembers
+        (1 / (1 - decay) steps): its prediction is older than the one it is compared with."""
+        last = self._last_observed.get(threads)
+        return last is not None and self._observed - last > 1.0 / (1.0 - self.decay)
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
