@@ -26,6 +26,7 @@ import torch
 
 from pdserve.bench import memory_bandwidth
 from pdserve.bench.documents import machine_description, write_json
+from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.llama_cpp import find_llama_server
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.topology import resolve_model_dir
@@ -94,6 +95,7 @@ def _step_split(actor) -> dict:
 
 
 def bench_transformers(args, prompts, long_prompt) -> dict:
+    prefer_installed()
     import transformers
 
     dtype = getattr(torch, args.dtype or "bfloat16")

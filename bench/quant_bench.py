@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.profile_step import make_step
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.block_manager import BlockManager
@@ -45,6 +46,7 @@ def smollm2_gguf() -> Path:
 
 def prepare(out: Path) -> None:
     """The GGUF dequantized by transformers into a float32 HF directory, the GGUF linked beside it."""
+    prefer_installed()
     import transformers
     from safetensors.torch import save_file
 

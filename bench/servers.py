@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.llama_cpp import find_llama_server, llama_server_argv
 from pdserve.bench.metrics import RequestRecord
 
@@ -130,6 +131,7 @@ def default_model_dir() -> str:
 def transformers_unavailable() -> str:
     """Why `transformers serve` cannot run here ("" when it can): its serving extras, and
     accelerate (it loads models with a device_map), must be installed."""
+    prefer_installed()
     try:
         from transformers.utils.import_utils import (
             is_accelerate_available,

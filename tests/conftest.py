@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.bench.installed_names import prefer_installed
+
 if not torch.cuda.is_available():                 # NOTE: before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
+prefer_installed()                                # NOTE: before anything imports transformers (see that module)
 
 
 @pytest.fixture(autouse=True)
