@@ -22,7 +22,7 @@ from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
-from pdserve.engine.model import gguf_block_cache, quant
+from pdserve.engine.model import gguf_block_cache, quant, quant_probe
 from pdserve.engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
 from pdserve.engine.model.quant import QuantizedLinear, quantize_model
 from pdserve.engine.model.quant_probe import ProbeResult
@@ -263,6 +263,24 @@ def test_probe_on_real_weights_returns_timings():
     result = quant.probe_quantized(weights, packed, threads=1, batch_sizes=(1, 2))
     assert result.timings and all(dense > 0 and q > 0 for _, dense, q in result.timings)
     assert result.max_rows in (0, 1, 2)
+
+
+def test_the_probe_streams_twice_the_cpus_largest_cache_or_every_layer(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index4").mkdir()                                  # no size file: skipped
+    assert quant_probe.last_level_cache_bytes(tmp_path) == 480 << 20
+    assert quant_probe.probe_bytes(tmp_path) == 960 << 20
+    assert quant_probe.probe_bytes(tmp_path / "absent") == quant_probe.MIN_PROBE_BYTES
+    model = tiny_model()
+    dense = quant.projections(model)
+    names = list(dense)
+    per = max(m.weight.numel() * 4 for n, m in dense.items() if n != "lm_head")
+    layers = len(model.layers)
+    assert len(quant._probe_names(names, dense, streamed=per)) == 1
+    assert len(quant._probe_names(names, dense, streamed=2 * per)) == min(2, layers)
+    assert len(quant._probe_names(names, dense, streamed=960 << 20)) == layers     # a big cache: every layer
 
 
 def test_gguf_source_is_the_converted_file_or_the_one_in_the_directory(tmp_path):

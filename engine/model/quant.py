@@ -24,7 +24,7 @@ from pdserve.engine.model.gguf_block_cache import cached_gguf_projections
 from pdserve.engine.model.gguf_blocks import GGUFBlockError
 from pdserve.engine.model.layers import Linear
 from pdserve.engine.model.llama import CausalLM
-from pdserve.engine.model.quant_probe import probe_quantized
+from pdserve.engine.model.quant_probe import probe_bytes, probe_quantized
 from pdserve.kernels.native_decode_layers import Projection
 from pdserve.kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
 from pdserve.kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
@@ -32,7 +32,6 @@ from pdserve.kernels.quant_linear import KernelWeight, kernel_layout, native_ava
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "gguf", "auto")
-PROBE_BYTES = 48 << 20           # dense bytes one probe pass streams (more than a CPU's cache)
 CHECKED_ROWS = 16                # rows of each GGUF projection compared with the loaded weight
 
 
@@ -171,8 +170,10 @@ def _probe_and_swap(model: CausalLM, scheme: str, packed: dict[str, QuantizedWei
                 dense[name].weight.copy_(dequantize(weights[name]))
         layout = tiled.get(name) or kernel_layout(weights[name])
         _swap(model, name, QuantizedLinear(dense[name].weight, dense[name].bias, layout, max_rows))
+    streamed = sum(dense[n].weight.numel() * dense[n].weight.element_size() for n in tiled)
     return QuantDecision(scheme, max_rows, f"{len(names)} projections; probe on {next(iter(tiled))} "
-                                           f"x{len(tiled)} with {threads} threads: {result.describe()}")
+                                           f"x{len(tiled)} ({streamed / 2**20:.0f} MiB) with {threads} threads: "
+                                           f"{result.describe()}")
 
 
 def _with_kernel(dense: dict[str, Linear], packed: dict[str, QuantizedWeight] | None,
@@ -195,13 +196,14 @@ class _LazyInt8(dict):
         return self[name]
 
 
-def _probe_names(names: list[str], dense: dict[str, Linear]) -> list[str]:
-    """The largest per-layer projection, over as many layers as make PROBE_BYTES of dense weights."""
+def _probe_names(names: list[str], dense: dict[str, Linear], streamed: int | None = None) -> list[str]:
+    """The largest per-layer projection, over as many layers as make `streamed` bytes of dense weights
+    (`probe_bytes()`: more than the CPU's cache), or all of them."""
     layered = [n for n in names if n != "lm_head"] or names
     suffix = max(layered, key=lambda n: dense[n].weight.numel()).rsplit(".", 1)[-1]
     same = [n for n in layered if n.endswith(suffix)]
     per = dense[same[0]].weight.numel() * dense[same[0]].weight.element_size()
-    return same[:max(1, PROBE_BYTES // per)]
+    return same[:max(1, (streamed or probe_bytes()) // per)]
 
 
 def _swap(model: CausalLM, name: str, module: QuantizedLinear) -> None:

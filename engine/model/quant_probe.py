@@ -1,14 +1,16 @@
 """Start-up probe: does the quantized kernel beat the dense matmul on this CPU, and up to what batch?
 
 Self-contained (weights in, decision out) so the machine-defaults probe can call it beside its
-dtype probe. It times one pass over a few layers' copies of one projection (the largest of a
-layer), so the weights stream from memory as in a real step rather than sitting in cache, at
-growing batch sizes, and stops at the first size where the quantized pass is not clearly faster.
+dtype probe. It times one pass over enough layers' copies of one projection (the largest of a
+layer) to stream twice the CPU's last-level cache (`probe_bytes`; every layer's where the model has
+less), so the weights come from memory as in a real step rather than sitting in cache, at growing
+batch sizes, and stops at the first size where the quantized pass is not clearly faster.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,30 @@ from pdserve.kernels.quant_linear import KernelWeight, quant_linear_native
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 WIN_MARGIN = 0.9          # quantized must take at most 90% of the dense time to count as a win
+MIN_PROBE_BYTES = 48 << 20      # where the CPU reports no cache size: more than most CPUs' last-level cache
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def probe_bytes(caches: Path = CPU_CACHES) -> int:
+    """Dense bytes one probe pass streams: twice the largest cache the CPU reports, so that the weights come
+    from memory as in a decode step over a whole model (a pass that fits the cache measures compute alone and
+    favours the dense matmul: 48 MiB did on a Xeon reporting 480 MiB of L3, bench/RESULTS.md)."""
+    return max(MIN_PROBE_BYTES, 2 * last_level_cache_bytes(caches))
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
+    """The largest cache sysfs reports for the first CPU, in bytes (0 where it reports none)."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        number, unit = (text[:-1], text[-1]) if text[-1:].upper() in SIZE_UNITS else (text, "")
+        if number.isdigit():
+            sizes.append(int(number) * SIZE_UNITS.get(unit.upper(), 1))
+    return max(sizes, default=0)
 
 
 @dataclass(frozen=True, slots=True)
