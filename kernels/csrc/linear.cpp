@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (decode): each thread streams its own
 // contiguous share of the weight rows once, against every row of x (held in cache).
-// One row of x: one weight row at a time, a purely sequential stream with software prefetch.
+// One row of x: one weight row at a time, a purely sequential stream with software prefetch; bfloat16
+// where the CPU has AVX512_BF16 takes the tiles at one row instead (below).
 // More rows: tiles of R weight rows x up to 8 rows of x, R chosen by the rows of x so that the
 // accumulators fill the registers, K unrolled where they are few; each of the R row streams is
 // prefetched TILE_AHEAD_BYTES ahead (past its row's end: the same row of the next tile). bfloat16 tiles
@@ -63,6 +64,15 @@ template <> struct Step<bf16> {  // lane i += w[2i] x[2i] + w[2i+1] x[2i+1], exa
   }
   static vf madd(vf acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
+#endif
+
+// Whether one row of x goes through the tiles rather than the one-row stream: bfloat16 with vdpbf16ps, which
+// multiplies without widening and sums four weight rows' lanes at once; the one-row stream widens every
+// load and sums each row's lanes alone, and on a Xeon with AMX (2 threads) it ran at 0.55-0.7x the tiles'
+// bytes per second, below BLAS (bench/RESULTS.md, "One-row bfloat16 linear").
+template <typename T> constexpr bool ONE_ROW_TILES = false;
+#ifdef __AVX512BF16__
+template <> constexpr bool ONE_ROW_TILES<bf16> = true;
 #endif
 
 // Weight rows per tile for m rows of x (more than TILE_M: TILE_M's): a tile holds U * R * m
@@ -149,7 +159,7 @@ static void linear_team(const T* x, int64_t ldx, const T* w, const T* bias, T* y
   {
     int64_t begin, end;
     team_range(N, R, &begin, &end);  // whole tiles; coarser units split small N unevenly
-    if (M == 1)
+    if (M == 1 && !ONE_ROW_TILES<T>)
       gemv_rows(x, w, bias, y, begin, end, K);
     else
       linear_range<T, R>(x, ldx, w, bias, y, ldy, M, K, begin, end);
