@@ -6,7 +6,7 @@ A speculative verify step runs 2..6 rows per sequence through every projection; 
 read once either way, so time(M rows) / time(1 row) near 1.0 is the target. For each weight shape
 (SmolLM2-135M's and a 1.1B model's: hidden 2048, intermediate 5632), dtype and thread count, the
 rows counts are timed interleaved (median of --repeats), each sample one pass over enough copies of
-the weight to exceed the L3 cache, so the weights stream from memory as in a real step. With
+the weight to exceed twice the CPU's largest cache, so the weights stream from memory as in a real step. With
 --baseline REV, linear.cpp (and common.h) of that commit is built as a second library and timed in
 the same loop. Prints one line per case (ratio to one row, GB/s of weight read, next to the machine's
 read bandwidth) and writes DIR/linear_rows_bench.json (DIR: --out, else $OUT, else bench/out).
@@ -26,6 +26,7 @@ import torch
 
 from pdserve.bench.documents import machine_description, write_json
 from pdserve.bench.memory_bandwidth import measure as measure_bandwidth
+from pdserve.engine.model.quant_probe import probe_bytes
 from pdserve.kernels import native
 from pdserve.kernels.native import INT, INT64, POINTER, SUFFIXES
 
@@ -34,7 +35,7 @@ SHAPES = {  # name: (N, K)
     "135m.lm_head": (49152, 576),
     "1b.qkv": (2560, 2048), "1b.o": (2048, 2048), "1b.gate_up": (11264, 2048), "1b.down": (2048, 5632),
 }
-STREAM_BYTES = 96 << 20  # each sample reads at least this much weight (L3 here: 32 MiB)
+STREAM_BYTES = 96 << 20  # each sample reads at least this much weight, and twice the CPU's largest cache
 KERNEL_SOURCES = ("kernels/csrc/linear.cpp", "kernels/csrc/common.h")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,7 @@ def bench_case(functions: dict, shape, dtype, threads, row_counts, repeats) -> d
     times the median of that one."""
     n, k = shape
     element = torch.finfo(dtype).bits // 8
-    copies = max(2, -(-STREAM_BYTES // (n * k * element)))
+    copies = max(2, -(-max(STREAM_BYTES, probe_bytes()) // (n * k * element)))
     gen = torch.Generator().manual_seed(n * k)
     weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
     xs = {m: torch.randn(m, k, generator=gen).to(dtype) for m in row_counts}
