@@ -213,6 +213,30 @@ def test_lending_is_tried_again_once_its_fit_is_older_than_a_fit_remembers():
     assert all(tried[-50:])                                      # a few tries, and it lends from then on
 
 
+def test_lending_is_tried_at_a_step_larger_than_any_its_fit_remembers():
+    """Steps of a few rows do not pin the per-row cost down: a lent fit that had seen only one-row decode steps
+    and prefill chunks predicted a 48-row step at 1.5x its measured time, and the unit stepped on its own core."""
+    def measured_on_small_steps() -> StepCostModel:
+        cost = StepCostModel()
+        for _ in range(40):
+            for rows in (1, 2, 4):
+                cost.observe(2, rows, 0, 0.01 + 0.01 * rows)            # lent: a steep slope over a few rows
+            cost.observe(1, 48, 0, 0.057)                               # own core: the full batch
+        return cost
+
+    planner, cost = Planner(SLOS, max_prefill_tokens=2048), measured_on_small_steps()
+    assert cost.predict(2, 48, 0) > cost.predict(1, 48, 0)             # extrapolated: slower lent
+    assert planner.lend(cost, 1, 2, 48, 0, 0, partner_slo=1.0)         # so it is tried
+    assert not planner.lend(cost, 1, 2, 4, 0, 0, partner_slo=0.01)     # (the partner's SLO still bounds it)
+    for _ in range(5):
+        cost.observe(2, 48, 0, 0.037)                                   # as fast as lent 48-row steps are
+    assert cost.covers(2, 48, 0) and planner.lend(cost, 1, 2, 48, 0, 0, partner_slo=1.0)
+    slow = measured_on_small_steps()
+    for _ in range(5):
+        slow.observe(2, 48, 0, 0.080)                                   # slower lent, measured now
+    assert not planner.lend(slow, 1, 2, 48, 0, 0, partner_slo=1.0)
+
+
 def test_context_tokens_are_a_coefficient_of_their_own():
     cost = StepCostModel()
     for rows, context in [(1, 100), (8, 800), (8, 8000), (16, 4000), (4, 16000), (2, 200)]:

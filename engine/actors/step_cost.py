@@ -9,6 +9,8 @@ sharing is measured, not assumed. The adaptive actors feed it; the coordinator's
 from __future__ import annotations
 
 import copy
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +31,7 @@ class StepCostModel:
     _prefill_steps: dict[int | None, int] = field(default_factory=dict)    # observed steps that carried prefill
     _observed: int = 0                                                    # steps observed, every thread count
     _last_observed: dict[int | None, int] = field(default_factory=dict)   # threads -> _observed at its latest
+    _recent_shapes: dict[int | None, deque] = field(default_factory=dict)  # threads -> (rows, tokens) it remembers
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
                 context: int = 0) -> None:
@@ -36,6 +39,8 @@ class StepCostModel:
         fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
         self._observed += 1
         self._last_observed[threads] = self._observed
+        memory = math.ceil(1.0 / (1.0 - self.decay))
+        self._recent_shapes.setdefault(threads, deque(maxlen=memory)).append((decode_rows, prefill_tokens))
         if prefill_tokens:
             self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
 
@@ -47,6 +52,7 @@ class StepCostModel:
         self._prefill_steps.update(profile._prefill_steps)
         self._observed = max(self._observed, profile._observed)
         self._last_observed.update(profile._last_observed)
+        self._recent_shapes.update({t: copy.copy(shapes) for t, shapes in profile._recent_shapes.items()})
 
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""
@@ -58,6 +64,14 @@ class StepCostModel:
         (1 / (1 - decay) steps): its prediction is older than the one it is compared with."""
         last = self._last_observed.get(threads)
         return last is not None and self._observed - last > 1.0 / (1.0 - self.decay)
+
+    def covers(self, threads: int | None, decode_rows: int, prefill_tokens: int) -> bool:
+        """Whether the steps the fit at `threads` still remembers (its last 1 / (1 - decay)) reached this many
+        decode rows and prefill tokens: beyond them its prediction extrapolates coefficients no step separated
+        (one-row decode steps and prefill chunks predicted a 48-row step at 1.5x its measured time)."""
+        shapes = self._recent_shapes.get(threads, ())
+        return (decode_rows <= max((rows for rows, _ in shapes), default=-1)
+                and prefill_tokens <= max((tokens for _, tokens in shapes), default=-1))
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
