@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.step_trace import StepTrace
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import ActorStats, FinishReason, Preempted, Request, Reservation, StepOutput
@@ -133,6 +134,7 @@ class Actor(abc.ABC):
         self.step_seconds = 0.0          # schedule + launch + record, summed over steps (host side)
         self.mask_seconds: deque[float] = deque(maxlen=10_000)   # token-mask time of steps that had masks
         self.completed_step = -1
+        self.trace = StepTrace.from_environment()
         self.lent_steps = 0              # steps run with cores borrowed from the other actor
         self.local_prefills = self.remote_prefills = 0     # placement decisions (adaptive mode)
         self._next_step = 0
@@ -268,6 +270,10 @@ class Actor(abc.ABC):
         self._step_done(step)
         started = time.perf_counter()
         self.observe_step(step.batch, outcome.seconds, outcome.threads)
+        if self.trace is not None:
+            batch = step.batch
+            self.trace.step(self.unit_name, step.step_id, step.started, outcome.seconds, outcome.threads,
+                            len(batch.decode), len(batch.verify), sum(c.num_tokens for c in batch.chunks))
         if outcome.mask_seconds:
             self.mask_seconds.append(outcome.mask_seconds)
         self.cache_landed(step.batch)
