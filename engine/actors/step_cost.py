@@ -39,8 +39,8 @@ class StepCostModel:
         fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
         self._observed += 1
         self._last_observed[threads] = self._observed
-        memory = math.ceil(1.0 / (1.0 - self.decay))
-        self._recent_shapes.setdefault(threads, deque(maxlen=memory)).append((decode_rows, prefill_tokens))
+        shapes = self._recent_shapes.setdefault(threads, deque(maxlen=math.ceil(self.memory)))
+        shapes.append((decode_rows, prefill_tokens))
         if prefill_tokens:
             self._prefill_steps[threads] = self._prefill_steps.get(threads, 0) + 1
 
@@ -54,6 +54,11 @@ class StepCostModel:
         self._last_observed.update(profile._last_observed)
         self._recent_shapes.update({t: copy.copy(shapes) for t, shapes in profile._recent_shapes.items()})
 
+    @property
+    def memory(self) -> float:
+        """The steps a fit remembers: 1 / (1 - decay), the weight of all its observations."""
+        return 1.0 / (1.0 - self.decay)
+
     def measured(self, threads: int | None) -> bool:
         """At least three steps observed at `threads` (a fit of its own, not another count's)."""
         fit = self._fits.get(threads)
@@ -63,10 +68,10 @@ class StepCostModel:
         """More steps observed at other thread counts since the latest at `threads` than a fit remembers
         (1 / (1 - decay) steps): its prediction is older than the one it is compared with."""
         last = self._last_observed.get(threads)
-        return last is not None and self._observed - last > 1.0 / (1.0 - self.decay)
+        return last is not None and self._observed - last > self.memory
 
     def covers(self, threads: int | None, decode_rows: int, prefill_tokens: int) -> bool:
-        """Whether the steps the fit at `threads` still remembers (its last 1 / (1 - decay)) reached this many
+        """Whether the steps the fit at `threads` still remembers (its last `memory`) reached this many
         decode rows and prefill tokens: beyond them its prediction extrapolates coefficients no step separated
         (one-row decode steps and prefill chunks predicted a 48-row step at 1.5x its measured time)."""
         shapes = self._recent_shapes.get(threads, ())
