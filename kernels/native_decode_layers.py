@@ -5,9 +5,10 @@ O, RMSNorm, gate-up, SiLU-and-mul, down), and at one row each call's Python (che
 ctypes) costs about what its kernel does. This runs the same kernels in the same order from C++:
 the same numbers, one call a step. It serves Llama-style layers without q/k norms, float32 or
 bfloat16, whose projections are dense or quantized (quant_linear.c's blocks), at decode batches
-where the per-op path would run a native kernel for every projection (the native linear where it
-beats BLAS: `pdserve.kernels.native_linear.prefer_native`; the quantized kernel up to its `max_rows`);
-everything else keeps the per-op path.
+where the per-op path would run a native kernel for every projection (the quantized kernel up to its
+`max_rows`, the native linear over the dense weight above them and for dense projections, where it
+beats BLAS: `pdserve.kernels.native_linear.prefer_native`); everything else keeps the per-op path.
+Each row count's choice is one pointer table: blocks or dense weight per projection.
 """
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ class Projection:
     packed: KernelWeight | None = None
     max_rows: int = 0
 
-    def words(self) -> list[int]:
-        """format (0 dense, else quant_linear's + 1), weight or blocks, bias, block scales, mins, channel scales."""
+    def blocks_serve(self, rows: int) -> bool:
+        """Whether a step of `rows` rows reads this projection's blocks (else its dense weight)."""
+        return self.packed is not None and rows <= self.max_rows
+
+    def words(self, blocks: bool) -> list[int]:
+        """format (0 dense, else quant_linear's + 1), weight or blocks, bias, block scales, mins, channel scales;
+        the dense weight's words unless `blocks`."""
         bias = _address(self.bias)
         p = self.packed
-        if p is None:
+        if p is None or not blocks:
             return [0, self.weight.data_ptr(), bias, 0, 0, 0]
         block_scales, channel_scales = (0, p.scales.data_ptr()) if p.format == "int8" else (p.scales.data_ptr(), 0)
         return [FORMATS.index(p.format) + 1, p.qs.data_ptr(), bias, block_scales, _address(p.mins), channel_scales]
@@ -64,9 +70,10 @@ class LayerTensors:
     def projections(self) -> tuple[Projection, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
-    def words(self) -> list[int]:
+    def words(self, blocks: tuple[bool, ...]) -> list[int]:
+        """The layer's table words, each projection's blocks where `blocks` (qkv, o, gate-up, down) says."""
         return [self.input_norm.data_ptr(), self.post_norm.data_ptr(),
-                *(word for p in self.projections for word in p.words())]
+                *(word for p, b in zip(self.projections, blocks) for word in p.words(b))]
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -75,16 +82,18 @@ def _address(t: torch.Tensor | None) -> int:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DecodeLayers:
-    """A model's decoder layers as the native step takes them (a pointer table, built once)."""
+    """A model's decoder layers as the native step takes them (a pointer table per choice of blocks or dense
+    weights, built once)."""
 
     layers: tuple[LayerTensors, ...]
-    table: torch.Tensor          # int64 [layers * WORDS_PER_LAYER]
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
     scale: float
     _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (rows, threads) ->
+    _tables: dict[tuple[tuple[bool, ...], ...], torch.Tensor] = field(default_factory=dict)   # per layer and
+    #                                                         projection, whether it reads its blocks -> table
 
     @classmethod
     def build(cls, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -92,8 +101,7 @@ class DecodeLayers:
         """None when the native step cannot serve these layers (dtype, layout, head shape)."""
         if not layers or not _supported(layers, num_heads, num_kv_heads, head_dim):
             return None
-        table = torch.tensor([w for layer in layers for w in layer.words()], dtype=torch.int64)
-        return cls(tuple(layers), table, num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5)
+        return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,13 +123,21 @@ class DecodeLayers:
         key = (rows, torch.get_num_threads())
         wins = self._native_wins.get(key)
         if wins is None:
-            wins = self._native_wins[key] = all(_takes(p, rows) for layer in self.layers for p in layer.projections)
+            wins = self._native_wins[key] = all(p.blocks_serve(rows) or _native_linear_takes(p, rows)
+                                                for layer in self.layers for p in layer.projections)
         return wins
 
+    def table(self, rows: int) -> torch.Tensor:
+        """The pointer table (int64 [layers * WORDS_PER_LAYER]) a step of `rows` rows runs: each quantized
+        projection's blocks up to its `max_rows`, its dense weight above them."""
+        blocks = tuple(tuple(p.blocks_serve(rows) for p in layer.projections) for layer in self.layers)
+        if blocks not in self._tables:
+            self._tables[blocks] = torch.tensor(
+                [w for layer, own in zip(self.layers, blocks) for w in layer.words(own)], dtype=torch.int64)
+        return self._tables[blocks]
 
-def _takes(projection: Projection, rows: int) -> bool:
-    if projection.packed is not None:
-        return rows <= projection.max_rows
+
+def _native_linear_takes(projection: Projection, rows: int) -> bool:
     w = projection.weight
     return prefer_native(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
 
@@ -164,7 +180,7 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     block, layer, kv, slot, head = kv_pool.stride()[:5]
     shape = int64_array(seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers, splits,
                         block_size, block, layer, kv, slot, head, block_tables.stride(0), cos_sin.stride(0), 0)
-    status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table.data_ptr(), shape,
+    status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table(seqs).data_ptr(), shape,
                               kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
                               block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
                               None if partials is None else partials.data_ptr(), layers.eps, layers.scale,

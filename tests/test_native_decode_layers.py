@@ -125,15 +125,54 @@ def test_the_step_goes_native_where_every_projection_prefers_the_native_linear(m
     assert layers.serves(5)                                            # another row count: asked afresh
 
 
-def test_the_pointer_table_has_the_layout_the_native_step_reads():
+def test_the_pointer_table_has_the_layout_the_native_step_reads(monkeypatch):
     from pdserve.kernels.native_decode_layers import WORDS_PER_LAYER
 
     model = cpu_model("qwen2")                                            # q/k/v bias: non-null words
     layers = model._build_decode_layers()
-    table = layers.table.view(len(model.layers), WORDS_PER_LAYER)
+    table = layers.table(1).view(len(model.layers), WORDS_PER_LAYER)
     first = model.layers[0]
     assert table[0, 0] == first.input_layernorm.weight.data_ptr()
     assert table[0, 1] == first.post_attention_layernorm.weight.data_ptr()
     assert table[0, 2:8].tolist() == [0, first.self_attn.qkv_proj.weight.data_ptr(),
                                       first.self_attn.qkv_proj.bias.data_ptr(), 0, 0, 0]
     assert table[-1, -6:].tolist() == [0, model.layers[-1].mlp.down_proj.weight.data_ptr(), 0, 0, 0, 0]
+
+
+def quantized_cpu_model(monkeypatch, max_rows: int):
+    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(max_rows, ()))
+    model = cpu_model("llama3")
+    quant.quantize_model(model, "int8", None, threads=1)
+    return model
+
+
+def test_quantized_projections_read_their_dense_weights_above_their_rows(monkeypatch):
+    from pdserve.kernels.native_decode_layers import WORDS_PER_LAYER
+
+    native = {"dense": True}
+    monkeypatch.setattr("pdserve.kernels.native_decode_layers.prefer_native", lambda x, weight: native["dense"])
+    model = quantized_cpu_model(monkeypatch, max_rows=2)
+    layers = model._build_decode_layers()
+    qkv = model.layers[0].self_attn.qkv_proj
+    blocks = layers.table(2).view(len(model.layers), WORDS_PER_LAYER)
+    assert blocks[0, 2] != 0 and blocks[0, 3] == qkv.packed.qs.data_ptr()        # up to max_rows: the blocks
+    dense = layers.table(3).view(len(model.layers), WORDS_PER_LAYER)
+    assert dense[0, 2:4].tolist() == [0, qkv.weight.data_ptr()]                  # above: the dense weight
+    assert layers.table(3) is layers.table(4)                                   # one table per choice
+    assert layers.serves(2) and layers.serves(3)
+    native["dense"] = False                                                     # BLAS wins the dense weight:
+    fresh = model._build_decode_layers()
+    assert fresh.serves(2) and not fresh.serves(3)                              # above max_rows, per-op path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_past_the_blocks_rows_in_one_call_equals_the_per_op_path(dtype, monkeypatch):
+    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(1, ()))
+    monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)
+    tables = []
+    real = DecodeLayers.table
+    monkeypatch.setattr(DecodeLayers, "table", lambda self, rows: tables.append(rows) or real(self, rows))
+    model = hf_checkpoint("llama3")
+    ours = generate(model, dtype, True, monkeypatch, quantization="int8")
+    assert 1 in tables and max(tables) > 1                     # both the blocks' and the dense weights' table
+    assert ours == generate(model, dtype, False, monkeypatch, quantization="int8")
