@@ -17,6 +17,9 @@ def test_the_non_negative_solve_matches_scipy_nnls(seed):
         expected, _ = nnls(np.vstack([x, np.sqrt(ridge) * np.eye(n)]), np.concatenate([y, np.zeros(n)]))
         got = non_negative_solve(x.T @ x + ridge * np.eye(n), x.T @ y)
         np.testing.assert_allclose(got, expected, atol=1e-9)
+        for hint in (expected, rng.random(n) * (rng.random(n) < 0.5)):   # its own support, a random one
+            hinted = non_negative_solve(x.T @ x + ridge * np.eye(n), x.T @ y, hint)
+            np.testing.assert_allclose(hinted, expected, atol=1e-9)
 
 
 def test_a_fit_predicts_the_steps_it_observed_when_a_coefficient_is_held_at_zero():
@@ -37,3 +40,19 @@ def test_a_fit_predicts_the_steps_it_observed_when_a_coefficient_is_held_at_zero
     predicted = cost.predict(2, 48, 0, context=48 * 147)
     assert min(observed) * 0.8 <= predicted <= max(observed) * 1.2
     assert (cost.coefficients(2) >= 0).all()
+
+
+def test_the_coefficients_are_solved_again_after_each_observation():
+    from pdserve.engine.core.weighted_fit import WeightedFit
+
+    fit = WeightedFit(2, decay=1.0, ridge=1e-9)
+    for rows in (1, 2, 3):
+        fit.observe(np.array([1.0, rows]), 0.010 + 0.002 * rows)
+    first = fit.coefficients()
+    assert fit.coefficients() is first                             # one solve while nothing changes
+    np.testing.assert_allclose(first, [0.010, 0.002], atol=1e-6)
+    with pytest.raises(ValueError):
+        first[0] = 1.0                                             # shared, so read-only
+    for rows in (1, 2, 3):
+        fit.observe(np.array([1.0, rows]), 0.030 + 0.002 * rows)
+    np.testing.assert_allclose(fit.coefficients(), [0.020, 0.002], atol=1e-6)
