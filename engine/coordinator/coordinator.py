@@ -190,9 +190,12 @@ class Coordinator(UnitFaults):
         return False
 
     def step_budget(self, actor: Actor, decode_rows: int) -> int | None:
-        """Prefill tokens decode unit `actor`'s next step carries, as the planner predicts best."""
+        """Prefill tokens decode unit `actor`'s next step carries, as the planner predicts best (with no
+        prompt queued there, no prediction: the step carries none whatever the budget)."""
         if self.planner is None:
             return None
+        if not len(actor.local):
+            return self.planner.max_prefill_tokens
         decision = self.planner.step_budget(self.load(actor, decode_rows), actor.cost)
         self._log("step budget", decision)
         return decision.chosen.chunk
