@@ -173,3 +173,22 @@ def test_the_native_linear_is_chosen_at_load_for_every_thread_count(monkeypatch,
     finally:
         llm.close()
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+
+
+def test_the_native_linear_race_streams_the_weights_and_decides_every_shape_of_a_dtype(monkeypatch):
+    """One race per dtype, bucket and thread count over the weights in model order up to the bytes asked;
+    each shape of that dtype takes its winner (a step runs them all)."""
+    monkeypatch.setattr(native_linear, "_winners", {})
+    weights = [torch.zeros(8, 16), torch.zeros(4, 16), torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.bfloat16)]
+    raced = []
+
+    def race(streamed, rows):
+        raced.append((streamed[0].dtype, len(streamed), rows))
+        return (1.0, 2.0) if rows <= 4 else (2.0, 1.0)                 # native wins up to 4 rows
+
+    monkeypatch.setattr(native_linear, "race", race)
+    decided = native_linear.warm_prefer_native(weights + [weights[0]], (1,), stream_bytes=2 * 8 * 16 * 4)
+    assert decided == 3 * len(native_linear.row_buckets())             # (8, 16) f32, (4, 16) f32, (8, 16) bf16
+    assert {(dtype, n) for dtype, n, _ in raced} == {(torch.float32, 3), (torch.bfloat16, 1)}   # to the bytes, once each
+    for (dtype, out, inp, bucket, threads), wins in native_linear._winners.items():
+        assert wins == (bucket <= 4) and threads == 1
