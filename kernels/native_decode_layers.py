@@ -19,7 +19,7 @@ import torch
 
 from pdserve.kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
 from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
-from pdserve.kernels.native_linear import MAX_NATIVE_ROWS, prefer_native
+from pdserve.kernels.native_linear import MAX_NATIVE_ROWS, prefer_native, row_bucket
 from pdserve.kernels.quant_formats import FORMATS
 from pdserve.kernels.quant_linear import KernelWeight, quant_linear_address
 from pdserve.kernels.quant_linear import native_available as quant_available
@@ -92,6 +92,7 @@ class DecodeLayers:
     eps: float
     scale: float
     _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (rows, threads) ->
+    _timed: dict[tuple[int, int], bool] = field(default_factory=dict)         # (row bucket, threads) ->
     _tables: dict[tuple[tuple[bool, ...], ...], torch.Tensor] = field(default_factory=dict)   # per layer and
     #                                                         projection, whether it reads its blocks -> table
 
@@ -116,16 +117,25 @@ class DecodeLayers:
         return self.layers[0].down.weight.shape[1]
 
     def serves(self, rows: int) -> bool:
-        """Whether a decode step of `rows` sequences goes native: the per-op path would run a native
-        kernel for every projection (decided once per row count and thread count)."""
+        """Whether a decode step of `rows` sequences goes native: as timed at load for its row bucket
+        (`decide`), else where the per-op path would run a native kernel for every projection (decided once
+        per row count and thread count)."""
         if not 0 < rows <= MAX_NATIVE_ROWS:
             return False
+        timed = self._timed.get((row_bucket(rows), torch.get_num_threads()))
+        if timed is not None:
+            return timed
         key = (rows, torch.get_num_threads())
         wins = self._native_wins.get(key)
         if wins is None:
             wins = self._native_wins[key] = all(p.blocks_serve(rows) or _native_linear_takes(p, rows)
                                                 for layer in self.layers for p in layer.projections)
         return wins
+
+    def decide(self, bucket: int, threads: int, one_call: bool) -> None:
+        """Steps of `bucket`'s rows (`row_bucket`) at `threads` go native or not, as a whole step measured
+        (the per-op path's Python per op can outweigh a faster BLAS kernel: engine.worker.startup.warmup)."""
+        self._timed[(bucket, threads)] = one_call
 
     def table(self, rows: int) -> torch.Tensor:
         """The pointer table (int64 [layers * WORDS_PER_LAYER]) a step of `rows` rows runs: each quantized

@@ -176,3 +176,33 @@ def test_a_step_past_the_blocks_rows_in_one_call_equals_the_per_op_path(dtype, m
     ours = generate(model, dtype, True, monkeypatch, quantization="int8")
     assert 1 in tables and max(tables) > 1                     # both the blocks' and the dense weights' table
     assert ours == generate(model, dtype, False, monkeypatch, quantization="int8")
+
+
+@pytest.mark.parametrize("one_call_faster", [True, False])
+def test_the_decode_step_path_is_the_faster_whole_step_timed_at_load(one_call_faster, monkeypatch):
+    from pdserve.engine.worker.model_runner import ModelRunner
+    from pdserve.engine.worker.startup import warmup
+    from pdserve.kernels.native_linear import row_buckets
+
+    runner = ModelRunner(cpu_model("llama3"), 64, 16, frozenset())
+    layers = runner.model.one_call_layers()
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: pytest.fail("timed steps are stubbed here"))
+    steps = []
+
+    def timed(runner_, step):
+        rows, threads = len(step.decode_rows), torch.get_num_threads()
+        one_call = layers._timed[(rows, threads)]
+        steps.append((rows, threads, one_call))
+        return 1.0 if one_call == one_call_faster else 2.0
+
+    monkeypatch.setattr(warmup, "_timed_synthetic", timed)
+    monkeypatch.setattr(warmup, "run_synthetic", lambda runner_, step: None)
+    assert warmup.time_one_call_steps(runner, (1, 2)) == 2 * len([b for b in row_buckets() if b <= 8])
+    assert {(rows, one_call) for rows, _, one_call in steps} == {(b, c) for b in (1, 2, 4, 8) for c in (True, False)}
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert all(layers.serves(rows) == one_call_faster for rows in range(1, 9))  # a bucket covers its rows
+    finally:
+        torch.set_num_threads(previous)

@@ -121,11 +121,15 @@ class CausalLM(nn.Module):
         """Every layer in one native call for this decode step, when the native kernels serve it."""
         if (self.backend or kernels.choose_backend(h)) is not kernels.Backend.NATIVE:
             return None
+        layers = self.one_call_layers()
+        return layers if layers is not None and layers.dtype == h.dtype and layers.serves(h.shape[0]) else None
+
+    def one_call_layers(self) -> DecodeLayers | None:
+        """The layers' table for the one-call native step (None where it cannot serve this model)."""
         built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
         if self._decode_layers_for != built_for:
             self._decode_layers, self._decode_layers_for = self._build_decode_layers(), built_for
-        layers = self._decode_layers
-        return layers if layers is not None and layers.dtype == h.dtype and layers.serves(h.shape[0]) else None
+        return self._decode_layers
 
     def forget_native_decode_layers(self) -> None:
         """Called when a projection module is replaced (quantization): the next step rebuilds the table."""

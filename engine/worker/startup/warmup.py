@@ -10,6 +10,7 @@ device, before the actor starts.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,11 @@ from pdserve.engine.worker.cuda_graph import batch_buckets
 from pdserve.engine.worker.device import on_device, side_stream
 from pdserve.engine.worker.model_runner import ModelRunner
 from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput
-from pdserve.kernels.native_linear import warm_prefer_native
+from pdserve.kernels.native_linear import row_buckets, warm_prefer_native
 
 ROLES = ("prefill", "decode", "colocated")
+ONE_CALL_TIMED_ROWS = 8      # decode batches whose whole step is timed both ways at load; above, the kernels' race
+ONE_CALL_TIMED_RUNS = 2
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 # NOTE: a sampled step alternates these per row, so every sampler branch runs: penalties, top-k, top-p, min-p,
 # logprobs, greedy rows among sampled ones
@@ -79,7 +82,8 @@ def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, 
     native linear's batches for every thread count a step may run with (default: the current one).
     Returns the steps (CUDA) or decisions (CPU) made."""
     if runner.device.type == "cpu":
-        return warm_cpu_linears(runner.model, thread_counts or (torch.get_num_threads(),))
+        counts = thread_counts or (torch.get_num_threads(),)
+        return warm_cpu_linears(runner.model, counts) + time_one_call_steps(runner, counts)
     return warm_up(runner, warmup_shapes(role, sched.max_num_seqs, sched.max_prefill_tokens, max_model_len))
 
 
@@ -93,6 +97,43 @@ def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> 
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)
     return warm_prefer_native(weights, thread_counts, probe_bytes())
+
+
+def time_one_call_steps(runner: ModelRunner, thread_counts: tuple[int, ...], seed: int = 0) -> int:
+    """For each row bucket up to ONE_CALL_TIMED_ROWS and each thread count, time a decode step through the
+    one-call native step and through the per-op path and keep the faster (`DecodeLayers.decide`); returns the
+    decisions made. Per kernel, BLAS beat the native linear at one row of float32 SmolLM2 on a Xeon with AMX
+    (20.6 vs 23.4 ms over every weight), yet the per-op path's Python per op made that step 28 ms against
+    the one-call step's 23.7: only the whole step answers which is faster."""
+    model = runner.model
+    if (model.backend or kernels.choose_backend(model.embed_tokens.weight)) is not kernels.Backend.NATIVE:
+        return 0
+    layers = model.one_call_layers()
+    if layers is None or layers.dtype != model.embed_tokens.weight.dtype:
+        return 0
+    rng, vocab, previous, decided = random.Random(seed), model.config.vocab_size, torch.get_num_threads(), 0
+    try:
+        for threads in sorted(set(thread_counts)):
+            torch.set_num_threads(threads)
+            for rows in (b for b in row_buckets() if b <= ONE_CALL_TIMED_ROWS):
+                step = synthetic_step(StepShape("decode", rows, 1, context=runner.block_size), vocab,
+                                      runner.block_size, runner.num_blocks, rng)
+                seconds = {}
+                for one_call in (True, False):
+                    layers.decide(rows, threads, one_call)
+                    run_synthetic(runner, step)                                   # warm-up
+                    seconds[one_call] = min(_timed_synthetic(runner, step) for _ in range(ONE_CALL_TIMED_RUNS))
+                layers.decide(rows, threads, seconds[True] <= seconds[False])
+                decided += 1
+    finally:
+        torch.set_num_threads(previous)
+    return decided
+
+
+def _timed_synthetic(runner: ModelRunner, step: StepInput) -> float:
+    started = time.perf_counter()
+    run_synthetic(runner, step)
+    return time.perf_counter() - started
 
 
 def warm_up(runner: ModelRunner, shapes: list[StepShape], seed: int = 0) -> int:
