@@ -22,6 +22,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.spec_verify import verify_on_device
+from pdserve.engine.worker.startup.warmup import time_one_call_steps, warm_cpu_linears
 from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput, VerifyInput
 
 BLOCK = 16
@@ -29,11 +30,14 @@ BLOCK = 16
 
 def build(model_dir: str, dtype: torch.dtype, context: int, most_drafts: int, params: SamplingParams
           ) -> tuple[ModelRunner, list[int]]:
-    """A runner holding one row with `context` prompt tokens prefilled."""
+    """A runner holding one row with `context` prompt tokens prefilled, its kernels decided as serving's are."""
     config = ModelConfig.from_dir(model_dir)
     length = context + most_drafts + 1
     blocks = -(-length // BLOCK)
     runner = ModelRunner(load_model(config, dtype, torch.device("cpu"), length + BLOCK), blocks, BLOCK, frozenset())
+    threads = (torch.get_num_threads(),)
+    warm_cpu_linears(runner.model, threads)                # NOTE: as serving decides its kernels and decode path
+    time_one_call_steps(runner, threads)
     tokens = [(7 * i + 3) % 1000 + 100 for i in range(context)]
     row = NewRow(0, tuple(tokens), context, tuple(range(blocks)), params)
     runner.execute(StepInput(new_rows=(row,), chunks=(ChunkInput(0, 0, context, True),)))
