@@ -95,6 +95,7 @@ class DecodeLayers:
     _timed: dict[tuple[int, int], bool] = field(default_factory=dict)         # (row bucket, threads) ->
     _tables: dict[tuple[tuple[bool, ...], ...], torch.Tensor] = field(default_factory=dict)   # per layer and
     #                                                         projection, whether it reads its blocks -> table
+    _by_rows: dict[int, torch.Tensor] = field(default_factory=dict)          # rows -> its table (a step's lookup)
 
     @classmethod
     def build(cls, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -140,11 +141,14 @@ class DecodeLayers:
     def table(self, rows: int) -> torch.Tensor:
         """The pointer table (int64 [layers * WORDS_PER_LAYER]) a step of `rows` rows runs: each quantized
         projection's blocks up to its `max_rows`, its dense weight above them."""
-        blocks = tuple(tuple(p.blocks_serve(rows) for p in layer.projections) for layer in self.layers)
-        if blocks not in self._tables:
-            self._tables[blocks] = torch.tensor(
-                [w for layer, own in zip(self.layers, blocks) for w in layer.words(own)], dtype=torch.int64)
-        return self._tables[blocks]
+        table = self._by_rows.get(rows)
+        if table is None:
+            blocks = tuple(tuple(p.blocks_serve(rows) for p in layer.projections) for layer in self.layers)
+            if blocks not in self._tables:
+                self._tables[blocks] = torch.tensor(
+                    [w for layer, own in zip(self.layers, blocks) for w in layer.words(own)], dtype=torch.int64)
+            table = self._by_rows[rows] = self._tables[blocks]
+        return table
 
 
 def _native_linear_takes(projection: Projection, rows: int) -> bool:
