@@ -43,6 +43,8 @@ from tests.test_supervisor import until  # noqa: E402
 LOOPBACK = "127.0.0.1"
 NODE = dict(num_cpus=2, object_store_memory=100 * 2**20)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+DOOMED = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)   # NOTE: streams a fault must cut: long
+#                         enough (context 2048) not to end before the kill reaches their unit, however fast decode is
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +266,7 @@ def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(clust
         await engine.start()
         try:
             before, _ = await collect(engine.submit(Request("before", reference, LONG)))
-            streams = [engine.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            streams = [engine.submit(Request(f"doomed{i}", p, DOOMED)) for i, p in enumerate(prompts([6, 40], seed=1))]
             firsts = await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
             assert all(event.finish_reason is None for event in firsts)        # decoding on the decode node
             os.kill(first_pid, signal.SIGKILL)
@@ -280,7 +282,7 @@ def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(clust
     assert [r for _, r in ends] == [FinishReason.ERROR] * 2
     assert all(e.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
                for e in errors)
-    assert all(len(tokens) < LONG.max_tokens for tokens, _ in ends)
+    assert all(len(tokens) < DOOMED.max_tokens for tokens, _ in ends)
     assert engine.units.decode.lost is None                              # the fresh actor serves
     assert victim.where["pid"] != first_pid and victim.where["node_id"] == decode_node
     assert reason is FinishReason.LENGTH and after == before
@@ -296,7 +298,7 @@ def test_an_idle_decode_actor_killed_fails_the_next_hand_off_with_its_name_and_n
         await engine.start()
         try:
             os.kill(victim.where["pid"], signal.SIGKILL)                  # no step of its own notices
-            stream = engine.submit(Request("doomed", prompts([70], seed=4)[0], LONG))
+            stream = engine.submit(Request("doomed", prompts([70], seed=4)[0], DOOMED))
             events = await asyncio.wait_for(collect_events(stream), 60)
             await until(lambda: engine.healthy(), 120)
             after, _ = await asyncio.wait_for(collect(engine.submit(Request("after", prompts([9])[0], LONG))), 120)
@@ -325,7 +327,7 @@ def test_a_silent_decode_actor_loses_its_lease_and_is_started_again(cluster, mon
     async def scenario():
         await silent.start()
         try:
-            streams = [silent.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            streams = [silent.submit(Request(f"doomed{i}", p, DOOMED)) for i, p in enumerate(prompts([6, 40], seed=1))]
             await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
             os.kill(frozen, signal.SIGSTOP)                         # alive to Ray, answering nothing
             ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
@@ -355,7 +357,7 @@ def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_
     async def scenario():
         await engine.start()
         try:
-            streams = [engine.submit(Request(f"doomed{i}", p, LONG)) for i, p in enumerate(prompts([6, 40], seed=1))]
+            streams = [engine.submit(Request(f"doomed{i}", p, DOOMED)) for i, p in enumerate(prompts([6, 40], seed=1))]
             await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
             nodes.remove_node(lost_node, allow_graceful=False)             # its raylet and workers die
             ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 120)
