@@ -56,3 +56,27 @@ def test_the_coefficients_are_solved_again_after_each_observation():
     for rows in (1, 2, 3):
         fit.observe(np.array([1.0, rows]), 0.030 + 0.002 * rows)
     np.testing.assert_allclose(fit.coefficients(), [0.020, 0.002], atol=1e-6)
+
+
+def _served_step(rows: int, tokens: int) -> float:
+    """Step seconds shaped as the decode unit's steps of a served SmolLM2 run (Xeon-167, two threads): 9 ms and
+    3 ms a row decoding; a step that prefills pays 10 ms for its prompt path, then 0.3 ms a prompt token."""
+    return 0.009 + 0.003 * rows + (0.010 + 0.0003 * tokens if tokens else 0.0)
+
+
+def test_a_fit_fed_short_chunks_still_prices_long_ones_and_the_reverse():
+    """The start-up profile's prefill steps (1, 1,024 and 2,048 tokens), then what a load of short prompts
+    with one long one in ten gives a decode unit: decode steps of 1-5 rows and 64-token chunks. Priced per
+    token alone, the short chunks' per-step cost moves into their tokens and a 1,024-token chunk was predicted
+    at 1.3-1.5x its time (a long prompt then went to the one-core prefill unit); the profile alone priced a
+    64-token chunk at 0.7x."""
+    rng, cost = np.random.default_rng(0), StepCostModel()
+    for rows, tokens in ((1, 0), (128, 0), (0, 1), (0, 1024), (0, 2048)):
+        cost.observe(2, rows, tokens, _served_step(rows, tokens))
+    assert cost.predict(2, 0, 64) == pytest.approx(_served_step(0, 64), rel=0.1)
+    for _ in range(300):
+        rows = int(rng.integers(1, 6))
+        tokens = 64 if rng.random() < 0.05 else 0
+        cost.observe(2, rows, tokens, _served_step(rows, tokens) * rng.normal(1.0, 0.05))
+    for rows, tokens in ((0, 1024), (1, 1024), (0, 64), (2, 64)):
+        assert cost.predict(2, rows, tokens) == pytest.approx(_served_step(rows, tokens), rel=0.1)

@@ -99,10 +99,10 @@ class AdaptiveDecodeActor(DecodeActor):
         return step_threads(self, batch, self.share and self.share.decode_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        drafts = sum(len(d) for d in batch.verify_drafts)      # verified like prefill tokens
         rows = (*batch.decode, *batch.verify)
-        self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks) + drafts, seconds,
-                          context=sum(s.num_computed_tokens for s in rows))
+        self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks), seconds,
+                          context=sum(s.num_computed_tokens for s in rows),
+                          drafts=sum(len(d) for d in batch.verify_drafts))
         super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 
     def drop(self, seq: Sequence) -> None:

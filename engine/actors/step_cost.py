@@ -1,8 +1,13 @@
 """The step cost model: seconds of one step on one compute unit, fit online from the steps it ran.
 
-    seconds = fixed + per_decode_row x D + per_prefill_token x P + per_context_token x K
+    seconds = fixed + per_decode_row x D + per_prefill_token x (P + V) + per_context_token x K
+              + prompt_path x [P > 0]
 
-`D` rows decoding, `P` prefill tokens, `K` KV tokens the decoding rows read (their contexts). One fit
+`D` rows decoding, `P` prompt tokens prefilled, `V` draft tokens verified, `K` KV tokens the decoding rows
+read (their contexts). A step that prefills also pays a price per step for its prompt path (its own
+attention, its first token's logits): without that term a fit fed 64-token chunks priced each of their
+tokens at 0.7 ms and predicted a 1,024-token chunk at 1.3-1.5x its time, one fed the start-up profile's
+long chunks priced a 64-token one at 0.7x (replayed from a served trace, Xeon-167, bench/RESULTS.md). One fit
 per CPU thread count, so a step on borrowed cores is predicted from steps that ran on as many: core
 sharing is measured, not assumed. The adaptive actors feed it; the coordinator's planner reads it.
 """
@@ -18,7 +23,7 @@ import numpy as np
 from pdserve.engine.core.weighted_fit import WeightedFit
 
 CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens: the ridge term then weighs the four alike
-FEATURES = 4
+FEATURES = 5
 
 
 @dataclass(slots=True)
@@ -34,9 +39,9 @@ class StepCostModel:
     _recent_shapes: dict[int | None, deque] = field(default_factory=dict)  # threads -> (rows, tokens) it remembers
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
-                context: int = 0) -> None:
+                context: int = 0, drafts: int = 0) -> None:
         fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
-        fit.observe(_features(decode_rows, prefill_tokens, context), seconds)
+        fit.observe(_features(decode_rows, prefill_tokens, context, drafts), seconds)
         self._observed += 1
         self._last_observed[threads] = self._observed
         shapes = self._recent_shapes.setdefault(threads, deque(maxlen=math.ceil(self.memory)))
@@ -79,15 +84,17 @@ class StepCostModel:
                 and prefill_tokens <= max((tokens for _, tokens in shapes), default=-1))
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
-        """(fixed, per decode row, per prefill token, per thousand context tokens) seconds at `threads`
+        """(fixed, per decode row, per prefill token, per thousand context tokens, per step that prefills)
+        seconds at `threads`
         (unmeasured there: the most threads measured), or None before three observations."""
         fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
                                                                       reverse=True)), None)
         return None if fit is None or fit.observations < 3 else fit.coefficients()
 
-    def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0) -> float | None:
+    def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0,
+                drafts: int = 0) -> float | None:
         c = self.coefficients(threads)
-        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context))
+        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts))
 
     def seconds_per_prefill_token(self, threads: int | None) -> float | None:
         """The per-prefill-token coefficient, or None until three observed steps carried prefill (at
@@ -100,8 +107,8 @@ class StepCostModel:
         return float(c[2])
 
 
-def _features(decode_rows: int, prefill_tokens: int, context: int) -> np.ndarray:
-    return np.array([1.0, decode_rows, prefill_tokens, context / CONTEXT_UNIT])
+def _features(decode_rows: int, prefill_tokens: int, context: int, drafts: int) -> np.ndarray:
+    return np.array([1.0, decode_rows, prefill_tokens + drafts, context / CONTEXT_UNIT, float(prefill_tokens > 0)])
 
 
 def _by_threads(item: tuple) -> int:

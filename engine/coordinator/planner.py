@@ -183,10 +183,12 @@ class Planner:
         if not state.decode_rows:
             return self.max_prefill_tokens
         per_token = decode.seconds_per_prefill_token(threads)
-        alone = decode.predict(threads, state.decode_rows, 0, state.decode_context)
         if not per_token:
             return self.max_prefill_tokens
-        return max(0, min(self.max_prefill_tokens, int((self.slos.itl - alone) / per_token)))
+        first = decode.predict(threads, state.decode_rows, 1, state.decode_context)     # the prompt path's price too
+        if first > self.slos.itl:
+            return 0
+        return min(self.max_prefill_tokens, 1 + int((self.slos.itl - first) / per_token))
 
     def _local(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
                threads: int | None, delay: float = 0.0, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:

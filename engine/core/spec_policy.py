@@ -54,9 +54,11 @@ FIT_RIDGE = 1e-3
 class StepCost(Protocol):
     """The step cost model (engine.actors.step_cost.StepCostModel): seconds of one step."""
 
-    def predict(self, threads: int, decode_rows: int, prefill_tokens: int) -> float | None: ...
+    def predict(self, threads: int, decode_rows: int, prefill_tokens: int, context: int = 0,
+                drafts: int = 0) -> float | None: ...
 
-    def observe(self, threads: int, decode_rows: int, prefill_tokens: int, seconds: float) -> None: ...
+    def observe(self, threads: int, decode_rows: int, prefill_tokens: int, seconds: float, context: int = 0,
+                drafts: int = 0) -> None: ...
 
 
 @dataclass(slots=True)
@@ -177,7 +179,7 @@ class DraftGate:
         tokens when it carried no prefill (it then feeds this unit's own fit of decode steps)."""
         self.threads = threads
         if self.cost is not None and self.learns:
-            self.cost.observe(threads, decode_rows, tokens, seconds)
+            self.cost.observe(threads, decode_rows, tokens if drafts is None else 0, seconds, drafts=drafts or 0)
         if drafts is not None and decode_rows:
             self.fit.observe(threads, decode_rows, drafts, seconds)
 
@@ -210,7 +212,7 @@ class DraftGate:
         if self.cost is None:
             return None, 0.0, 0.0
         plain = self.cost.predict(self.threads, rows, 0)
-        full = self.cost.predict(self.threads, rows, self.k)
+        full = self.cost.predict(self.threads, rows, 0, drafts=self.k)
         if plain is None or full is None or plain <= 0.0:
             return None, 0.0, 0.0
         return plain, max(full - plain, 0.0) / self.k, 0.0
