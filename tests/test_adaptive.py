@@ -178,6 +178,56 @@ def test_a_prefill_arriving_while_its_cores_are_lent_starts_within_one_decode_st
     engine.close()
 
 
+def test_a_unit_whose_cores_are_lent_steps_only_after_the_lent_step():
+    """A long prompt goes to the prefill unit, which borrows the idle decode unit's cores; a short one placed
+    on the decode unit meanwhile waits for that step to end (stepping beside it, three threads on two cores
+    stalled a lent step 12x). The lent step is held until the decode unit has had its chance to launch."""
+    import threading
+    import time
+
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)), speedup=2.0)
+    prefill, decode = engine.actors
+    if decode.share is None:
+        pytest.skip("core lending needs CPU units with cores of their own (two cores or more)")
+    spans, lent_started, decode_started, release = [], threading.Event(), threading.Event(), threading.Event()
+
+    def recorded(actor, started_event, hold):
+        run = actor.unit.step_runner.run
+
+        def execute(work):
+            started = time.perf_counter()
+            started_event.set()
+            if hold and work.threads == decode.share.total and not release.is_set():
+                release.wait()
+            outcome = run(work)
+            spans.append((actor.unit_name, work.threads, started, time.perf_counter()))
+            return outcome
+        actor.unit.step_runner.run = execute
+
+    recorded(prefill, lent_started, hold=True)
+    recorded(decode, decode_started, hold=False)
+
+    async def scenario():
+        long = engine.submit(Request("long", prompts([400], seed=3)[0], GREEDY))
+        reading = asyncio.ensure_future(collect(long))
+        await asyncio.to_thread(lent_started.wait, 10.0)
+        decode_started.clear()
+        short = engine.submit(Request("short", prompts([6], seed=4)[0], GREEDY))
+        await asyncio.to_thread(decode_started.wait, 2.0)   # NOTE: a bound on the wait, not on the outcome
+        release.set()
+        return await collect(short), await reading
+
+    asyncio.run(run_engine(engine, scenario()))
+    lent = [(start, end) for unit, threads, start, end in spans if unit == prefill.unit_name
+            and threads == decode.share.total]
+    assert lent and decode.local_prefills >= 1 and decode.remote_prefills >= 1
+    beside = [(start, end) for unit, _, start, end in spans if unit == decode.unit_name
+              for lent_start, lent_end in lent if lent_start < start < lent_end]
+    assert beside == []
+    assert_pools_free(engine)
+    engine.close()
+
+
 def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
     prefill, decode = engine.actors

@@ -45,6 +45,12 @@ def step_threads(actor: PrefillActor | DecodeActor, batch: Batch, own: int | Non
     return threads
 
 
+def returned_cores(actor: PrefillActor | DecodeActor, threads: int | None, own: int | None) -> None:
+    """After a finished step: one on more than `own` threads ran on the partner's cores, which it gets back."""
+    if own is not None and threads is not None and threads > own:
+        actor.port.cores_returned(actor)
+
+
 class LendingPrefillActor(PrefillActor):
     """The prefill actor of adaptive mode: borrows the decode actor's cores while that one is idle."""
 
@@ -57,6 +63,7 @@ class LendingPrefillActor(PrefillActor):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds)
+        returned_cores(self, threads, self.share and self.share.prefill_own)
 
     def role(self) -> str:
         return "prefill" if self.busy else "lent" if self.port.partner_busy(self) else "idle"
@@ -103,6 +110,7 @@ class AdaptiveDecodeActor(DecodeActor):
         self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks), seconds,
                           context=sum(s.num_computed_tokens for s in rows),
                           drafts=sum(len(d) for d in batch.verify_drafts))
+        returned_cores(self, threads, self.share and self.share.decode_own)
         super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 
     def drop(self, seq: Sequence) -> None:

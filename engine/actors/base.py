@@ -62,6 +62,12 @@ class Port(Protocol):
     def partner_busy(self, actor: "Actor") -> bool:
         """Whether the unit `actor` would borrow cores from is busy (CPU core lending)."""
 
+    def cores_lent(self, actor: "Actor") -> bool:
+        """Whether another unit steps on `actor`'s cores now (lent): `actor` launches nothing until it ends."""
+
+    def cores_returned(self, actor: "Actor") -> None:
+        """`actor`'s step on lent cores ended."""
+
 
 class NoPort:
     """An actor not wired to a coordinator: it reserves nothing and delivers nothing."""
@@ -86,6 +92,12 @@ class NoPort:
 
     def partner_busy(self, actor: "Actor") -> bool:
         return True
+
+    def cores_lent(self, actor: "Actor") -> bool:
+        return False
+
+    def cores_returned(self, actor: "Actor") -> None:
+        pass
 
 
 def first_pending(transfers: Iterable):
@@ -248,7 +260,7 @@ class Actor(abc.ABC):
             self._publish(await self._complete_oldest())
 
     def _launch(self) -> bool:
-        if len(self._in_flight) >= self.pipeline_depth:
+        if len(self._in_flight) >= self.pipeline_depth or self.port.cores_lent(self):
             return False
         started = time.perf_counter()
         batch = self.schedule()
@@ -299,8 +311,8 @@ class Actor(abc.ABC):
     async def idle(self) -> None:
         """Nothing to schedule: wait for a copy this actor tracks to land, else for a message or a poke."""
         pending = self.pending_transfer()
-        if pending is not None and not self._mailbox:
-            await self.unit.wait(pending)
+        if pending is not None and not self._mailbox and not self.port.cores_lent(self):
+            await self.unit.wait(pending)       # NOTE: with its cores lent, it waits for them (a poke) instead
             return
         if not self._mailbox:
             self._wakeup.clear()
@@ -419,9 +431,9 @@ class Actor(abc.ABC):
 
     @property
     def busy(self) -> bool:
-        """Has sequences to run or a step in flight."""
+        """Has sequences to run, a step in flight or messages not yet handled (a prompt sent to it)."""
         running, waiting = self.queue_lengths()
-        return bool(running or waiting or self._in_flight)
+        return bool(running or waiting or self._in_flight or self._mailbox)
 
     # subclass interface
     @abc.abstractmethod

@@ -15,7 +15,7 @@ NEVER = math.inf                # the fence of blocks held for good (a stuck ste
 
 class UnitFaults:
     """Mixed into the Coordinator: what a unit's failure, restart and retirement change in its state (it
-    calls the coordinator's `abort` and `_prefill_again`)."""
+    calls the coordinator's `abort`, `_prefill_again` and `cores_returned`)."""
 
     mode: str
     prefill: list[Actor]
@@ -41,6 +41,7 @@ class UnitFaults:
         """A restarted unit's fresh actor (or a retired one's stand-in) takes `old`'s place (same unit, index)."""
         role = self.prefill if old in self.prefill else self.decode
         index = role.index(old)
+        self.cores_returned(old)            # NOTE: a unit that failed inside a lent step lends nothing now
         new.index, new.unit_name, new.port = old.index, old.unit_name, self
         role[index] = new
 
