@@ -18,6 +18,7 @@ class StepShape:
     decode rows and their summed context, rows sampled (the LM head), and the KV the chunks read back."""
 
     prefill_tokens: int = 0
+    prompt_chunks: int = 0
     prefill_pairs: int = 0
     prefix_tokens: int = 0
     decode_rows: int = 0
@@ -32,7 +33,7 @@ class StepShape:
 def step_shape(step: StepInput) -> StepShape:
     """The counts of `step` (a chunk of n tokens from `start` attends n*start + n(n+1)/2 pairs)."""
     spans = [(c.start, c.num_tokens) for c in step.chunks] + [(v.start, len(v.token_ids)) for v in step.verify]
-    return StepShape(prefill_tokens=sum(n for _, n in spans),
+    return StepShape(prefill_tokens=sum(n for _, n in spans), prompt_chunks=len(step.chunks),
                      prefill_pairs=sum(n * start + n * (n + 1) // 2 for start, n in spans),
                      prefix_tokens=sum(start for start, _ in spans),
                      decode_rows=len(step.decode_rows),
@@ -69,11 +70,14 @@ class Roofline:
         return nbytes / self.hardware.link_bandwidth
 
 
-FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decode_rows", "decode_context")
+FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decode_rows", "decode_context", "prompt_path")
 
 
 def features(s: StepShape) -> tuple[float, ...]:
-    return (1.0, float(s.prefill_tokens), float(s.prefill_pairs), float(s.decode_rows), float(s.decode_context))
+    """The counts a fitted cost weighs; `prompt_path`: the step prefills a prompt chunk, a price per step of its
+    own (as in the step cost model, engine.actors.step_cost)."""
+    return (1.0, float(s.prefill_tokens), float(s.prefill_pairs), float(s.decode_rows), float(s.decode_context),
+            float(s.prompt_chunks > 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,9 @@ class FittedCost:
 
     @classmethod
     def from_json(cls, data: dict) -> FittedCost:
+        """Raises ValueError for a fit of other features (a profile written by an older pdserve)."""
+        if data.get("features") != list(FEATURES):
+            raise ValueError(f"a fitted cost of features {data.get('features')}, not {list(FEATURES)}: measure again")
         return cls({int(k): tuple(v) for k, v in data["coefficients"].items()}, data["copy_bandwidth"],
                    data.get("synchronous_copies", True))
 
