@@ -43,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--passage-tokens", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset-path", default=str(DEFAULT_PASSAGE_FILE),
+                        help="a text file (or folder) the overlap prompt quotes, as speculative_bench's")
     parser.add_argument("--speculative-tokens", default="4,7,16", help="comma-separated K values")
     args = parser.parse_args(argv)
     llm = LLM(config=EngineConfig(model=args.model, mode="colocated", dtype=args.dtype,
                                   cache=CacheConfig(enable_prefix_caching=False)))
     try:
-        for name, prompt in prompts(llm, args.passage_tokens, args.seed, str(DEFAULT_PASSAGE_FILE)).items():
+        for name, prompt in prompts(llm, args.passage_tokens, args.seed, args.dataset_path).items():
             [out] = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             output = list(out.token_ids)
             for k in (int(v) for v in args.speculative_tokens.split(",")):

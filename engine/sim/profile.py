@@ -91,7 +91,9 @@ def profile_units(config: EngineConfig, plan, units: Units) -> list[dict]:
 
 
 def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int) -> list[Synthetic]:
-    """The steps timed: prefill chunks of growing size with and without a prefix, decode batches of growing
+    """The steps timed: prefill chunks of growing size with and without a prefix, a full step of short prompts
+    (its attention pairs few: it separates a token's cost from a pair's, which single prompts of growing size do
+    not: fitted without it, 16 prompts of 128 tokens were priced at 0.3x their time), decode batches of growing
     size at a short and a long context, and (colocated) decode rows with a chunk."""
     budget = min(max_prefill_tokens, max_model_len // 2)
     long_context = min(1024, max_model_len // 2)
@@ -100,6 +102,7 @@ def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: i
         shapes += [Synthetic("prefill", 1, n) for n in sorted({16, 64, 256, budget}) if n <= budget]
         shapes += [Synthetic("prefill", 1, min(64, budget), context=long_context - min(64, budget))]
         shapes += [Synthetic("prefill", 1, budget // 2, context=budget // 2)]
+        shapes += [Synthetic("prefill", max(1, budget // 64), min(64, budget))]
     if role != "prefill":
         rows = sorted({1, 4, 16, min(max_num_seqs, 32)})
         shapes += [Synthetic("decode", n, 1, context=c) for n in rows for c in (32, long_context)]
