@@ -6,7 +6,8 @@ coordinator decides when the actor takes a prompt and sends the others to a pref
 the two actors' cores are one pool of threads: a side whose partner has nothing to do may step on
 both sides' cores, when the planner predicts that faster (each unit's cost model keeps one fit per
 thread count); it gives them back at the launch after the partner has work again (switching thread
-counts per step costs nothing: measured with 5507e67, which added lending). The partner's idle
+counts per step costs nothing: measured with 5507e67, which added lending), and the partner launches
+nothing until the lent step has ended (the coordinator's `cores_lent`). The partner's idle
 OpenMP workers are given back when its cores are borrowed (`pdserve.engine.worker.openmp`: left
 alone they slowed every lent step).
 """
