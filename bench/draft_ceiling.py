@@ -2,7 +2,8 @@
 
     python -m pdserve.bench.draft_ceiling --model DIR/hf --dtype float32 --max-tokens 256
 
-For the prompts of `speculative_bench` (an edit prompt quoting a passage, an open-ended story), the engine
+For the prompts of `speculative_bench` (an edit prompt over a code passage, a prose passage to repeat, an
+open-ended story), the engine
 decodes greedily without speculation; then, at each position of that output, the proposer drafts from the
 prompt and the output so far and the drafts are checked against the output itself, as greedy verification
 would. Each line: verify steps needed, accepted draft tokens, tokens per step, for each K and n-gram range, with
@@ -15,7 +16,7 @@ import argparse
 
 import numpy as np
 
-from pdserve.bench.speculative_bench import DEFAULT_PASSAGE_FILE, prompts
+from pdserve.bench.speculative_bench import DEFAULT_PASSAGE_FILE, DEFAULT_QUOTE_FILE, prompts
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.speculative import propose_ngram
@@ -45,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dataset-path", default=str(DEFAULT_PASSAGE_FILE),
                         help="a text file (or folder) the overlap prompt quotes, as speculative_bench's")
+    parser.add_argument("--quote-path", default=str(DEFAULT_QUOTE_FILE),
+                        help="text file the quote prompt's prose passage comes from ('' for none)")
     parser.add_argument("--speculative-tokens", default="4,7,16", help="comma-separated K values")
     args = parser.parse_args(argv)
     llm = LLM(config=EngineConfig(model=args.model, mode="colocated", dtype=args.dtype,
                                   cache=CacheConfig(enable_prefix_caching=False)))
     try:
-        for name, prompt in prompts(llm, args.passage_tokens, args.seed, args.dataset_path).items():
+        for name, prompt in prompts(llm, args.passage_tokens, args.seed, args.dataset_path, args.quote_path).items():
             [out] = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             output = list(out.token_ids)
             for k in (int(v) for v in args.speculative_tokens.split(",")):

@@ -63,6 +63,12 @@ def instruction(rng: random.Random, text: str) -> str:
     return template.format(word=word, new=f"{word}_v2", number=rng.randint(2, 99))
 
 
+def quote_prompt(rng: random.Random, num_tokens: int, path: str) -> str:
+    """One prompt asking for a passage of about `num_tokens` tokens of the text file `path` repeated exactly."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines() or [""]
+    return f"{INSTRUCTIONS[0]}\n\n{passage(rng, lines, num_tokens)}"
+
+
 def edit_prompts(rng: random.Random, num_tokens: int, dataset_path: str | None) -> Iterator[str]:
     """An endless, seeded stream of edit prompts (instruction, blank line, passage)."""
     if num_tokens < 1:

@@ -1,5 +1,6 @@
-"""One stream with and without speculative decoding (each --variant: n-gram and suffix by default), on a prompt
-whose answer overlaps it and on one whose answer does not, in one process: tok/s of each and the ratios.
+"""One stream with and without speculative decoding (each --variant: n-gram and suffix by default), on prompts
+whose answer overlaps them (an edit of a code passage; a prose passage quoted) and on one whose answer does
+not, in one process: tok/s of each and the ratios.
 
     python -m pdserve.bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
         --variant 'ngram={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -26,7 +27,7 @@ import time
 
 import orjson
 
-from pdserve.bench.edit_workload import REPO, edit_prompts
+from pdserve.bench.edit_workload import REPO, edit_prompts, quote_prompt
 from pdserve.bench.llama_cpp import find_llama_server, llama_server, timed_completions
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.messages import Request
@@ -42,14 +43,20 @@ OPEN_ENDED = "Write a long story about a lighthouse keeper who finds a map in a 
 
 DEFAULT_PASSAGE_FILE = REPO / "engine" / "core" / "block_manager.py"   # NOTE: one file, so that new files elsewhere
 #                                                                   do not change which passage a seed picks
+DEFAULT_QUOTE_FILE = REPO / "docs" / "architecture.md"                  # prose, as a RAG answer quotes its source
 
 
-def prompts(llm: LLM, passage_tokens: int, seed: int, path: str) -> dict[str, list[int]]:
-    """{"overlap": an edit prompt over a passage of `path`, "no_overlap": an open-ended story}, chat-templated."""
+def prompts(llm: LLM, passage_tokens: int, seed: int, path: str, quote_path: str | None = None
+            ) -> dict[str, list[int]]:
+    """{"overlap": an edit prompt over a passage of `path`, "quote": a prose passage of `quote_path` to repeat
+    (when given), "no_overlap": an open-ended story}, chat-templated."""
     edit = next(edit_prompts(random.Random(seed), passage_tokens, path))
     chat = llm.tokenizer.encode_chat
-    return {"overlap": chat([{"role": "user", "content": edit}]),
-            "no_overlap": chat([{"role": "user", "content": OPEN_ENDED}])}
+    sets = {"overlap": chat([{"role": "user", "content": edit}])}
+    if quote_path:
+        sets["quote"] = chat([{"role": "user", "content": quote_prompt(random.Random(seed), passage_tokens,
+                                                                       quote_path)}])
+    return sets | {"no_overlap": chat([{"role": "user", "content": OPEN_ENDED}])}
 
 
 def tokens_per_second(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
@@ -101,7 +108,8 @@ def run(args: argparse.Namespace) -> dict:
         for key, extra in configs.items():           # NOTE: one engine at a time: an idle second one halves the speed
             llm = LLM(config=base, **extra)
             try:
-                prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed, args.dataset_path)
+                prompt_sets = prompt_sets or prompts(llm, args.passage_tokens, args.seed, args.dataset_path,
+                                                     args.quote_path)
                 for name, prompt in prompt_sets.items():
                     tokens_per_second(llm, prompt, params)                       # warm-up
                     if not args.keep_cache:
@@ -209,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passage-tokens", type=int, default=300, help="size of the passage the edit prompt quotes")
     parser.add_argument("--dataset-path", default=str(DEFAULT_PASSAGE_FILE),
                         help="text file or folder the edit prompt's passage comes from")
+    parser.add_argument("--quote-path", default=str(DEFAULT_QUOTE_FILE),
+                        help="text file the quote prompt's prose passage comes from ('' for none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None)

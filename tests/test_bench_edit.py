@@ -41,3 +41,16 @@ def test_a_given_folder_is_used_and_an_empty_one_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no text files"):
         take(WorkloadSpec(name="edit", dataset_path=str(tmp_path / "empty")), 1)
+
+
+def test_a_quote_prompt_asks_for_a_prose_passage_of_the_file_verbatim():
+    import random
+
+    from pdserve.bench.edit_workload import INSTRUCTIONS, quote_prompt
+    from pdserve.bench.speculative_bench import DEFAULT_QUOTE_FILE
+
+    prompt = quote_prompt(random.Random(0), 300, str(DEFAULT_QUOTE_FILE))
+    assert prompt == quote_prompt(random.Random(0), 300, str(DEFAULT_QUOTE_FILE))
+    instruction, passage = prompt.split("\n\n", 1)
+    assert instruction == INSTRUCTIONS[0] and passage in DEFAULT_QUOTE_FILE.read_text()
+    assert 300 * 2 <= len(passage) <= 300 * 4 + 200
