@@ -451,7 +451,8 @@ def _unit_loader(config: EngineConfig):
 async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> MeasuredUnits | None:
     """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
     when an SLO is to be derived; None when both are set: each on its own threads and, where cores are lent,
-    on both units' threads too (the decode unit then prefills as well, as it does when it borrows cores).
+    on both units' threads too; an adaptive decode unit prefills in both (without its own threads' prefill
+    steps, its fit priced a 2,048-token chunk on one core at 78 ms, not 870, and it declined lent cores).
     The units' cost models (routing, the planner) start from it (`Coordinator.learn_costs`) and learn from
     serving steps on.
     (The simulator, pdserve.engine.sim, profiles its simulated units with it too.)"""
@@ -460,7 +461,8 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
         return None
     share = core_share(plan)
     colocated = not units.prefills
-    decode = UnitProfile(units.decode, StepCostModel(), True, colocated,
+    prefills_too = colocated or plan.mode == "adaptive"   # NOTE: an adaptive decode unit prefills on its own cores
+    decode = UnitProfile(units.decode, StepCostModel(), True, prefills_too,  # while the prefill unit works
                          share and (share.decode_own,) or (None,))
     prefill = decode if colocated else UnitProfile(units.prefill, StepCostModel(), False, True,
                                                    share and (share.prefill_own,) or (None,))

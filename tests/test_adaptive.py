@@ -258,6 +258,10 @@ def test_the_units_cost_models_start_from_the_start_up_profile():
     assert decode.cost.measured(decode_threads)
     assert prefill.cost.seconds_per_prefill_token(prefill_threads) > 0
     assert prefill.cost.predict(prefill_threads, 0, 512) > prefill.cost.predict(prefill_threads, 0, 1)
+    if decode.share is not None:                                # it prefills on its own cores too
+        assert decode.cost.seconds_per_prefill_token(decode_threads) > 0
+        assert decode.cost.predict(decode_threads, 4, 512) > decode.cost.predict(decode_threads, 4, 0) + \
+            0.5 * (decode.cost.predict(decode_threads, 0, 512) - decode.cost.predict(decode_threads, 0, 0))
     if decode.share is not None:                                # and on the lent cores, both phases
         total = decode.share.total
         assert decode.cost.seconds_per_prefill_token(total) > 0 and prefill.cost.seconds_per_prefill_token(total) > 0
