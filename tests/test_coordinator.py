@@ -117,6 +117,24 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
     engine.close()
 
 
+def test_units_of_one_kind_weigh_a_prompt_and_a_row_at_one_price_whatever_their_own_fits_read():
+    engine = four_units("adaptive")
+    decode = engine.coordinator.decode
+    for actor, per_token in zip(decode, (3e-4, 1e-5)):          # one kind of unit, two noisy fits 30x apart
+        threads = actor.share and actor.share.decode_own
+        for _ in range(4):
+            for tokens in (16, 32, 64, 128, 256):
+                actor.cost.observe(threads, 0, tokens, 0.002 + per_token * tokens)
+            for rows in (1, 2, 4, 8):
+                actor.cost.observe(threads, rows, 0, 0.003 + 100 * per_token * rows)
+    own = [a.cost.seconds_per_prefill_token(a.share and a.share.decode_own) for a in decode]
+    assert own[0] > 10 * own[1]
+    rates = [engine.coordinator._prefill_rate(a, decode) for a in decode]
+    assert rates[0] == rates[1] == pytest.approx(sum(own) / 2)
+    assert engine.coordinator._step_after(decode[0]) == engine.coordinator._step_after(decode[1])
+    engine.close()
+
+
 @pytest.mark.parametrize("workers,fault", [("thread", "raise"), ("process", "exit")])
 def test_a_failing_unit_ends_only_its_requests_while_the_others_finish_and_it_serves_again(workers, fault,
                                                                                            monkeypatch, llama3):

@@ -12,6 +12,7 @@ never starts stands in for it, so its pool reads free and nothing is ever routed
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,17 +80,13 @@ class Coordinator(UnitFaults):
         if isinstance(seq, Request):
             seq = Sequence(seq)
         order = first_token_order([PrefillView(i, a.backlog_tokens(), uncached_tokens(a.blocks, seq),
-                                               self._prefill_rate(a), self.up(a)) for i, a in enumerate(actors)])
+                                               self._prefill_rate(a, actors), self.up(a))
+                                   for i, a in enumerate(actors)])
         return order[0] if order else None
 
-    @staticmethod
-    def _prefill_rate(actor: Actor) -> float | None:
-        """Measured seconds per prefill token on `actor`'s unit (adaptive mode's cost models), else None."""
-        if isinstance(actor, LendingPrefillActor):
-            return actor.cost.seconds_per_prefill_token(actor.share and actor.share.prefill_own)
-        if isinstance(actor, AdaptiveDecodeActor):
-            return actor.cost.seconds_per_prefill_token(actor.share and actor.share.decode_own)
-        return None
+    def _prefill_rate(self, actor: Actor, peers: list[Actor]) -> float | None:
+        """Measured seconds per prefill token on `actor`'s kind of unit (adaptive mode's cost models), else None."""
+        return kind_median(actor, peers, lambda cost, threads: cost.seconds_per_prefill_token(threads))
 
     def abort(self, request_id: str) -> None:
         """Abort on the units the table says hold the request; on every unit once it left the table."""
@@ -132,13 +129,11 @@ class Coordinator(UnitFaults):
                                         len(cached_prefix(d.blocks, seq, seq.num_tokens)), self.up(d))
                              for i, d in enumerate(self.decode)])
 
-    @staticmethod
-    def _step_after(actor: Actor) -> float | None:
+    def _step_after(self, actor: Actor) -> float | None:
         """Its predicted step time with one more row: every sequence holding blocks there (reserved, landing,
         decoding) will decode in its steps."""
-        if not isinstance(actor, AdaptiveDecodeActor):
-            return None
-        return actor.cost.predict(actor.share and actor.share.decode_own, actor.blocks.num_sequences + 1, 0)
+        rows = actor.blocks.num_sequences + 1
+        return kind_median(actor, self.decode, lambda cost, threads: cost.predict(threads, rows, 0))
 
     def post(self, message) -> None:
         if isinstance(message, KVHandoff):
@@ -292,3 +287,27 @@ def _waited(seq: Sequence, now: float) -> float:
     """Seconds since `seq`'s request arrived (0 for one that carries no arrival time)."""
     arrival = seq.request.arrival_time
     return max(0.0, now - arrival) if arrival > 0 else 0.0
+
+
+def unit_cost(actor: Actor) -> tuple[StepCostModel, int | None] | None:
+    """An adaptive actor's step cost model and the threads its own steps run on; None for other actors."""
+    if isinstance(actor, LendingPrefillActor):
+        return actor.cost, actor.share and actor.share.prefill_own
+    if isinstance(actor, AdaptiveDecodeActor):
+        return actor.cost, actor.share and actor.share.decode_own
+    return None
+
+
+def kind_median(actor: Actor, peers: list[Actor],
+                read: Callable[[StepCostModel, int | None], float | None]) -> float | None:
+    """`read` of the cost models of every unit of `actor`'s kind among `peers` (one device type, one thread
+    count), their median: units of one kind differ only by their fits' noise, and two fits of the same CPU
+    unit read a per-token rate 19x apart, which sent a conversation's next turn away from its prefix. None
+    when `actor` has no cost model or none of its kind has measured it."""
+    own = unit_cost(actor)
+    if own is None:
+        return None
+    kind = (actor.device.type, own[1])
+    readings = [value for peer in peers if (cost := unit_cost(peer)) is not None
+                and (peer.device.type, cost[1]) == kind and (value := read(*cost)) is not None]
+    return statistics.median(readings) if readings else None
