@@ -65,6 +65,12 @@ def test_another_version_a_wrong_kind_and_a_damaged_frame_are_refused(monkeypatc
         wire.decode_work(frame)
 
 
+def test_only_a_stop_frame_is_a_stop_and_a_damaged_one_is_not():
+    assert wire.is_stop(wire.encode_message(wire.STOP))
+    assert not wire.is_stop(wire.encode_work(WORK))
+    assert not wire.is_stop(wire.encode_message(wire.STOP)[:-2])
+
+
 def test_pools_that_disagree_are_refused_naming_both_values():
     layout = KVLayout(4, 16, 2, 64)
     check_pools_agree(PoolSpec(layout, 10, torch.float32), PoolSpec(layout, 99, torch.float32))  # sizes may differ

@@ -169,3 +169,11 @@ def encode_message(kind: int, doc: object = None) -> bytes:
 def decode_message(data: bytes) -> tuple[int, object]:
     kind, _, doc = _unframe(data)
     return kind, doc
+
+
+def is_stop(data: bytes) -> bool:
+    """Whether `data` is a stop message (a damaged frame is not: read as work, its error is the reply)."""
+    try:
+        return decode_message(data)[0] == STOP
+    except ValueError:
+        return False

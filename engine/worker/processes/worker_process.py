@@ -24,7 +24,7 @@ from pdserve.engine.worker.processes import wire
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from pdserve.engine.worker.processes.shared_pool import PoolSpec, check_pools_agree, open_shared
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedFd, check_pools_agree, open_shared
 from pdserve.engine.worker.step_runner import Peer, StepRunner
 from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 
@@ -75,27 +75,32 @@ def _serve(conn, step_runner: StepRunner, fault: Fault | None) -> None:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        if wire.is_stop(data):
+            return
         try:
-            if wire.decode_message(data)[0] == wire.STOP:
-                return
-            work = wire.decode_work(data)
-            if fault is not None:
-                fault.on_step()
-            outcome = step_runner.run(work)
-            for _, handle in outcome.copies:
-                handle.wait()
-            reply = wire.encode_outcome(outcome)
-        except Exception as e:
-            reply = wire.encode_error(e)
-        try:
-            conn.send_bytes(reply)
+            conn.send_bytes(answer(step_runner, data, fault))
         except (BrokenPipeError, OSError):
             return
 
 
-def build_step_runner(spec: WorkerSpec) -> StepRunner:
-    """The runner a worker builds, over a pool of its own and with no peers (a Ray actor's unit)."""
-    return _build(spec, None, ())
+def answer(step_runner: StepRunner, frame: bytes, fault: Fault | None = None) -> bytes:
+    """The reply to one work frame: its outcome once the step's KV copies have landed, or its error."""
+    try:
+        work = wire.decode_work(frame)
+        if fault is not None:
+            fault.on_step()
+        outcome = step_runner.run(work)
+        for _, handle in outcome.copies:
+            handle.wait()
+        return wire.encode_outcome(outcome)
+    except Exception as e:                          # NOTE: reported in the reply
+        return wire.encode_error(e)
+
+
+def build_step_runner(spec: WorkerSpec, own_fd: SharedFd | None = None) -> StepRunner:
+    """The runner a worker builds, over a pool of its own (or the memfd segment `own_fd`), with no peers yet
+    (a Ray actor's unit)."""
+    return _build(spec, own_fd, ())
 
 
 def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
