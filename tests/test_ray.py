@@ -2,7 +2,8 @@
 prefill units on one node and decode units on the other give transformers' greedy tokens through the HTTP
 API (and, with KV over gloo, through the engine); an abort while blocks are copied frees them on both nodes; a
 decode unit steps on while a copy into its pool is held; a decode actor killed mid-stream ends its streams
-with an error naming the unit and its node, Ray starts it again, and the engine serves again."""
+with an error naming the unit and its node, Ray starts it again, and the engine serves again. Prefill and
+decode units on one node share the decode pool (no KV through the object store) until a unit restarts."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import dataclasses
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 
@@ -32,7 +34,11 @@ from pdserve.engine.ray import actor as ray_actor  # noqa: E402
 from pdserve.engine.ray import compute as ray_compute  # noqa: E402
 from pdserve.engine.ray.compute import RayCompute  # noqa: E402
 from pdserve.engine.ray import transport as ray_transport  # noqa: E402
+from pdserve.engine.ray import units as ray_units  # noqa: E402
+from pdserve.engine.ray.shared import open_peer_pool, pool_address, with_peer  # noqa: E402
 from pdserve.engine.ray.units import actor_options  # noqa: E402
+from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedPool  # noqa: E402
+from pdserve.kernels.kv_layout import KVLayout  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
 from pdserve.server.config import ServerConfig  # noqa: E402
 from pdserve.server.systemd import render_unit  # noqa: E402
@@ -154,6 +160,46 @@ def test_a_transport_named_wrong_is_refused_and_gloo_falls_back_for_good():
     transport = ray_transport.KVTransport(ray_transport.GLOO)
     transport.fall_back("a unit restarted")
     assert (transport.name, transport.configured) == (ray_transport.OBJECT_STORE, ray_transport.GLOO)
+
+
+def test_a_fall_back_detaches_every_unit_that_shares_a_pool_once_and_for_good(caplog):
+    class Sharing:
+        detached = 0
+
+        def detach(self) -> None:
+            self.detached += 1
+
+    transport, unit = ray_transport.KVTransport(), Sharing()
+    transport.share(unit)
+    transport.share(unit)
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.ray.transport"):
+        transport.fall_back("the decode unit's Ray actor is started again")
+        transport.fall_back("the prefill unit's Ray actor is started again")
+    assert unit.detached == 1 and transport.sharing == []
+    assert caplog.text.count("object store from now on: the decode unit's Ray actor is started again") == 1
+    assert "prefill unit" not in caplog.text
+
+
+def test_a_pool_address_opens_the_segment_itself_through_proc_and_nothing_else():
+    spec = PoolSpec(KVLayout(2, 16, 2, 8), 3, torch.float32)
+    segment = SharedPool.create(spec, "test")
+    try:
+        address = pool_address(segment, "node-a")
+        mine, mapped = segment.tensor(), open_peer_pool(address)
+        values = torch.randn(2, 2, 16, 2, 8)
+        mapped[1] = values
+        assert torch.equal(mine[1], values) and address.path == f"/proc/{os.getpid()}/fd/{segment.fd.fd}"
+        with pytest.raises(ValueError, match="is not the segment the decode unit reported"):
+            open_peer_pool(dataclasses.replace(address, identity=(0, 0)))
+        with pytest.raises(OSError):
+            open_peer_pool(dataclasses.replace(address, fd=segment.fd.fd + 1000))
+    finally:
+        segment.close()
+
+
+def test_a_peer_goes_at_its_index_and_the_others_stay_unattached():
+    assert with_peer((), 2, "decode2") == (None, None, "decode2")
+    assert with_peer(("decode0", None, "decode2"), 1, "decode1") == ("decode0", "decode1", "decode2")
 
 
 def test_an_abort_while_blocks_are_copied_frees_them_on_both_nodes(engine):
@@ -373,6 +419,107 @@ def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_
     assert all("decode unit's Ray actor on node 127.0.0.1" in e.error for e in lasts)
     assert victim.where["node_id"] == new_node and len(after) == LONG.max_tokens
     assert_pools_free(engine)
+
+
+ONE_NODE = "pdserve_one_node"
+
+
+@pytest.fixture
+def one_node(cluster, monkeypatch):
+    """A third node, which every unit asks for: prefill and decode on one node. Yields its node id."""
+    nodes, _ = cluster
+    node = nodes.add_node(**NODE, resources={ONE_NODE: 1})
+    role_options = ray_units.actor_options
+
+    def on_the_node(role: str, device_type: str, threads: int, resources: dict) -> dict:
+        return role_options(role, device_type, threads, resources) | {"resources": {ONE_NODE: ray_units.ROLE_SHARE}}
+
+    monkeypatch.setattr(ray_units, "actor_options", on_the_node)
+    yield node.node_id
+    nodes.remove_node(node)
+
+
+@pytest.fixture
+def object_store_copies(monkeypatch):
+    """The number of blocks of each copy the transport chains (`read_blocks` then `write_blocks`)."""
+    copied, send = [], ray_transport.KVTransport.send
+
+    def counted(self, src_actor, dst_actor, src: list[int], dst: list[int]):
+        copied.append(len(src))
+        return send(self, src_actor, dst_actor, src, dst)
+
+    monkeypatch.setattr(ray_transport.KVTransport, "send", counted)
+    return copied
+
+
+def test_prefill_and_decode_on_one_node_share_the_decode_pool_and_give_transformers_greedy_tokens(
+        one_node, object_store_copies, caplog, transformers_model):  # noqa: F811
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.ray.units"):
+        shared = Engine(ENGINE_CONFIG)
+    batch = prompts([5, 90, 37, 140], seed=3)                    # up to 5 chunks of 32, each copied
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await shared.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(
+                collect(shared.submit(Request(f"s{i}", p, params))) for i, p in enumerate(batch))), 120)
+        finally:
+            await shared.stop()
+
+    try:
+        prefill, decode = shared.units.prefill, shared.units.decode
+        assert prefill.where["node_id"] == decode.where["node_id"] == one_node
+        assert f"KV prefill -> decode: shared memory on {prefill.node}" in caplog.text
+        assert ray.get(prefill.actor.attached_peers.remote()) == [0]
+        results = asyncio.run(scenario())
+        for prompt, (tokens, _) in zip(batch, results):
+            expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                                   min_new_tokens=8)[0, len(prompt):].tolist()
+            assert tokens == expected
+        assert object_store_copies == []                         # every block went straight into the decode pool
+        assert_pools_free(shared)
+    finally:
+        shared.close()
+
+
+def test_after_a_restart_on_one_node_every_copy_goes_through_the_object_store(one_node, object_store_copies):
+    restarted = Engine(ENGINE_CONFIG)
+    prefill, decode = restarted.units.prefill, restarted.units.decode
+    pids = prefill.where["pid"], decode.where["pid"]
+    reference = prompts([70], seed=2)[0]                         # 3 chunks, each copied
+
+    async def scenario():
+        await restarted.start()
+        try:
+            before, _ = await collect(restarted.submit(Request("before", reference, LONG)))
+            assert object_store_copies == [] and prefill.shared_peers == {0}
+            streams = [restarted.submit(Request(f"doomed{i}", p, DOOMED))
+                       for i, p in enumerate(prompts([6, 40], seed=1))]
+            await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), 60)
+            os.kill(pids[1], signal.SIGKILL)                      # the decode actor, mid-stream
+            ends = await asyncio.wait_for(asyncio.gather(*(collect_events(s) for s in streams)), 60)
+            await until(lambda: restarted.healthy(), 120)
+            after_decode, _ = await asyncio.wait_for(collect(restarted.submit(Request("a", reference, LONG))), 120)
+            os.kill(pids[0], signal.SIGKILL)                      # then the prefill actor, idle
+            doomed = await asyncio.wait_for(collect_events(restarted.submit(Request("d", reference, LONG))), 60)
+            await until(lambda: restarted.healthy(), 120)
+            after_prefill, _ = await asyncio.wait_for(collect(restarted.submit(Request("b", reference, LONG))), 120)
+            return [events[-1] for events in ends] + [doomed[-1]], before, after_decode, after_prefill
+        finally:
+            await restarted.stop()
+
+    try:
+        lasts, before, after_decode, after_prefill = asyncio.run(scenario())
+        assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 3
+        assert prefill.where["pid"] != pids[0] and decode.where["pid"] != pids[1]     # both actors are fresh
+        assert after_decode == before == after_prefill and len(before) == LONG.max_tokens
+        assert object_store_copies                                # the pair fell back to the object store
+        assert prefill.shared_peers == frozenset() and ray.get(prefill.actor.attached_peers.remote()) == []
+        assert prefill.transport.sharing == [] and restarted.supervisor.restarts == 2
+        assert_pools_free(restarted)
+    finally:
+        restarted.close()
 
 
 def test_the_systemd_unit_joins_the_local_ray_node():

@@ -8,6 +8,9 @@ the call: the call is dispatched at once and fetches the bytes in its own concur
 An actor executes its calls in submission order, so a reference argument still being produced on the
 prefill node would hold every later call, this unit's steps included, until it arrived; fetched here,
 a hand-off lands while this unit steps (the rows it writes belong to no running sequence yet).
+
+A decode unit's pool is a memfd segment (`shares_pool`) that a prefill unit's actor on the same node maps
+(`attach_peer`) and copies into inside its step, as a worker process does (`pdserve.engine.ray.shared`).
 """
 from __future__ import annotations
 
@@ -17,8 +20,11 @@ import numpy as np
 import ray
 import torch
 
-from pdserve.engine.worker.processes import wire
-from pdserve.engine.worker.processes.worker_process import WorkerSpec, build_step_runner
+from pdserve.engine.ray.shared import PoolAddress, open_peer_pool, pool_address, with_peer
+from pdserve.engine.transfer.select import select_transfer
+from pdserve.engine.worker.processes.shared_pool import SharedPool, check_pools_agree
+from pdserve.engine.worker.processes.worker_process import WorkerSpec, answer, build_step_runner
+from pdserve.engine.worker.step_runner import Peer
 
 KV_GROUP = "kv"
 KV_THREADS = 4                       # hand-offs landing at once (each waits for its prefill step, then fetches)
@@ -26,9 +32,12 @@ LEASE_GROUP = "lease"                # answers pings while a step runs: the unit
 
 
 class UnitActor:
-    def __init__(self, spec: WorkerSpec, threads: int) -> None:
+    def __init__(self, spec: WorkerSpec, threads: int, shares_pool: bool = False) -> None:
+        """`shares_pool`: the pool is a memfd segment a unit's actor on this node can map (a CPU decode unit)."""
         torch.set_num_threads(threads)
-        self.step_runner = build_step_runner(spec)
+        self.spec = spec
+        self.segment = SharedPool.create(spec.pool, spec.name) if shares_pool else None
+        self.step_runner = build_step_runner(spec, None if self.segment is None else self.segment.ticket)
         self.pool = self.step_runner.runner.kv_pool       # [blocks, layers, 2, block_size, kv_heads, head_dim]
         self.bits = self.pool.view(torch.uint8).numpy() if self.pool.device.type == "cpu" else None
 
@@ -43,11 +52,30 @@ class UnitActor:
         return os.getpid()
 
     def step(self, frame: bytes) -> bytes:
-        try:
-            outcome = self.step_runner.run(wire.decode_work(frame))
-            return wire.encode_outcome(outcome)
-        except Exception as e:                          # NOTE: reported in the reply, as a worker process does
-            return wire.encode_error(e)
+        """The outcome (or error) frame of one work frame; its copies into mapped peer pools have landed."""
+        return answer(self.step_runner, frame)
+
+    def pool_address(self) -> PoolAddress | None:
+        """Where an actor on this node opens this unit's pool; None where it is not shared."""
+        if self.segment is None:
+            return None
+        return pool_address(self.segment, ray.get_runtime_context().get_node_id())
+
+    def attach_peer(self, index: int, address: PoolAddress) -> None:
+        """Copy hand-offs to peer `index` (BlockCopy.peer) in this unit's steps, straight into the pool at
+        `address`. Raises OSError or ValueError where that pool cannot be mapped or does not fit this one."""
+        check_pools_agree(self.spec.pool, address.spec)
+        pool = open_peer_pool(address)
+        peer = Peer(select_transfer(self.pool.device, pool.device, self.spec.kv_transfer), pool)
+        self.step_runner.peers = with_peer(self.step_runner.peers, index, peer)
+
+    def detach_peers(self) -> None:
+        """Unmap every peer's pool: hand-offs go through `read_blocks` from now on."""
+        self.step_runner.peers = ()
+
+    def attached_peers(self) -> list[int]:
+        """The peers whose pools this unit's steps copy into."""
+        return [index for index, peer in enumerate(self.step_runner.peers) if peer is not None]
 
     @ray.method(num_returns=2)
     def read_blocks(self, blocks: list[int]) -> tuple[np.ndarray, int]:

@@ -7,7 +7,9 @@ chains the calls (`read_blocks` on the prefill actor after its step, `write_bloc
 which stores them on a thread its steps do not use; `pdserve.engine.ray.transport`), so the bytes move
 node to node (through Ray's object store, or over gloo) and never through this process, and the decode
 unit's steps are never queued behind a copy. A step's outcome is given once its copies have landed, as a
-worker process does, so the decode unit admits a sequence only once its KV is in its pool.
+worker process does, so the decode unit admits a sequence only once its KV is in its pool. A decode unit on
+this unit's node whose pool its actor maps (`shared_peers`; `pdserve.engine.ray.shared`) gets its copies
+inside the step's frame instead: the actor writes them into that pool before it answers.
 
 A Ray error on any call (the actor or its node died) loses the unit: the step fails with an error naming
 the unit and node, and `recover` asks Ray for a fresh actor. A step that has not answered within LEASE_S
@@ -32,6 +34,7 @@ from pdserve.engine.worker.processes.worker_process import WorkerSpec
 from pdserve.engine.worker.step import BlockCopy, StepWork
 from pdserve.engine.worker.step_runner import StepOutcome
 from pdserve.engine.ray.actor import remote_unit_actor
+from pdserve.engine.ray.shared import PoolAddress
 from pdserve.engine.ray.transport import GLOO, OBJECT_STORE, KVTransport, Sending
 
 logger = logging.getLogger(__name__)
@@ -49,10 +52,12 @@ class RayCompute:
     kind = "ray"
 
     def __init__(self, spec: WorkerSpec, threads: int, options: dict, peers: tuple[RayCompute, ...] = (),
-                 transport: KVTransport | None = None) -> None:
+                 transport: KVTransport | None = None, shares_pool: bool = False) -> None:
         """`options`: Ray actor options (resources); `peers`: the decode units a prefill unit hands off to;
-        `transport`: how blocks move between the units (shared by all of them)."""
+        `transport`: how blocks move between the units (shared by all of them); `shares_pool`: the actor's
+        pool is a segment an actor on its node can map (`pdserve.engine.ray.shared`)."""
         self.spec, self.threads, self.options, self.peers = spec, threads, options, peers
+        self.shares_pool = shares_pool
         self.transport = transport or KVTransport(OBJECT_STORE)
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
@@ -65,9 +70,10 @@ class RayCompute:
     def spawn(self) -> None:
         """Ask Ray for the actor; returns at once (`wait_ready` waits for its runner)."""
         gloo = self.transport.configured == GLOO
-        self.actor = remote_unit_actor(gloo).options(**self.options).remote(self.spec, self.threads)
+        self.actor = remote_unit_actor(gloo).options(**self.options).remote(self.spec, self.threads, self.shares_pool)
         self._ready = self.actor.where.remote()
         self.lost = None
+        self.shared_peers: frozenset[int] = frozenset()     # peers whose pools the actor maps (`attach`)
 
     def wait_ready(self) -> None:
         """Block until the actor has built its runner; RuntimeError naming the unit if it could not."""
@@ -78,7 +84,7 @@ class RayCompute:
             raise RuntimeError(f"the {self.spec.name} unit's Ray actor did not start within {START_TIMEOUT_S:g} s "
                                f"(no node with {self.options.get('resources') or 'free CPUs/GPUs'}?)") from None
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"the {self.spec.name} unit's Ray actor could not start: {_first_line(e)}") from None
+            raise RuntimeError(f"the {self.spec.name} unit's Ray actor could not start: {first_line(e)}") from None
         logger.info("%s unit ready on node %s (%s), pid %d", self.spec.name, self.where["ip"],
                     self.where["node_id"][:12], self.where["pid"])
 
@@ -94,20 +100,27 @@ class RayCompute:
         if self.lost is not None:
             raise UnitLost(self.lost)
         actor = self.actor
-        step = actor.step.remote(wire.encode_work(replace(work, copies=(), threads=None)))   # NOTE: no lending
+        direct = tuple(copy for copy in work.copies if self._writes_directly(copy))
+        chained = [copy for copy in work.copies if copy not in direct]
+        step = actor.step.remote(wire.encode_work(replace(work, copies=direct, threads=None)))   # NOTE: no lending
         sends = [(copy, self.peers[copy.peer], self._send(actor, self.peers[copy.peer].actor, copy))
-                 for copy in work.copies]
+                 for copy in chained]
         started = time.perf_counter()
         reply = await self._answer(actor, step)
         kind, doc = wire.decode_message(reply)
         if kind == wire.ERROR:
             raise WorkerStepError(f"in the {self.spec.name} unit on {self.node}: {doc['error']}")
         outcome = wire.decode_outcome(reply)
-        copies = []
+        landed = dict(outcome.copies)                           # the direct copies, landed in the step
         for copy, peer, (peer_actor, sending) in sends:
             nbytes = await self._copied(actor, peer, peer_actor, sending)
-            copies.append((copy.key, TransferHandle.finished(nbytes, time.perf_counter() - started)))
-        return replace(outcome, copies=tuple(copies))
+            landed[copy.key] = TransferHandle.finished(nbytes, time.perf_counter() - started)
+        return replace(outcome, copies=tuple((copy.key, landed[copy.key]) for copy in work.copies))
+
+    def _writes_directly(self, copy: BlockCopy) -> bool:
+        """Whether this unit's actor writes `copy` into its peer's pool itself (a same-node pool it maps, of a
+        peer not known to be lost)."""
+        return copy.peer in self.shared_peers and self.peers[copy.peer].lost is None
 
     def _send(self, actor, peer_actor, copy: BlockCopy) -> tuple:
         """Chain the copy: this unit's blocks (read after its step, in call order) into the peer's pool."""
@@ -139,9 +152,23 @@ class RayCompute:
     def lose(self, actor, error: BaseException) -> str:
         """Mark this unit lost by `error` on `actor` (ignored when Ray has given it a fresh actor since)."""
         if actor is self.actor and self.lost is None:
-            self.lost = f"the {self.spec.name} unit's Ray actor on {self.node} is lost: {_first_line(error)}"
+            self.lost = f"the {self.spec.name} unit's Ray actor on {self.node} is lost: {first_line(error)}"
             logger.error("%s", self.lost)
-        return self.lost or f"the {self.spec.name} unit's earlier Ray actor is lost: {_first_line(error)}"
+        return self.lost or f"the {self.spec.name} unit's earlier Ray actor is lost: {first_line(error)}"
+
+    def attach(self, index: int, address: PoolAddress) -> None:
+        """The actor maps peer `index`'s pool at `address` and copies into it in its steps from now on, until
+        any unit restarts. Raises Ray's error (the actor's OSError or ValueError inside) where it cannot."""
+        ray.get(self.actor.attach_peer.remote(index, address), timeout=START_TIMEOUT_S)
+        self.shared_peers |= {index}
+        self.transport.share(self)
+
+    def detach(self) -> None:
+        """Every copy goes through the transport from now on; the actor unmaps its peers' pools (after the
+        steps sent before, in call order)."""
+        if self.shared_peers and self.lost is None:
+            self.actor.detach_peers.remote()
+        self.shared_peers = frozenset()
 
     async def wait(self, handle: TransferHandle) -> None:
         """Copies have landed before a step's outcome is given; nothing to wait for."""
@@ -196,6 +223,7 @@ async def _leased(actor, ref):
         answer.cancel()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """`error`'s type and the first line of its message (log lines, error events)."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -12,6 +12,9 @@ being produced would hold the decode actor's later calls, its steps included). R
 an RDT transfer that fails, and a group takes no fresh actor in (each actor's torch.distributed world is
 fixed when the group is made): after any unit's restart, and where the group cannot be made, the engine
 copies through the object store, with a warning.
+
+A prefill unit whose actor maps a same-node decode unit's pool (`pdserve.engine.ray.shared`) copies into
+it inside its step; the transport takes only its other copies, and after any restart all of them.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class KVTransport:
             raise ValueError(f"--ray-kv-transport must be one of {', '.join(NAMES)}, got {name!r}")
         self.configured = self.name = name
         self.group = None
+        self.sharing: list = []          # the RayCompute units whose actors copy into same-node peers' pools
 
     def connect(self, actors: list) -> None:
         """Make the gloo group over `actors` (every unit's, started); the object store where it cannot be made."""
@@ -57,10 +61,20 @@ class KVTransport:
             return
         logger.info("KV between Ray units: Ray Direct Transport over gloo (%d actors)", len(actors))
 
+    def share(self, unit) -> None:
+        """`unit`'s actor copies into a same-node peer's pool itself, until `fall_back`."""
+        if unit not in self.sharing:
+            self.sharing.append(unit)
+
     def fall_back(self, why: str) -> None:
-        if self.name != OBJECT_STORE:
+        """Every copy goes through the object store from now on (a restarted actor joins no gloo group and
+        has a pool of its own): each sharing unit's actor unmaps its peers' pools."""
+        if self.name != OBJECT_STORE or self.sharing:
             logger.warning("KV between Ray units goes through the object store from now on: %s", why)
-            self.name = OBJECT_STORE
+        self.name = OBJECT_STORE
+        for unit in self.sharing:
+            unit.detach()
+        self.sharing = []
 
     def send(self, src_actor, dst_actor, src: list[int], dst: list[int]) -> Sending:
         """Start copying blocks `src` of `src_actor`'s pool into blocks `dst` of `dst_actor`'s."""

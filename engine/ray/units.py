@@ -5,7 +5,8 @@ a cluster started on this machine) as its driver. A GPU unit asks Ray for one GP
 threads; a role goes to the nodes that advertise its custom resource (`pdserve_prefill`,
 `pdserve_decode`, `pdserve_colocated`) where any node does, anywhere otherwise. Every node loads the
 model from the same path (--model), as vLLM's Ray executor expects. The pools are sized as
-`--workers process` sizes them, each unit's in its own actor.
+`--workers process` sizes them, each unit's in its own actor; a CPU decode unit's is a memfd segment that
+the prefill units on its node map once all units have started (`pdserve.engine.ray.shared`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.process_units import started, worker_pools, worker_spec
 from pdserve.engine.topology import Plan, Units, unit_names
 from pdserve.engine.worker.processes.shared_pool import PoolSpec
-from pdserve.engine.ray.compute import RayCompute
+from pdserve.engine.ray.compute import START_TIMEOUT_S, RayCompute, first_line
+from pdserve.engine.ray.shared import PoolAddress
 from pdserve.engine.ray.transport import KVTransport
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, 
         transport = KVTransport(config.ray_kv_transport)
         units = started(_units(config, model_config, plan, eos, connection, transport))
         transport.connect([unit.actor for unit in units.all()])
+        share_same_node_pools(units)
         return replace(units, shared=(connection,))
     except BaseException:
         connection.close()
@@ -65,7 +68,7 @@ def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: fro
         spec = replace(base, name=name, device="cuda:0" if device.type == "cuda" else "cpu", pool=pool_,
                        warmup_role=warmup, thread_counts=(threads,))
         return RayCompute(spec, threads, actor_options(role, device.type, threads, connection.resources),
-                          peers, transport)
+                          peers, transport, shares_pool=role == "decode" and device.type == "cpu")
 
     if plan.mode == "colocated":
         n = len(plan.prefill_devices)
@@ -77,6 +80,39 @@ def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: fro
     prefills = tuple(unit("prefill", name, d, c, pools.prefill, "prefill", decodes) for name, d, c in
                      zip(unit_names("prefill", n_prefill), plan.prefill_devices, plan.prefill_unit_cores))
     return Units(decodes, prefills)
+
+
+def share_same_node_pools(units: Units) -> None:
+    """Each prefill unit's actor maps the shared pool of every decode unit on its node; logs, once, how KV
+    goes between each pair (an attempt that fails with a warning: that pair uses the transport)."""
+    addresses = [_pool_address(decode) for decode in units.decodes]
+    for prefill in units.prefills:
+        for index, (decode, address) in enumerate(zip(units.decodes, addresses)):
+            _pair(prefill, index, decode, address)
+
+
+def _pool_address(decode: RayCompute) -> PoolAddress | None:
+    try:
+        return ray.get(decode.actor.pool_address.remote(), timeout=START_TIMEOUT_S)
+    except ray.exceptions.RayError:
+        return None                      # NOTE: its actor is gone: its first step fails and names it
+
+
+def _pair(prefill: RayCompute, index: int, decode: RayCompute, address: PoolAddress | None) -> None:
+    pair, transport = f"KV {prefill.spec.name} -> {decode.spec.name}", prefill.transport.name
+    if address is None:
+        logger.info("%s: %s (the decode pool is not in shared memory)", pair, transport)
+    elif address.node_id != prefill.where["node_id"]:
+        logger.info("%s: %s, %s to %s", pair, transport, prefill.node, decode.node)
+    else:
+        try:
+            prefill.attach(index, address)
+        except ray.exceptions.RayError as e:
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+            logger.warning("%s: %s, though both are on %s: the prefill unit cannot map %s: %s", pair, transport,
+                           prefill.node, address.path, first_line(cause))
+            return
+        logger.info("%s: shared memory on %s", pair, prefill.node)
 
 
 def actor_options(role: str, device_type: str, threads: int, cluster: dict) -> dict:

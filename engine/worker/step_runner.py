@@ -34,9 +34,10 @@ class Peer(NamedTuple):
 
 
 class StepRunner:
-    """A runner, and where its KV hand-offs go (`peers[i]` for BlockCopy.peer i; none when it hands off nothing)."""
+    """A runner, and where its KV hand-offs go (`peers[i]` for BlockCopy.peer i; none when it hands off nothing,
+    None at a peer it does not copy to itself: a Ray unit's peer on another node)."""
 
-    def __init__(self, runner: ModelRunner, peers: tuple[Peer, ...] = ()) -> None:
+    def __init__(self, runner: ModelRunner, peers: tuple[Peer | None, ...] = ()) -> None:
         self.runner, self.peers = runner, peers
         self.reads_back_later = runner.device.type == "cuda"     # NOTE: on CPU a step's work is its launch
 
