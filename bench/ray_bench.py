@@ -3,11 +3,13 @@ two nodes, and one serving run of each with the same units.
 
     python -m pdserve.bench.ray_bench [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
                                       [--requests 16] [--prompt-tokens 256] [--max-tokens 64] [--out DIR]
-                                      [--kv-transport object-store|gloo] [--compiled-graph]
+                                      [--kv-transport object-store|gloo] [--compiled-graph] [--one-node]
 
 Without --ray-address it starts a two-node Ray cluster on this machine, every address 127.0.0.1 (the
 head advertises `pdserve_prefill`, the other node `pdserve_decode`); with it, it joins that cluster as
-the driver (its nodes must advertise the two resources). For each backend, the same 1P1D disaggregated
+the driver (its nodes must advertise the two resources). With --one-node the cluster has one node that
+advertises both, so the Ray units share the decode pool as worker processes do (`pdserve.engine.ray.shared`)
+and the comparison is of the boundary alone. For each backend, the same 1P1D disaggregated
 engine (--threads threads per unit) serves --requests seeded random prompts at once; every step's round
 trip is timed at the unit (submit to outcome) minus the compute the worker measured, so the overhead of
 the boundary is what is left (a Ray prefill step's includes its KV copies to the other node, which a
@@ -44,13 +46,14 @@ NODE = dict(num_cpus=4, object_store_memory=200 * 2**20)
 RUN_BLOCKS = 16
 
 
-def start_cluster(threads: int):
+def start_cluster(threads: int, one_node: bool):
     from ray.cluster_utils import Cluster
 
-    node = NODE | dict(num_cpus=max(NODE["num_cpus"], threads + 1))
-    cluster = Cluster(initialize_head=True, head_node_args=node | dict(include_dashboard=False,
-                                                                       resources={"pdserve_prefill": 1}))
-    cluster.add_node(**node, resources={"pdserve_decode": 1})
+    node = NODE | dict(num_cpus=max(NODE["num_cpus"], 2 * threads + 1))
+    head = {"pdserve_prefill": 1} | ({"pdserve_decode": 1} if one_node else {})
+    cluster = Cluster(initialize_head=True, head_node_args=node | dict(include_dashboard=False, resources=head))
+    if not one_node:
+        cluster.add_node(**node, resources={"pdserve_decode": 1})
     ray.init(address=cluster.address, log_to_driver=False)
     return cluster
 
@@ -184,7 +187,7 @@ def summary(overheads: dict[str, list[float]]) -> dict:
 
 
 def run(args) -> dict:
-    cluster = None if args.ray_address else start_cluster(args.threads)
+    cluster = None if args.ray_address else start_cluster(args.threads, args.one_node)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     try:
@@ -198,6 +201,7 @@ def run(args) -> dict:
             results[backend] = {"serving": asyncio.run(serve(engine, args)), "step_round_trip": summary(overheads)}
             if backend == "ray":
                 results["ray"]["kv"] = kv_bytes_per_second(engine, args.kv_iters)
+                results["ray"]["shared_pool"] = bool(engine.units.prefill.shared_peers)
             engine.close()
         return results
     finally:
@@ -223,6 +227,8 @@ def main() -> None:
     parser.add_argument("--compiled-graph", action="store_true",
                         help="also time a bare frame's round trip to each node: actor call vs Compiled Graph")
     parser.add_argument("--frame-bytes", type=int, default=2048, help="the frame --compiled-graph sends")
+    parser.add_argument("--one-node", action="store_true",
+                        help="one Ray node for both units (they share the decode pool), not two")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(args)
@@ -231,13 +237,14 @@ def main() -> None:
     print("| backend | output tok/s | TTFT ms (median) | ITL ms (median / p99) | prefill step overhead us "
           "(ray: with its KV copies) | decode step overhead us |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, r in (("process (one node)", process), ("ray (two nodes)", ray_)):
+    where = "one node, " + ("shared pool" if ray_["shared_pool"] else "object store") if args.one_node else "two nodes"
+    for name, r in (("process (one node)", process), (f"ray ({where})", ray_)):
         s, t = r["serving"], r["step_round_trip"]
         print(f"| {name} | {s['output_tok_s']:.1f} | {s['ttft_ms_median']:.1f} | {s['itl_ms_median']:.2f} / "
               f"{s['itl_ms_p99']:.2f} | {t['prefill']['overhead_us_median']:.0f} | "
               f"{t['decode']['overhead_us_median']:.0f} |")
     kv = ray_["kv"]
-    print(f"KV between the nodes ({kv['transport']}): {kv['bytes_per_s'] / 1e6:.1f} MB/s "
+    print(f"KV between the actors through the transport ({kv['transport']}): {kv['bytes_per_s'] / 1e6:.1f} MB/s "
           f"({kv['blocks_per_run']} blocks, "
           f"{kv['bytes_per_run']} bytes per run, {kv['run_ms_median']:.2f} ms; same node: {kv['same_node']})")
     for role, echo in results.get("echo", {}).items():
