@@ -19,7 +19,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.scheduler import DecodeScheduler, PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.core.spec_policy import Acceptance, DraftGate, StepBudget, allot
+from pdserve.engine.core.spec_policy import SHAPE_MEMORY_STEPS, Acceptance, DraftGate, StepBudget, allot
 from pdserve.engine.core.speculative import MISSES_BEFORE_BACKOFF, SpeculativeConfig, Speculator
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from pdserve.server.metrics import Metrics
@@ -183,6 +183,25 @@ def test_a_verify_cost_measured_long_ago_does_not_keep_drafting_shut():
     assert gate.budget(2, 0) == StepBudget()                    # faded: the roofline guess drafts (and measures)
     gate.observe_step(2, 4, 0.024, threads=2, drafts=4)
     assert gate.budget(2, 0).per_draft < 0.002                  # the new step now weighs most (1 ms a draft)
+
+
+def test_a_step_shape_measured_dear_caps_the_drafts_below_it_until_it_is_tried_again():
+    def step_time(positions):                                   # 1 ms a draft; past six positions the kernels'
+        return 0.020 + 0.001 * (positions - 1) + 0.008 * (positions > 6)     # path changes: 8 ms more
+
+    gate = DraftGate(num_speculative_tokens=7, disable_by_batch_size=None)
+    for _ in range(3):
+        for drafts in range(8):
+            gate.observe_step(1, drafts, step_time(1 + drafts), threads=2, drafts=drafts)
+    budget = gate.budget(1, 0)
+    assert [budget.seconds(d) for d in range(8)] == pytest.approx([step_time(1 + d) for d in range(8)])
+    assert allot((0.95,), [7], 1, budget) == [5]                # the sixth draft crosses into the dear shape
+    for _ in range(SHAPE_MEMORY_STEPS + 1):
+        gate.observe_step(1, 5, step_time(6), threads=2, drafts=5)
+    again = gate.budget(1, 0)
+    assert len(again.measured) == 6                             # the dear shape, not run lately, is forgotten
+    assert again.seconds(6) == pytest.approx(step_time(6) + again.per_draft)    # priced from the shape below
+    assert allot((0.95,), [7], 1, again) == [7]                 # and tried again
 
 
 def test_a_rows_acceptance_estimate_follows_its_verifications():

@@ -19,6 +19,12 @@ predicted time stays within its limit; they are kept if together they beat the s
   batch's step). So the step may take
   max(T0, min(ITL SLO, HEADROOM * T0)); one already past the SLO without drafts gets none.
 
+Where a step of as many positions (rows plus drafts) ran lately, its measured time stands in for the
+linear prediction (`ShapeTimes`): the CPU kernels change path at row counts the linear fit cannot see (a
+quantized model's blocks serve up to the probe's row count, the few-row tiles up to six rows), and on this
+machine a two-row step verifying 6 drafts took 44 ms where 4 took 21 (SmolLM2 as served, Xeon-167), so a
+draft that crosses such a step is priced at what crossing it cost.
+
 T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
 draft tokens, so c is what verifying costs here, not a prefill token's price); until it has measured
 three steps, or while no recent step carried a draft, from the unit's step cost model; before either,
@@ -49,6 +55,9 @@ FLAT_STEP_TOKENS = 32
 ACCEPTANCE_DECAY = 0.8       # weight of a row's older verifications in its acceptance estimate
 FIT_DECAY = 0.97             # DecodeStepFit: as the step cost model (engine.actors.step_cost)
 FIT_RIDGE = 1e-3
+# A shape's time counts this many decode steps after it last ran: a shape avoided for its cost is tried again
+# (one long step) at most once in that many steps, which a p99 ITL (1 in 100) does not read.
+SHAPE_MEMORY_STEPS = 200
 
 
 class StepCost(Protocol):
@@ -103,6 +112,34 @@ class DecodeStepFit:
         return fit.coefficients()
 
 
+@dataclass(slots=True)
+class ShapeTimes:
+    """Each decode step shape's time by its positions (rows plus draft tokens, the rows of x every projection
+    multiplies), exponentially weighted per shape, one table per thread count; a shape counts while it ran
+    within the last SHAPE_MEMORY_STEPS decode steps."""
+
+    _times: dict[int | None, dict[int, tuple[float, float, int]]] = field(default_factory=dict)
+    _steps: int = 0
+
+    def observe(self, threads: int | None, positions: int, seconds: float) -> None:
+        self._steps += 1
+        table = self._times.setdefault(threads, {})
+        mean, weight, _ = table.get(positions, (0.0, 0.0, 0))
+        weight = FIT_DECAY * weight + 1.0
+        table[positions] = (mean + (seconds - mean) / weight, weight, self._steps)
+
+    def widest(self, threads: int | None) -> int:
+        """The most positions a step at `threads` has had (0: none yet)."""
+        return max(self._times.get(threads, {0: None}))
+
+    def seconds(self, threads: int | None, positions: int) -> float | None:
+        """The measured time of a step of `positions` at `threads`, or None (never, or not lately)."""
+        entry = self._times.get(threads, {}).get(positions)
+        if entry is None or self._steps - entry[2] > SHAPE_MEMORY_STEPS:
+            return None
+        return entry[0]
+
+
 @dataclass(frozen=True, slots=True)
 class StepBudget:
     """A step's predicted seconds without drafts, seconds per verified draft token, and the most seconds
@@ -112,6 +149,17 @@ class StepBudget:
     per_draft: float = 0.0
     limit: float = math.inf
     first: float = 0.0              # what a step's first draft costs beyond per_draft (a lone row's discount lost)
+    measured: tuple[float | None, ...] = ()   # [d]: the measured seconds of this step with d drafts, if it ran lately
+
+    def seconds(self, drafts: int) -> float:
+        """The step's predicted seconds with `drafts` draft tokens: measured where that shape ran lately, else
+        the nearest measured shape below it (or the plain step) plus the linear price of the drafts between."""
+        if drafts < len(self.measured) and self.measured[drafts] is not None:
+            return self.measured[drafts]
+        below = next((d for d in range(min(drafts, len(self.measured)) - 1, 0, -1)
+                      if self.measured[d] is not None), 0)
+        base = self.measured[below] if below else self.plain + (self.first if drafts else 0.0)
+        return base + self.per_draft * (drafts - below)
 
 
 def draft_length(rate: float, threshold: float, cap: int) -> int:
@@ -131,23 +179,25 @@ def allot(rates: Sequence[float], caps: Sequence[int], rows: int, budget: StepBu
     lengths = [0] * len(rates)
     if budget.plain is None:
         return list(caps)
-    seconds, tokens, c = budget.plain + budget.first, float(rows), budget.per_draft
+    drafts, tokens = 0, float(rows)
+    seconds = budget.seconds(0) + budget.first
     best = [(-rate, i, rate) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
     heapq.heapify(best)
     while best:
         _, i, gain = best[0]
-        if seconds + c > budget.limit or gain * seconds <= c * tokens:
+        longer = budget.seconds(drafts + 1)
+        if longer > budget.limit or gain * seconds <= (longer - seconds) * tokens:
             break                                      # too long, or it would lower the step's rate
-        seconds, tokens, lengths[i] = seconds + c, tokens + gain, lengths[i] + 1
+        drafts, seconds, tokens, lengths[i] = drafts + 1, longer, tokens + gain, lengths[i] + 1
         if lengths[i] < caps[i]:
             heapq.heapreplace(best, (-gain * rates[i], i, gain * rates[i]))
         else:
             heapq.heappop(best)
     if tokens * budget.plain <= rows * seconds:        # no better than no drafts at all
-        lengths, seconds = [0] * len(rates), budget.plain + budget.first
+        lengths, drafts = [0] * len(rates), 0
     for i, cap in enumerate(caps):                     # NOTE: a probe keeps a row's acceptance measured
-        if cap > 0 and not lengths[i] and seconds + c <= budget.limit:
-            seconds, lengths[i] = seconds + c, 1
+        if cap > 0 and not lengths[i] and budget.seconds(drafts + 1) <= budget.limit:
+            drafts, lengths[i] = drafts + 1, 1
     return lengths
 
 
@@ -161,6 +211,7 @@ class DraftGate:
         self.learns = False
         self.threads: int | None = None
         self.fit = DecodeStepFit()
+        self.shapes = ShapeTimes()
         self.itl_slo: float | None = None      # seconds; the engine's ITL SLO once known (`serve`)
         self.draft_forward: float | None = None    # a draft model's measured seconds per forward, if any
 
@@ -182,6 +233,7 @@ class DraftGate:
             self.cost.observe(threads, decode_rows, tokens if drafts is None else 0, seconds, drafts=drafts or 0)
         if drafts is not None and decode_rows:
             self.fit.observe(threads, decode_rows, drafts, seconds)
+            self.shapes.observe(threads, decode_rows + drafts, seconds)
 
     def budget(self, rows: int, prefill_tokens: int) -> StepBudget | None:
         if prefill_tokens > 0 or rows <= 0 or (self.max_rows is not None and rows > self.max_rows):
@@ -192,8 +244,20 @@ class DraftGate:
             return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
         if rows * (per_draft + first) >= plain:
             return None                                # no draft can raise the step's rate
+        measured = self._measured(rows)
+        plain = measured[0] if measured and measured[0] is not None else plain
         slo = math.inf if self.itl_slo is None else self.itl_slo
-        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)), first)
+        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * plain)), first, measured)
+
+    def _measured(self, rows: int) -> tuple[float | None, ...]:
+        """[d]: the measured seconds of a step of `rows` rows and d drafts (d up to the step's k per row),
+        where a step of that many positions ran lately (`ShapeTimes`), else None."""
+        if self.draft_forward:
+            return ()                                  # NOTE: a draft model's forwards are not in the step's time
+        most = min(rows * self.k, self.shapes.widest(self.threads) - rows)
+        measured = tuple(self.shapes.seconds(self.threads, rows + d) for d in range(most + 1))
+        last = max((d for d, t in enumerate(measured) if t is not None), default=-1)
+        return measured[:last + 1]
 
     def threshold(self, rows: int, prefill_tokens: int) -> float | None:
         """The acceptance probability a lone draft token of this step must beat (D * c / T0), or None."""
