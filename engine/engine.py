@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
 from pdserve.engine.coordinator.planner import Planner
 from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
-from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos
+from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos, profile_context
 from pdserve.engine.core.messages import (
     ActorStats,
     EngineStats,
@@ -35,6 +35,7 @@ from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.engine.topology import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
+from pdserve.engine.worker.startup.warmup import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -472,7 +473,9 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
                      dataclasses.replace(prefill, thread_counts=(share.total,))]
     for profile in profiles:
         await profile_unit(profile, sched, plan.max_model_len, vocab_size)
-    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own)
+    one_row = decode.timed.get((StepShape("decode", 1, 1, context=profile_context(sched, plan.max_model_len)),
+                                decode.thread_counts[0]))
+    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own, one_row)
 
 
 def _compute_of(unit) -> str:

@@ -8,7 +8,7 @@ built kernels).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.config import SchedulerConfig
@@ -24,13 +24,15 @@ MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at mo
 
 @dataclass(frozen=True, slots=True)
 class UnitProfile:
-    """What to run on one unit: which phases it steps, and with how many threads (None: its own)."""
+    """What to run on one unit: which phases it steps, and with how many threads (None: its own); `timed`:
+    each step's seconds by (shape, threads), once run."""
 
     unit: Compute
     cost: StepCostModel
     decodes: bool
     prefills: bool
     thread_counts: tuple[int | None, ...] = (None,)
+    timed: dict[tuple[StepShape, int | None], float] = field(default_factory=dict)
 
 
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
@@ -59,6 +61,7 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
         await _run(profile.unit, shapes[0], threads, vocab_size, rng)          # untimed: one-time costs
         for shape in shapes:
             outcome = await _run(profile.unit, shape, threads, vocab_size, rng)
+            profile.timed[shape, threads] = outcome.seconds
             decoding = shape.kind == "decode"
             profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
                                  0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,

@@ -10,6 +10,10 @@ measured on this machine (`pdserve.engine.coordinator.profile`):
   the batch a decode unit runs at its best ITL, and the SLO leaves as much time again for prefill riding
   along in its step (Sarathi-Serve's stall-free chunk budget). A larger batch's decode-only step past
   the SLO is not a miss the planner could avoid: it counts only what prefill adds (planner.py).
+  The one-row step is the profile's, as timed (`MeasuredUnits.one_row_step`), not the cost model's
+  prediction of it: fit to the profile's seven steps, five coefficients predicted that timed 15 ms step at
+  8.8 ms, and once at 1.8 ms (an ITL SLO of 7 ms, below every decode step, which shut speculation's drafts
+  for the whole run; Xeon-167, SmolLM2).
   (Derived at a full batch instead, as before, it came to 3.3 s on a 2-core CPU, where the per-context
   cost dominates: looser than any step the engine ran, so prefill rode in every decode step.)
 - TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the
@@ -49,6 +53,7 @@ class MeasuredUnits:
     decode_threads: int | None
     prefill: StepCostModel
     prefill_threads: int | None
+    one_row_step: float | None = None    # the profile's one-row decode step at the SLO's context, as timed
 
 
 def profile_context(sched: SchedulerConfig, max_model_len: int) -> int:
@@ -81,7 +86,8 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
 
 def _knee_step(measured: MeasuredUnits | None, rows: int, context: int) -> tuple[float, str]:
     """The decode-only step of the knee batch (a full batch of `rows` where that is smaller), and what it is."""
-    one_row = _measured(measured and measured.decode.predict(measured.decode_threads, 1, 0, context), "--itl-slo-ms")
+    one_row = _measured(measured and (measured.one_row_step
+                                      or measured.decode.predict(measured.decode_threads, 1, 0, context)), "--itl-slo-ms")
     full = measured.decode.predict(measured.decode_threads, rows, 0, rows * context)
     if full is not None and full < KNEE * one_row:
         return full, f"a full batch ({rows} rows at context {context}; below the knee)"
