@@ -16,7 +16,8 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
 from pdserve.engine.coordinator.planner import Planner
 from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
-from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos, profile_context
+from pdserve.engine.coordinator.slo import (MeasuredUnits, Slos, derive_slos, prefill_step_tokens,
+                                            profile_context)
 from pdserve.engine.core.messages import (
     ActorStats,
     EngineStats,
@@ -475,7 +476,10 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
         await profile_unit(profile, sched, plan.max_model_len, vocab_size)
     one_row = decode.timed.get((StepShape("decode", 1, 1, context=profile_context(sched, plan.max_model_len)),
                                 decode.thread_counts[0]))
-    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own, one_row)
+    full_prefill = prefill.timed.get((StepShape("prefill", 1, prefill_step_tokens(sched, plan.max_model_len)),
+                                      prefill.thread_counts[0]))
+    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
+                         one_row, full_prefill)
 
 
 def _compute_of(unit) -> str:

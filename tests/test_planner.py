@@ -262,9 +262,10 @@ def test_slo_defaults_are_derived_from_the_measured_steps():
     full_batch = 0.005 + 0.002 + 0.004 * 2 * 512 / 1000                         # below the knee: all of it
     assert small_batch.itl == pytest.approx(HEADROOM * full_batch, rel=0.01)
     assert "a full batch (2 rows" in small_batch.itl_source
-    timed = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1, one_row_step=0.015))
-    assert timed.itl == pytest.approx(HEADROOM * KNEE * 0.015)                  # the profile's own timing of it
-    assert "the 15.0 ms one-row step" in timed.itl_source
+    timed = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1, one_row_step=0.015, prefill_step=0.3))
+    assert timed.itl == pytest.approx(HEADROOM * KNEE * 0.015)                  # the profile's own timings
+    assert timed.ttft == pytest.approx(HEADROOM * 0.3)
+    assert "the 15.0 ms one-row step" in timed.itl_source and "the 300.0 ms prefill step" in timed.ttft_source
     set_ = derive_slos(SchedulerConfig(ttft_slo_ms=800, itl_slo_ms=40), 4096, None)
     assert (set_.ttft, set_.itl, set_.ttft_source, set_.itl_source) == (0.8, 0.04, "set", "set")
     with pytest.raises(ValueError, match="--itl-slo-ms is not set"):

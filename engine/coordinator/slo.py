@@ -10,10 +10,10 @@ measured on this machine (`pdserve.engine.coordinator.profile`):
   the batch a decode unit runs at its best ITL, and the SLO leaves as much time again for prefill riding
   along in its step (Sarathi-Serve's stall-free chunk budget). A larger batch's decode-only step past
   the SLO is not a miss the planner could avoid: it counts only what prefill adds (planner.py).
-  The one-row step is the profile's, as timed (`MeasuredUnits.one_row_step`), not the cost model's
-  prediction of it: fit to the profile's seven steps, five coefficients predicted that timed 15 ms step at
-  8.8 ms, and once at 1.8 ms (an ITL SLO of 7 ms, below every decode step, which shut speculation's drafts
-  for the whole run; Xeon-167, SmolLM2).
+  The one-row step is the profile's, as timed (`MeasuredUnits.one_row_step`; the prefill step below too),
+  not the cost model's prediction of it: fit to the profile's seven steps, five coefficients predicted that
+  timed 15 ms step at 8.8 ms, and once at 1.8 ms (an ITL SLO of 7 ms, below every decode step, which shut
+  speculation's drafts for the whole run; Xeon-167, SmolLM2).
   (Derived at a full batch instead, as before, it came to 3.3 s on a 2-core CPU, where the per-context
   cost dominates: looser than any step the engine ran, so prefill rode in every decode step.)
 - TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the
@@ -54,6 +54,7 @@ class MeasuredUnits:
     prefill: StepCostModel
     prefill_threads: int | None
     one_row_step: float | None = None    # the profile's one-row decode step at the SLO's context, as timed
+    prefill_step: float | None = None    # the profile's full prefill step, as timed
 
 
 def profile_context(sched: SchedulerConfig, max_model_len: int) -> int:
@@ -78,7 +79,9 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
         itl = HEADROOM * step * 1e3
         itl_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms decode step of {why}"
     if ttft is None:
-        step = _measured(measured and measured.prefill.predict(measured.prefill_threads, 0, tokens), "--ttft-slo-ms")
+        step = _measured(measured and (measured.prefill_step
+                                       or measured.prefill.predict(measured.prefill_threads, 0, tokens)),
+                         "--ttft-slo-ms")
         ttft = HEADROOM * step * 1e3
         ttft_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms prefill step of {tokens} tokens"
     return Slos(ttft / 1e3, itl / 1e3, ttft_source, itl_source)
