@@ -15,9 +15,8 @@ from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
 from pdserve.engine.coordinator.planner import Planner
-from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
-from pdserve.engine.coordinator.slo import (MeasuredUnits, Slos, derive_slos, prefill_step_tokens,
-                                            profile_context)
+from pdserve.engine.coordinator.profile import UnitProfile, full_prefill_shape, one_row_shape, profile_unit
+from pdserve.engine.coordinator.slo import MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.messages import (
     ActorStats,
     EngineStats,
@@ -36,7 +35,6 @@ from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.engine.topology import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
-from pdserve.engine.worker.startup.warmup import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -474,12 +472,9 @@ async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> M
                      dataclasses.replace(prefill, thread_counts=(share.total,))]
     for profile in profiles:
         await profile_unit(profile, sched, plan.max_model_len, vocab_size)
-    one_row = decode.timed.get((StepShape("decode", 1, 1, context=profile_context(sched, plan.max_model_len)),
-                                decode.thread_counts[0]))
-    full_prefill = prefill.timed.get((StepShape("prefill", 1, prefill_step_tokens(sched, plan.max_model_len)),
-                                      prefill.thread_counts[0]))
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
-                         one_row, full_prefill)
+                         decode.own_timing(one_row_shape(sched, plan.max_model_len)),
+                         prefill.own_timing(full_prefill_shape(sched, plan.max_model_len)))
 
 
 def _compute_of(unit) -> str:

@@ -34,6 +34,10 @@ class UnitProfile:
     thread_counts: tuple[int | None, ...] = (None,)
     timed: dict[tuple[StepShape, int | None], float] = field(default_factory=dict)
 
+    def own_timing(self, shape: StepShape) -> float | None:
+        """Seconds of `shape` as profiled on the unit's own threads (the first count), or None: not run."""
+        return self.timed.get((shape, self.thread_counts[0]))
+
 
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
     """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
@@ -44,12 +48,22 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
     shapes = []
     if decodes:
         shapes += [StepShape("decode", 1, 1, context=1), StepShape("decode", rows, 1, context=1),
-                   StepShape("decode", 1, 1, context=context),
+                   one_row_shape(sched, max_model_len),
                    StepShape("decode", rows, 1, context=max(1, min(context, MESSAGE_TOKENS // rows)))]
     if prefills:
         tokens = prefill_step_tokens(sched, max_model_len)
         shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]
     return shapes
+
+
+def one_row_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
+    """The one-row decode step at the SLO's context (`slo.profile_context`), whose timing the ITL SLO takes."""
+    return StepShape("decode", 1, 1, context=profile_context(sched, max_model_len))
+
+
+def full_prefill_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
+    """The full prefill step (`slo.prefill_step_tokens`), whose timing the TTFT SLO takes."""
+    return StepShape("prefill", 1, prefill_step_tokens(sched, max_model_len))
 
 
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,

@@ -90,7 +90,8 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
 def _knee_step(measured: MeasuredUnits | None, rows: int, context: int) -> tuple[float, str]:
     """The decode-only step of the knee batch (a full batch of `rows` where that is smaller), and what it is."""
     one_row = _measured(measured and (measured.one_row_step
-                                      or measured.decode.predict(measured.decode_threads, 1, 0, context)), "--itl-slo-ms")
+                                      or measured.decode.predict(measured.decode_threads, 1, 0, context)),
+                        "--itl-slo-ms")
     full = measured.decode.predict(measured.decode_threads, rows, 0, rows * context)
     if full is not None and full < KNEE * one_row:
         return full, f"a full batch ({rows} rows at context {context}; below the knee)"
