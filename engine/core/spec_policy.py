@@ -179,8 +179,7 @@ def allot(rates: Sequence[float], caps: Sequence[int], rows: int, budget: StepBu
     lengths = [0] * len(rates)
     if budget.plain is None:
         return list(caps)
-    drafts, tokens = 0, float(rows)
-    seconds = budget.seconds(0) + budget.first
+    drafts, seconds, tokens = 0, budget.plain + budget.first, float(rows)
     best = [(-rate, i, rate) for i, (rate, cap) in enumerate(zip(rates, caps)) if cap > 0]
     heapq.heapify(best)
     while best:

@@ -101,7 +101,7 @@ class RayCompute:
             raise UnitLost(self.lost)
         actor = self.actor
         direct = tuple(copy for copy in work.copies if self._writes_directly(copy))
-        chained = [copy for copy in work.copies if copy not in direct]
+        chained = [copy for copy in work.copies if not self._writes_directly(copy)]
         step = actor.step.remote(wire.encode_work(replace(work, copies=direct, threads=None)))   # NOTE: no lending
         sends = [(copy, self.peers[copy.peer], self._send(actor, self.peers[copy.peer].actor, copy))
                  for copy in chained]
