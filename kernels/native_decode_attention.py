@@ -3,7 +3,10 @@ they lie in the pool, block by block with an online softmax; nothing is gathered
 
 Work items are (sequence, context split), each over whole blocks (every KV head: one contiguous
 range per block); splits keep every thread busy when there are fewer sequences than threads, and a
-second pass merges them by log-sum-exp. The reference
+second pass merges them by log-sum-exp. Consecutive rows with the same block table (a verifying
+sequence's input token and its drafts, each seeing the positions before it) count as one sequence:
+one pass over the context serves them all, so a verify step reads its KV once, not once per draft.
+The reference
 is kernels.decode_attention.decode_attention_ref (gather + SDPA).
 """
 from __future__ import annotations
@@ -38,6 +41,13 @@ def num_splits(num_seqs: int, max_context: int, threads: int) -> int:
     return max(1, min(wanted, -(-max_context // TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
+def table_runs(block_tables: torch.Tensor) -> int:
+    """Runs of consecutive rows with the same block table: the sequences one pass of the kernel serves each."""
+    if block_tables.shape[0] < 2:
+        return block_tables.shape[0]
+    return 1 + int((block_tables[1:] != block_tables[:-1]).any(dim=1).sum())
+
+
 def decode_attention_native(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one query per sequence, q [S, Hq, D], over its paged context; [S, Hq, D]."""
@@ -49,7 +59,7 @@ def decode_attention_native(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, 
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,) and context_lens.is_contiguous()
     assert q.is_cpu and kv_pool.is_cpu and block_tables.is_cpu and context_lens.is_cpu
     threads = torch.get_num_threads()
-    splits = num_splits(num_seqs, block_tables.shape[1] * block_size, threads)
+    splits = num_splits(table_runs(block_tables), block_tables.shape[1] * block_size, threads)
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
     partials = torch.empty((num_seqs, num_q_heads, splits, head_dim)) if splits > 1 else None
     lses = torch.empty((num_seqs, num_q_heads, splits)) if splits > 1 else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
-from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits
+from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits, table_runs
 from pdserve.kernels.native_linear import MAX_NATIVE_ROWS, prefer_native, row_bucket
 from pdserve.kernels.quant_formats import FORMATS
 from pdserve.kernels.quant_linear import KernelWeight, quant_linear_address
@@ -185,7 +185,7 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_pool.shape
     _check(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens)
     threads = torch.get_num_threads()
-    splits = num_splits(seqs, block_tables.shape[1] * block_size, threads)
+    splits = num_splits(table_runs(block_tables), block_tables.shape[1] * block_size, threads)
     q_size, kv_size = layers.num_heads * head_dim, num_kv_heads * head_dim
     width = hidden + (q_size + 2 * kv_size) + 2 * q_size + 3 * layers.inner
     scratch = torch.empty(seqs * width, dtype=h.dtype)

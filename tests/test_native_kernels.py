@@ -63,6 +63,22 @@ def test_decode_attention_matches_float64_loops(threads):
     assert rel_err(out, naive_decode(q, pool, tables, lens, 0.125)) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_rows_sharing_a_block_table_each_see_their_own_positions(dtype, threads):
+    """A verify step's rows: one sequence's table repeated, lengths growing by one (runs longer than the
+    kernel's MAX_ROWS too), between rows of other tables."""
+    pool, tables, lens = make_paged_batch([300, 40, 20], 16, 3, 64, dtype, seed=5)
+    repeats, row_lens = [5, 1, 10], [list(range(296, 301)), [40], list(range(11, 21))]
+    rows_tables = torch.cat([tables[i:i + 1].expand(n, -1) for i, n in enumerate(repeats)]).contiguous()
+    rows_lens = torch.tensor(sum(row_lens, []), dtype=torch.int32)
+    q = torch.randn(len(rows_lens), 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = decode_attention_native(q, pool, LAYER, rows_tables, rows_lens, 0.125)
+    expected = decode_attention_ref(q.float(), pool.float(), LAYER, rows_tables, rows_lens, 0.125)
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    if dtype == torch.float32:
+        assert rel_err(out, naive_decode(q, pool, rows_tables, rows_lens, 0.125)) < 1e-6
+
+
 def test_decode_attention_reads_only_its_layer_and_blocks():
     pool, tables, lens = make_paged_batch([20, 5], 16, 2, 64, torch.float32, seed=4)
     q = torch.randn(2, 4, 64)

@@ -1,7 +1,11 @@
-// Paged decode attention: one query token per sequence, GQA, K/V read where they lie in the pool.
-// Work items are (sequence, context split), each over every KV head; with more than one split,
-// each writes normalised partial outputs and their log-sum-exp, and a second pass merges them.
+// Paged decode attention: one query token per row, GQA, K/V read where they lie in the pool.
+// Consecutive rows with the same block table (a verifying sequence's input token and drafts, each
+// seeing the positions before it) are served by one pass over their context, up to MAX_ROWS at a time.
+// Work items are (such a run of rows, context split), each over every KV head; with more than one
+// split, each writes normalised partial outputs and their log-sum-exp, and a second pass merges them.
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "paged_attention.h"
 
@@ -24,23 +28,58 @@ static void store_head(const SoftmaxState& st, int64_t h, int vecs, T* out, floa
   if (lse) *lse = st.l[h] > 0.0f ? st.m[h] + std::log(st.l[h]) : -INFINITY;
 }
 
+constexpr int64_t MAX_ROWS = 8;  // rows one pass over a context serves
+
+// The first row of each run of consecutive rows with the same block table (at most MAX_ROWS long), then `seqs`.
+static std::vector<int64_t> table_runs(const int32_t* tables, int64_t seqs, int64_t table_stride) {
+  std::vector<int64_t> starts{0};
+  for (int64_t s = 1; s < seqs; ++s)
+    if (s - starts.back() >= MAX_ROWS ||
+        std::memcmp(tables + s * table_stride, tables + (s - 1) * table_stride, table_stride * sizeof(int32_t)))
+      starts.push_back(s);
+  starts.push_back(seqs);
+  return starts;
+}
+
+// Per-thread room for one run's queries and softmax states.
+struct RunScratch {
+  std::unique_ptr<vf[]> qs, acc;
+  std::unique_ptr<float[]> m, l;
+  SoftmaxState states[MAX_ROWS];
+  RunScratch(int64_t q_heads, int vecs)
+      : qs(new vf[MAX_ROWS * q_heads * vecs]), acc(new vf[MAX_ROWS * q_heads * vecs]),
+        m(new float[MAX_ROWS * q_heads]), l(new float[MAX_ROWS * q_heads]) {
+    for (int64_t r = 0; r < MAX_ROWS; ++r)
+      states[r] = SoftmaxState{m.get() + r * q_heads, l.get() + r * q_heads, acc.get() + r * q_heads * vecs};
+  }
+};
+
 template <typename T, typename VC>
 static void decode_item(const T* q, const PagedLayer<T>& pages, const int32_t* tables, const int32_t* lens, T* out,
-                        float* partials, float* lses, const DecodeShape& sh, int64_t item, VC vc, vf* qs,
-                        SoftmaxState st) {
-  const int64_t split = item % sh.splits, seq = item / sh.splits, bs = pages.block_size;
+                        float* partials, float* lses, const DecodeShape& sh, const std::vector<int64_t>& runs,
+                        int64_t item, VC vc, RunScratch& scratch) {
+  const int64_t split = item % sh.splits, run = item / sh.splits, bs = pages.block_size;
+  const int64_t first = runs[run], rows = runs[run + 1] - first;
   const int group = int(sh.q_heads / sh.kv_heads), vecs = vc.get();
-  const int64_t len = lens[seq];
+  int64_t len = 0;
+  for (int64_t r = 0; r < rows; ++r) len = lens[first + r] > len ? lens[first + r] : len;
   const int64_t per_split = ((len + sh.splits - 1) / sh.splits + bs - 1) / bs * bs;
   const int64_t begin = split * per_split, end = begin + per_split < len ? begin + per_split : len;
-  load_queries(q + seq * sh.q_seq_stride, sh.q_head_stride, sh.q_heads, vecs, sh.scale, qs);
-  reset(st, sh.q_heads, vecs);
-  if (begin < end) attend_range(qs, pages, tables + seq * sh.table_stride, begin, end, group, vc, st);
-  for (int64_t h = 0; h < sh.q_heads; ++h) {
-    const int64_t at = (seq * sh.q_heads + h) * sh.splits + split;
-    const bool split_up = sh.splits > 1;
-    store_head(st, h, vecs, out + seq * sh.out_seq_stride + h * sh.out_head_stride,
-               split_up ? partials + at * sh.head_dim : nullptr, split_up ? lses + at : nullptr);
+  for (int64_t r = 0; r < rows; ++r) {
+    load_queries(q + (first + r) * sh.q_seq_stride, sh.q_head_stride, sh.q_heads, vecs, sh.scale,
+                 scratch.qs.get() + r * sh.q_heads * vecs);
+    reset(scratch.states[r], sh.q_heads, vecs);
+  }
+  const QueryRows query_rows{scratch.qs.get(), scratch.states, lens + first, rows, sh.q_heads};
+  if (begin < end) attend_range(query_rows, pages, tables + first * sh.table_stride, begin, end, group, vc);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t seq = first + r;
+    for (int64_t h = 0; h < sh.q_heads; ++h) {
+      const int64_t at = (seq * sh.q_heads + h) * sh.splits + split;
+      const bool split_up = sh.splits > 1;
+      store_head(scratch.states[r], h, vecs, out + seq * sh.out_seq_stride + h * sh.out_head_stride,
+                 split_up ? partials + at * sh.head_dim : nullptr, split_up ? lses + at : nullptr);
+    }
   }
 }
 
@@ -64,15 +103,14 @@ static void merge_splits(const float* partials, const float* lses, T* out, const
 template <typename T, typename VC>
 static void decode_attention(const T* q, const PagedLayer<T>& pages, const int32_t* tables, const int32_t* lens,
                              T* out, float* partials, float* lses, const DecodeShape& sh, VC vc, int threads) {
-  const int64_t items = sh.seqs * sh.splits, vecs = vc.get();
+  const std::vector<int64_t> runs = table_runs(tables, sh.seqs, sh.table_stride);
+  const int64_t items = int64_t(runs.size() - 1) * sh.splits;
 #pragma omp parallel num_threads(threads)
   {
-    std::unique_ptr<vf[]> qs(new vf[sh.q_heads * vecs]), acc(new vf[sh.q_heads * vecs]);
-    std::unique_ptr<float[]> m(new float[sh.q_heads]), l(new float[sh.q_heads]);
-    const SoftmaxState st{m.get(), l.get(), acc.get()};
+    RunScratch scratch(sh.q_heads, vc.get());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item)
-      decode_item(q, pages, tables, lens, out, partials, lses, sh, item, vc, qs.get(), st);
+      decode_item(q, pages, tables, lens, out, partials, lses, sh, runs, item, vc, scratch);
     if (sh.splits > 1) {
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < sh.seqs * sh.q_heads; ++row) merge_splits(partials, lses, out, sh, row);

@@ -37,67 +37,110 @@ static inline void prefetch_block(const PagedLayer<T>& pages, int64_t block, int
   }
 }
 
-// Fold slots [first, first + count) of one block into query head `head`'s state (q: its
-// pre-scaled query, kv_head: the K/V head it reads); scores, softmax and output in one pass.
-template <typename T, typename VC>
-static inline void attend_head(const vf* q, const PagedLayer<T>& pages, int64_t block, int64_t first,
-                               int64_t count, int64_t kv_head, int64_t head, VC vc, SoftmaxState st) {
+constexpr int CHUNK = 16;  // slots one KV head's group folds at a time, from float32 copies in L1
+
+// One KV head's K and V for up to CHUNK slots, converted to float32 once for every query head of its group.
+struct SlotChunk {
+  vf k[CHUNK * MAX_VECS], v[CHUNK * MAX_VECS];
+  int64_t count;
+};
+
+template <typename T>
+static inline void load_chunk(const T* keys, const T* values, int64_t slot_stride, int64_t count, int vecs,
+                              SlotChunk& c) {
+  c.count = count;
+  for (int64_t t = 0; t < count; ++t)
+    for (int j = 0; j < vecs; ++j) {
+      c.k[t * vecs + j] = load(keys + t * slot_stride + j * LANES);
+      c.v[t * vecs + j] = load(values + t * slot_stride + j * LANES);
+    }
+}
+
+// q . k of slot t, lane by lane (not yet summed across lanes).
+static inline vf lane_dot(const vf* q, const SlotChunk& c, int64_t t, int vecs) {
+  vf acc = q[0] * c.k[t * vecs];
+  for (int j = 1; j < vecs; ++j) acc += q[j] * c.k[t * vecs + j];
+  return acc;
+}
+
+// Fold the chunk's first `count` slots into query head `head`'s state (q: its pre-scaled query); scores, softmax and
+// output in one pass, eight slots' dot products summed across lanes at once (hsum8).
+template <typename VC>
+static inline void attend_head(const vf* q, const SlotChunk& c, int64_t count, int64_t head, VC vc,
+                               SoftmaxState st) {
   const int vecs = vc.get();
-  float s[MAX_BLOCK] __attribute__((aligned(64)));
-  const T* keys = pages.key(block, first) + kv_head * pages.head_stride;
-  float block_max = -INFINITY;
-  for (int64_t t = 0; t < count; ++t) {
-    const T* k = keys + t * pages.slot_stride;
-    vf dot = q[0] * load(k);
-    for (int j = 1; j < vecs; ++j) dot += q[j] * load(k + j * LANES);
-    s[t] = hsum(dot);
-    block_max = s[t] > block_max ? s[t] : block_max;
+  float s[CHUNK] __attribute__((aligned(64)));
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    vf dots[8];
+    for (int i = 0; i < 8; ++i) dots[i] = lane_dot(q, c, t + i, vecs);
+    const v8f sums = hsum8(dots);
+    std::memcpy(s + t, &sums, sizeof sums);
   }
-  const int64_t padded = (count + LANES - 1) / LANES * LANES;
-  for (int64_t t = count; t < padded; ++t) s[t] = -INFINITY;
+  for (; t < count; ++t) s[t] = hsum(lane_dot(q, c, t, vecs));
+  for (; t < CHUNK; ++t) s[t] = -INFINITY;
+  const vf scores = load(s);
+  const float block_max = hmax(scores);
   const float m_new = block_max > st.m[head] ? block_max : st.m[head];
   const float alpha = std::exp(st.m[head] - m_new);
-  vf sum = splat(0.0f);
-  for (int64_t t = 0; t < padded; t += LANES) {
-    const vf p = vexp(load(s + t) - m_new);
-    std::memcpy(s + t, &p, sizeof p);
-    sum += p;
-  }
-  st.l[head] = st.l[head] * alpha + hsum(sum);
+  const vf p = vexp(scores - m_new);
+  std::memcpy(s, &p, sizeof p);
+  st.l[head] = st.l[head] * alpha + hsum(p);
   st.m[head] = m_new;
-  vf a[MAX_VECS];  // NOTE: the head's output stays in registers across the block
+  vf a[MAX_VECS];  // NOTE: the head's output stays in registers across the chunk
   for (int j = 0; j < vecs; ++j) a[j] = st.acc[head * vecs + j] * alpha;
-  const T* values = keys + pages.kv_stride;
-  for (int64_t t = 0; t < count; ++t) {
-    const T* v = values + t * pages.slot_stride;
-    const vf p = splat(s[t]);
-    for (int j = 0; j < vecs; ++j) a[j] += p * load(v + j * LANES);
+  for (t = 0; t < count; ++t) {
+    const vf w = splat(s[t]);
+    for (int j = 0; j < vecs; ++j) a[j] += w * c.v[t * vecs + j];
   }
   for (int j = 0; j < vecs; ++j) st.acc[head * vecs + j] = a[j];
 }
 
-// Fold slots [first, first + count) of one block into every query head's state; q is
-// [q_heads][vecs], pre-scaled; KV head h serves query heads h*group .. h*group + group - 1.
+// The query rows one pass over a sequence's context serves: `rows` rows with the same block table (a
+// verifying sequence's input token and drafts), row r attending to positions [0, lens[r]). q holds each
+// row's pre-scaled query heads, [rows][q_heads][vecs]; states[r] is row r's softmax state.
+struct QueryRows {
+  const vf* q;
+  const SoftmaxState* states;
+  const int32_t* lens;
+  int64_t rows, q_heads;
+};
+
+// Fold slots [first, first + count) of one block, at context positions from `pos`, into every row's query
+// heads; KV head h serves query heads h*group .. h*group + group - 1. Each chunk of a KV head's slots is
+// read from the pool once for every row and head it serves.
 template <typename T, typename VC>
-static inline void attend_block(const vf* q, const PagedLayer<T>& pages, int64_t block, int64_t first,
-                                int64_t count, int group, VC vc, SoftmaxState st) {
-  for (int64_t h = 0; h < pages.kv_heads; ++h)
-    for (int g = 0; g < group; ++g) {
-      const int64_t head = h * group + g;
-      attend_head(q + head * vc.get(), pages, block, first, count, h, head, vc, st);
+static inline void attend_block(const QueryRows& rows, const PagedLayer<T>& pages, int64_t block, int64_t first,
+                                int64_t count, int64_t pos, int group, VC vc) {
+  const int vecs = vc.get();
+  SlotChunk chunk;
+  for (int64_t h = 0; h < pages.kv_heads; ++h) {
+    const T* keys = pages.key(block, first) + h * pages.head_stride;
+    for (int64_t t = 0; t < count; t += CHUNK) {
+      const T* at = keys + t * pages.slot_stride;
+      load_chunk(at, at + pages.kv_stride, pages.slot_stride, count - t < CHUNK ? count - t : CHUNK, vecs, chunk);
+      for (int64_t r = 0; r < rows.rows; ++r) {
+        const int64_t visible = rows.lens[r] - (pos + t), n = visible < chunk.count ? visible : chunk.count;
+        if (n <= 0) continue;
+        for (int g = 0; g < group; ++g) {
+          const int64_t head = h * group + g;
+          attend_head(rows.q + (r * rows.q_heads + head) * vecs, chunk, n, head, vc, rows.states[r]);
+        }
+      }
     }
+  }
 }
 
-// Fold context tokens [begin, end) of one sequence (its block table) into the state.
+// Fold context positions [begin, end) of one sequence (its block table) into every row's state.
 template <typename T, typename VC>
-static inline void attend_range(const vf* q, const PagedLayer<T>& pages, const int32_t* table, int64_t begin,
-                                int64_t end, int group, VC vc, SoftmaxState st) {
+static inline void attend_range(const QueryRows& rows, const PagedLayer<T>& pages, const int32_t* table,
+                                int64_t begin, int64_t end, int group, VC vc) {
   const int64_t bs = pages.block_size;
   for (int64_t pos = begin; pos < end;) {
     const int64_t slot = pos % bs, count = bs - slot < end - pos ? bs - slot : end - pos;
     const int64_t next = pos + count;
     if (next < end) prefetch_block(pages, int64_t(table[next / bs]), bs < end - next ? bs : end - next);
-    attend_block(q, pages, int64_t(table[pos / bs]), slot, count, group, vc, st);
+    attend_block(rows, pages, int64_t(table[pos / bs]), slot, count, pos, group, vc);
     pos = next;
   }
 }
