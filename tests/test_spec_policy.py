@@ -120,7 +120,8 @@ def test_drafts_are_taken_best_first_while_they_raise_the_steps_token_rate():
         budget = gate.budget(rows, 0)
         assert budget.plain == pytest.approx(FIXED + PER_ROW * rows, rel=0.02)
         assert budget.per_draft == pytest.approx(PER_TOKEN, rel=0.02)
-        assert budget.limit == pytest.approx(HEADROOM * budget.plain)     # no SLO known: the SLO's own share
+        lone = FIXED + PER_ROW                                 # no SLO known: the SLO's own share of a lone row's step
+        assert budget.limit == pytest.approx(max(budget.plain, HEADROOM * lone), rel=0.02)
         caps = [6] * len(rates)
         best, rate = best_lengths(rates, caps, rows, budget)
         assert allot(rates, caps, rows, budget) == with_probes(best, caps, budget)
@@ -162,10 +163,12 @@ def test_a_step_with_drafts_stays_within_the_itl_slo_trimming_the_least_accepted
             seq.num_in_flight, seq.num_computed_tokens, seq.drafts = 0, seq.num_tokens - 1, ()
         return lengths, FIXED + 2 * PER_ROW + PER_TOKEN * sum(lengths.values())
 
-    plain = FIXED + 2 * PER_ROW
+    plain, lone = FIXED + 2 * PER_ROW, FIXED + PER_ROW
     bounded, seconds = drafted(None)                            # the rate rule alone: 16 + 4 drafts, 61 ms
-    assert seconds <= HEADROOM * plain                          # no SLO known: the SLO's own share of the step
-    assert bounded == {"likely": int((HEADROOM - 1) * plain / PER_TOKEN), "unlikely": 0}
+    assert seconds <= HEADROOM * lone                           # no SLO known: the SLO's share of a lone row's step
+    budget = speculator.gate.budget(2, 0)
+    assert budget.limit == pytest.approx(HEADROOM * lone, rel=0.02)
+    assert bounded == {"likely": int((budget.limit - budget.plain) / budget.per_draft), "unlikely": 0}
     bounded, seconds = drafted(0.040)
     assert seconds <= 0.040                                     # 9 drafts fill the SLO's room, the likelier row's
     assert bounded == {"likely": int((0.040 - FIXED - 2 * PER_ROW) / PER_TOKEN), "unlikely": 0}
