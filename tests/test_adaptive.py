@@ -306,3 +306,26 @@ def test_derived_slos_are_logged_once_at_start_with_their_source(caplog):
     assert "prefill step of 64 tokens" in logged[0]
     assert engine.coordinator.planner.slos is engine.slos
     engine.close()
+
+
+def test_lending_weighs_a_verify_steps_rows_and_drafts():
+    """A step whose rows all verify drafts has no plain decode rows: the lending decision must still see its
+    rows, their context and their drafts (it saw an empty step, and kept such steps on the unit's own core)."""
+    from pdserve.engine.core.batch import Batch
+
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)), speedup=2.0)
+    prefill, decode = engine.actors
+    if decode.share is None:
+        pytest.skip("core lending needs CPU units with cores of their own (two cores or more)")
+    planner, asked = Planner(Slos(ttft=1.0, itl=0.05), 2048), []
+    engine.coordinator.planner = planner
+    real_lend = planner.lend
+    planner.lend = lambda *args: asked.append(args) or real_lend(*args)
+    seq = Sequence(Request("verifying", list(range(3, 43)), GREEDY))
+    seq.num_computed_tokens = 40
+    batch = Batch(verify=(seq,), verify_positions=(39,), verify_drafts=((5, 6, 7),))
+    engine.coordinator.step_threads(decode, batch, decode.share.decode_own, decode.share.total)
+    _, own, total, rows, tokens, context, _, drafts = asked[-1]
+    assert (own, total) == (decode.share.decode_own, decode.share.total)
+    assert (rows, tokens, context, drafts) == (1, 0, 40, 3)
+    engine.close()

@@ -154,18 +154,19 @@ class Planner:
 
     # lending cores
     def lend(self, cost: StepCostModel, own: int, total: int, decode_rows: int, prefill_tokens: int,
-             context: int, partner_slo: float) -> bool:
+             context: int, partner_slo: float, drafts: int = 0) -> bool:
         """Whether a unit whose partner idles steps on `total` threads instead of its `own`: when that is
         predicted faster (unmeasured: try it; not tried for longer than its fit remembers, or not at a step
         this large: try it again, its fit only learns from lent steps), and the step stays within the
-        partner's SLO (the partner's next work waits for it to end)."""
+        partner's SLO (the partner's next work waits for it to end). `decode_rows` counts verifying rows,
+        `drafts` their draft tokens."""
         if not cost.measured(own) or not cost.measured(total):
             return True
-        borrowed = cost.predict(total, decode_rows, prefill_tokens, context)
+        borrowed = cost.predict(total, decode_rows, prefill_tokens, context, drafts)
         if borrowed > partner_slo:
             return False
         return (cost.stale(total) or not cost.covers(total, decode_rows, prefill_tokens)
-                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context))
+                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context, drafts))
 
     # predictions
     def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
