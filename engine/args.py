@@ -33,6 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="time between two tokens of a stream each request should meet (its mean, for goodput): "
                         "adaptive mode sizes the prefill a decode step carries to meet it (default: twice the "
                         "decode step of the batch that costs twice one row's, measured at start-up)")
+    g.add_argument("--itl-slo-kind", choices=("mean", "max"), default="mean",
+                   help="what adaptive mode's planner counts as an ITL miss: mean (default; DistServe's TPOT: a "
+                        "stream's mean time between tokens past --itl-slo-ms, so a stream with slack absorbs a "
+                        "long prefill step) or max (any one gap past it: no step a stream waits for is longer, "
+                        "which holds the tail ITL, not only its mean)")
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ...; a comma-separated list runs one prefill unit per entry (cuda:0,cuda:1; "
                         "cpu,cpu splits the prefill cores between two units; colocated mode: one colocated unit "
@@ -143,7 +148,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
-                                  ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms),
+                                  ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
+                                  itl_slo_kind=args.itl_slo_kind),
     )
 
 

@@ -69,6 +69,33 @@ def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spen
                 if p.chunk == 1000).itl_misses == 1
 
 
+def test_with_itl_slo_kind_max_one_long_step_is_a_miss_whatever_slack_the_streams_mean_has():
+    """The case above with every gap counted: the 530 ms step the streams' mean absorbed misses for each of them."""
+    planner = Planner(Slos(ttft=1.0, itl=0.05, itl_kind="max"), max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0009)
+    fresh = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 10)
+    decision = planner.place(1000, 1000, fresh, decode_cost(), prefill)
+    local = {p.chunk: p for p in decision.candidates if p.action == "local"}
+    assert local[1000].itl_misses == 10 and local[40].itl_misses == 0      # 40 tokens: a 50 ms step, within it
+    assert not decision.local and decision.chosen.misses == 0
+    ending = LoadState(10, (), 0, streams=(Stream(100, 6.5, 0),) * 10)       # nothing left to wait for: no miss
+    assert planner.place(1000, 1000, ending, decode_cost(), prefill).chosen.chunk == 1000
+    tight = Planner(Slos(ttft=1.0, itl=0.02, itl_kind="max"), 2048).place(1000, 1000, fresh, decode_cost(), prefill)
+    assert tight.chosen.action == "remote" and tight.chosen.misses == 0     # decoding alone (30 ms) is past the
+    assert all(p.itl_misses == 10 for p in tight.candidates if p.action == "local")   # SLO: only prefill's count
+
+
+def test_the_itl_slo_kind_is_an_engine_option():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--itl-slo-kind", "max", "--itl-slo-ms", "80",
+                                                        "--ttft-slo-ms", "900"]))
+    assert config.scheduler.itl_slo_kind == "max"
+    slos = derive_slos(config.scheduler, 4096, None)
+    assert slos.itl_kind == "max" and "every gap" in slos.describe()
+    assert derive_slos(SchedulerConfig(ttft_slo_ms=900, itl_slo_ms=80), 4096, None).itl_kind == "mean"
+
+
 def test_a_prompt_goes_where_all_the_queued_prefill_ends_soonest_when_neither_choice_misses():
     planner = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)      # no first token misses here
     prefill = linear_cost(0.01, 0.0, 0.0005)                  # as fast a token as the decode unit

@@ -20,7 +20,10 @@ A stream misses the ITL SLO when its mean time between tokens, counted to its `m
 it: the time it has decoded so far, the action's steps while it decodes in them, and decode-only steps for the
 rest (DistServe's TPOT, the mean goodput counts). A stream with slack absorbs a long step; one already past
 the SLO on decode-only steps misses it whatever the action, so only what prefill adds counts against it (the
-planner keeps its steps as short as decoding alone). A prompt misses the TTFT SLO when its first token is
+planner keeps its steps as short as decoding alone). With `--itl-slo-kind max` any one gap counts instead: a
+stream misses when a step of the action it waits for is predicted past the SLO (and past its decode-only step),
+which bounds the tail ITL the mean lets a long chunk through (one 600 ms chunk in a 64-token stream of 15 ms
+steps adds 9 ms to its mean). A prompt misses the TTFT SLO when its first token is
 predicted past it, counted from its arrival. Tokens per second are the tokens decoded and the prompt tokens
 served (cached ones too, and the prefill unit's backlog) until the last of that prefill is done, on either
 unit. Nothing here reads a clock: the coordinator hands in how long each prompt has waited.
@@ -264,11 +267,14 @@ class Planner:
         if stream.remaining == 0:
             return False
         remaining = stream.remaining or 1
-        left, added = remaining, 0.0
+        left, added, longest = remaining, 0.0, 0.0
         for count, seconds in steps:
             taken = min(count, left)
             added += taken * max(0.0, seconds - alone)
+            longest = max(longest, seconds) if taken else longest
             left -= taken
+        if self.slos.itl_kind == "max":         # any one gap: a step it waits for past the SLO (and past decoding alone)
+            return added > 0 and longest > max(self.slos.itl, alone)
         tokens = stream.gaps + remaining
         decode_only = stream.spent + remaining * alone
         return added > 0 and (decode_only + added) / tokens > max(self.slos.itl, decode_only / tokens)

@@ -26,3 +26,5 @@ class SchedulerConfig:
     ttft_slo_ms: float | None = None     # time to first token the planner aims for and goodput counts;
     #                                      None: derived at start-up (engine.coordinator.slo)
     itl_slo_ms: float | None = None      # time between two tokens of a stream, likewise
+    itl_slo_kind: str = "mean"           # the planner's ITL miss: "mean" (a stream's mean gap, DistServe's TPOT)
+    #                                      or "max" (any one gap: every step a stream waits for)
