@@ -107,10 +107,9 @@ class AdaptiveDecodeActor(DecodeActor):
         return step_threads(self, batch, self.share and self.share.decode_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        rows = (*batch.decode, *batch.verify)
+        rows = batch.decoding
         self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks), seconds,
-                          context=sum(s.num_computed_tokens for s in rows),
-                          drafts=sum(len(d) for d in batch.verify_drafts))
+                          context=sum(s.num_computed_tokens for s in rows), drafts=batch.num_drafts)
         returned_cores(self, threads, self.share and self.share.decode_own)
         super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 

@@ -286,7 +286,7 @@ class Actor(abc.ABC):
             batch = step.batch
             self.trace.step(self.unit_name, step.step_id, step.started, outcome.seconds, outcome.threads,
                             len(batch.decode), len(batch.verify), sum(c.num_tokens for c in batch.chunks),
-                            sum(len(d) for d in batch.verify_drafts))
+                            batch.num_drafts)
         if outcome.mask_seconds:
             self.mask_seconds.append(outcome.mask_seconds)
         self.cache_landed(step.batch)

@@ -202,12 +202,11 @@ class Coordinator(UnitFaults):
         if self.partner_busy(actor) or self.planner is None:
             return own
         slos, prefilling = self.planner.slos, actor in self.prefill
-        rows = (*batch.decode, *batch.verify)                  # NOTE: verifying rows too, with their drafts
+        rows = batch.decoding                                  # NOTE: verifying rows too, with their drafts
         context = sum(s.num_computed_tokens for s in rows)
         tokens = sum(c.num_tokens for c in batch.chunks)
-        drafts = sum(len(d) for d in batch.verify_drafts)
         lend = self.planner.lend(actor.cost, own, total, len(rows), tokens, context,
-                                 slos.itl if prefilling else slos.ttft, drafts)
+                                 slos.itl if prefilling else slos.ttft, batch.num_drafts)
         if lend:
             self._lending.add(actor.unit_name)
         return total if lend else own

@@ -66,6 +66,16 @@ class Batch:
                 + sum(1 + len(d) for d in self.verify_drafts))
 
     @property
+    def decoding(self) -> tuple[Sequence, ...]:
+        """The sequences decoding this step: the plain decode rows, then the verifying ones."""
+        return self.decode + self.verify
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens the verifying rows check this step."""
+        return sum(len(d) for d in self.verify_drafts)
+
+    @property
     def sampled(self) -> tuple[Sequence, ...]:
         """The sequences that get a token from this step, in result order."""
         return self.decode + tuple(c.seq for c in self.chunks if c.sample)

@@ -283,8 +283,8 @@ class Speculator:
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         """A finished step, for the step cost model (its rows, and its prefill and draft tokens, as the adaptive
         actor counts them) and, without prefill chunks, for this unit's own fit of decode steps."""
-        rows = len(batch.decode) + len(batch.verify)
-        drafts = None if batch.chunks else sum(len(d) for d in batch.verify_drafts)
+        rows = len(batch.decoding)
+        drafts = None if batch.chunks else batch.num_drafts
         self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads, drafts)
 
     def retire(self, seq: Sequence) -> None:
