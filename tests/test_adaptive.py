@@ -315,8 +315,6 @@ def test_lending_weighs_a_verify_steps_rows_and_drafts():
 
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)), speedup=2.0)
     prefill, decode = engine.actors
-    if decode.share is None:
-        pytest.skip("core lending needs CPU units with cores of their own (two cores or more)")
     planner, asked = Planner(Slos(ttft=1.0, itl=0.05), 2048), []
     engine.coordinator.planner = planner
     real_lend = planner.lend
@@ -324,8 +322,8 @@ def test_lending_weighs_a_verify_steps_rows_and_drafts():
     seq = Sequence(Request("verifying", list(range(3, 43)), GREEDY))
     seq.num_computed_tokens = 40
     batch = Batch(verify=(seq,), verify_positions=(39,), verify_drafts=((5, 6, 7),))
-    engine.coordinator.step_threads(decode, batch, decode.share.decode_own, decode.share.total)
+    engine.coordinator.step_threads(decode, batch, 1, 2)      # one core of its own, two while the partner idles
     _, own, total, rows, tokens, context, _, drafts = asked[-1]
-    assert (own, total) == (decode.share.decode_own, decode.share.total)
+    assert (own, total) == (1, 2)
     assert (rows, tokens, context, drafts) == (1, 0, 40, 3)
     engine.close()

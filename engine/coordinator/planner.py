@@ -274,7 +274,7 @@ class Planner:
             longest = max(longest, seconds) if taken else longest
             left -= taken
         if self.slos.itl_kind == "max":         # any one gap: a step it waits for past the SLO (and past decoding alone)
-            return added > 0 and longest > max(self.slos.itl, alone)
+            return longest > max(self.slos.itl, alone)
         tokens = stream.gaps + remaining
         decode_only = stream.spent + remaining * alone
         return added > 0 and (decode_only + added) / tokens > max(self.slos.itl, decode_only / tokens)

@@ -246,16 +246,14 @@ class DraftGate:
             return StepBudget() if rows <= max(1, FLAT_STEP_TOKENS // (1 + self.k)) else None
         if rows * (per_draft + first) >= plain:
             return None                                # no draft can raise the step's rate
-        measured = self._measured(rows)
-        plain = measured[0] if measured and measured[0] is not None else plain
+        plain = self._measured_plain(rows) or plain
         slo = math.inf if self.itl_slo is None else self.itl_slo
-        lone = plain if rows == 1 else self._lone_row_plain()
-        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * lone)), first, measured)
+        lone = plain if rows == 1 else self._measured_plain(1) or self._predicted(1)[0] or 0.0
+        return StepBudget(plain, per_draft, max(plain, min(slo, HEADROOM * lone)), first, self._measured(rows))
 
-    def _lone_row_plain(self) -> float:
-        """A one-row step's seconds without drafts: measured lately, else predicted (0: neither)."""
-        measured = self.shapes.seconds(self.threads, 1) if not self.draft_forward else None
-        return measured if measured is not None else self._predicted(1)[0] or 0.0
+    def _measured_plain(self, rows: int) -> float | None:
+        """A step of `rows` rows without drafts as measured lately (`ShapeTimes`), or None."""
+        return None if self.draft_forward else self.shapes.seconds(self.threads, rows)
 
     def _measured(self, rows: int) -> tuple[float | None, ...]:
         """[d]: the measured seconds of a step of `rows` rows and d drafts (d up to the step's k per row),
