@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Stream, Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
@@ -75,8 +75,10 @@ def test_with_itl_slo_kind_max_one_long_step_is_a_miss_whatever_slack_the_stream
     prefill = linear_cost(0.01, 0.0, 0.0009)
     fresh = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 10)
     decision = planner.place(1000, 1000, fresh, decode_cost(), prefill)
-    local = {p.chunk: p for p in decision.candidates if p.action == "local"}
-    assert local[1000].itl_misses == 10 and local[40].itl_misses == 0      # 40 tokens: a 50 ms step, within it
+    whole, fitting = (next(p for p in decision.candidates if p.action == "local" and test(p.chunk))
+                      for test in (lambda chunk: chunk == 1000, lambda chunk: chunk < 1000))
+    assert whole.itl_misses == 10 and fitting.itl_misses == 0
+    assert fitting.chunk == 40               # (50 ms - 30 ms) / 0.5 ms: a 50 ms step, within it
     assert not decision.local and decision.chosen.misses == 0
     ending = LoadState(10, (), 0, streams=(Stream(100, 6.5, 0),) * 10)       # nothing left to wait for: no miss
     assert planner.place(1000, 1000, ending, decode_cost(), prefill).chosen.chunk == 1000
@@ -319,7 +321,8 @@ def test_the_profile_measures_a_full_batch_in_small_step_messages():
     assert all(s.num_seqs * (s.context + s.new_tokens) <= MESSAGE_TOKENS + s.num_seqs * 1 for s in shapes
                if s.kind == "decode")
     assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
-    assert [s.new_tokens for s in shapes if s.kind == "prefill"] == [1, 2048, 4096]
+    assert [(s.new_tokens, s.context) for s in shapes if s.kind == "prefill"] == [(1, 0), (2048, 0), (4096, 0),
+                                                                                  (1024, 3072)]
     assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
 
 
@@ -347,3 +350,43 @@ def test_a_prefill_rate_is_measured_only_once_three_steps_carried_prefill():
     cost.observe(2, 4, 50, 0.04)
     assert cost.seconds_per_prefill_token(2) == pytest.approx(0.0005, rel=0.2)
     assert cost.seconds_per_prefill_token(1) == cost.seconds_per_prefill_token(2)    # unmeasured: the most threads
+
+
+def attention_cost(per_pair: float = 0.02, seed: int = 0, overrun: float = 1.0) -> StepCostModel:
+    """decode_cost's steps plus `per_pair` seconds a million attention pairs, fed chunks at random offsets into
+    their prompts; with `overrun`, every other step that decodes and prefills in the last 40 runs that much
+    longer."""
+    rng, cost = random.Random(seed), StepCostModel()
+    for step in range(100):
+        rows, tokens, start = rng.randrange(0, 32), rng.choice([0, 16, 64, 256, 512]), rng.choice([0, 0, 512, 1536])
+        pairs = attention_pairs(start, tokens) if tokens else 0
+        seconds = 0.02 + 0.001 * rows + 0.0005 * tokens + per_pair * pairs / 1e6
+        late = overrun if step >= 60 and rows and tokens and step % 2 else 1.0
+        cost.observe(None, rows, tokens, seconds * late, pairs=pairs)
+    return cost
+
+
+def test_a_chunk_deep_into_its_prompt_is_priced_by_the_attention_pairs_it_reads():
+    cost = attention_cost()
+    truth = 0.02 + 0.001 * 10 + 0.0005 * 300 + 0.02 * attention_pairs(1700, 300) / 1e6
+    assert cost.predict(None, 10, 300, pairs=attention_pairs(1700, 300)) == pytest.approx(truth, rel=0.02)
+    assert cost.predict(None, 10, 300) < truth                   # the same chunk as its prompt's first
+    first, deep = (cost.chunk_within(None, 0.1, 10, 0, start, 2048) for start in (0, 1700))
+    assert deep < first
+    for start, chunk in ((0, first), (1700, deep)):              # the largest chunk whose step keeps 100 ms
+        fits = [cost.predict(None, 10, n, pairs=attention_pairs(start, n)) for n in (chunk, chunk + 1)]
+        assert fits[0] <= 0.1 < fits[1]
+    assert cost.chunk_within(None, 0.1, 10, 0, 0, 100) == 100    # at most `most`
+    assert cost.chunk_within(None, 0.02, 10, 0, 0, 2048) == 0    # decoding alone is past the limit
+
+
+def test_chunks_that_keep_the_itl_slo_shrink_as_they_reach_deeper_into_their_prompt():
+    planner, cost = Planner(Slos(ttft=5.0, itl=0.1, itl_kind="max"), max_prefill_tokens=2048), attention_cost()
+    fresh = planner.step_budget(state(queue=[Waiting(2000)], remaining=64), cost)
+    deep = planner.step_budget(state(queue=[Waiting(500, length=2000)], remaining=64), cost)
+    fitting = [next(p for p in d.candidates if p.action == "local" and p.chunk < 2000) for d in (fresh, deep)]
+    assert fitting[1].chunk < fitting[0].chunk
+    assert all(p.itl_misses == 0 and p.step <= 0.1 for p in fitting)     # each of their steps within the SLO
+    assert fresh.chosen is fitting[0] and deep.chosen is fitting[1]       # the whole prompt: a 1 s step, 10 misses
+    assert fitting[1].chunk == cost.chunk_within(None, 0.1, 10, 0, 1500, 2048)
+

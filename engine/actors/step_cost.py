@@ -1,13 +1,16 @@
 """The step cost model: seconds of one step on one compute unit, fit online from the steps it ran.
 
     seconds = fixed + per_decode_row x D + per_prefill_token x (P + V) + per_context_token x K
-              + prompt_path x [P > 0]
+              + prompt_path x [P > 0] + per_pair x A
 
 `D` rows decoding, `P` prompt tokens prefilled, `V` draft tokens verified, `K` KV tokens the decoding rows
-read (their contexts). A step that prefills also pays a price per step for its prompt path (its own
-attention, its first token's logits): without that term a fit fed 64-token chunks priced each of their
+read (their contexts), `A` the query-key pairs the prompt chunks' attention reads (a chunk of n tokens after
+`start` computed ones: n x start + n(n + 1) / 2). A step that prefills also pays a price per step for its prompt
+path (its first token's logits): without that term a fit fed 64-token chunks priced each of their
 tokens at 0.7 ms and predicted a 1,024-token chunk at 1.3-1.5x its time, one fed the start-up profile's
-long chunks priced a 64-token one at 0.7x (replayed from a served trace, Xeon-167, bench/RESULTS.md). One fit
+long chunks priced a 64-token one at 0.7x (replayed from a served trace, Xeon-167, bench/RESULTS.md). Without
+`A`, a 300-token chunk at the end of a 2,048-token prompt, priced like one at its start, ran 10-30% past the
+ITL SLO it was sized to (Xeon-167, documents load, bench/RESULTS.md "Serving modes"). One fit
 per CPU thread count, so a step on borrowed cores is predicted from steps that ran on as many: core
 sharing is measured, not assumed. The adaptive actors feed it; the coordinator's planner reads it.
 """
@@ -22,8 +25,19 @@ import numpy as np
 
 from pdserve.engine.core.weighted_fit import WeightedFit
 
-CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens: the ridge term then weighs the four alike
-FEATURES = 5
+CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens, A in millions: the ridge term then weighs them alike
+PAIRS_UNIT = CONTEXT_UNIT ** 2
+FEATURES = 6
+
+
+def attention_pairs(start: int, tokens: int) -> int:
+    """The query-key pairs causal attention reads for `tokens` prompt tokens after `start` computed ones."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
+def chunk_pairs(chunks) -> int:
+    """The attention pairs of a step's prompt chunks (anything with `start` and `num_tokens`)."""
+    return sum(attention_pairs(c.start, c.num_tokens) for c in chunks)
 
 
 @dataclass(slots=True)
@@ -39,9 +53,10 @@ class StepCostModel:
     _recent_shapes: dict[int | None, deque] = field(default_factory=dict)  # threads -> (rows, tokens) it remembers
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
-                context: int = 0, drafts: int = 0) -> None:
+                context: int = 0, drafts: int = 0, pairs: int | None = None) -> None:
+        """One step's seconds; `pairs` None: its prefill is one prompt's first chunk (see `predict`)."""
         fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
-        fit.observe(_features(decode_rows, prefill_tokens, context, drafts), seconds)
+        fit.observe(_features(decode_rows, prefill_tokens, context, drafts, pairs), seconds)
         self._observed += 1
         self._last_observed[threads] = self._observed
         shapes = self._recent_shapes.setdefault(threads, deque(maxlen=math.ceil(self.memory)))
@@ -84,17 +99,34 @@ class StepCostModel:
                 and prefill_tokens <= max((tokens for _, tokens in shapes), default=-1))
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
-        """(fixed, per decode row, per prefill token, per thousand context tokens, per step that prefills)
-        seconds at `threads`
+        """(fixed, per decode row, per prefill token, per thousand context tokens, per step that prefills, per
+        million attention pairs) seconds at `threads`
         (unmeasured there: the most threads measured), or None before three observations."""
         fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
                                                                       reverse=True)), None)
         return None if fit is None or fit.observations < 3 else fit.coefficients()
 
     def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0,
-                drafts: int = 0) -> float | None:
+                drafts: int = 0, pairs: int | None = None) -> float | None:
+        """Seconds of a step; `pairs` None: its `prefill_tokens` are a prompt's first (attention_pairs(0, P))."""
         c = self.coefficients(threads)
-        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts))
+        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts, pairs))
+
+    def chunk_within(self, threads: int | None, seconds: float, decode_rows: int, context: int, start: int,
+                     most: int) -> int:
+        """The most prompt tokens after `start` computed ones, up to `most`, a step of `decode_rows` rows (reading
+        `context`) carries within `seconds` (0: not even one; the step's cost grows with the chunk's attention
+        pairs). Measured steps only: see `coefficients`."""
+        c = self.coefficients(threads)
+        base = float(c @ _features(decode_rows, 0, context, 0, 0)) + c[4]
+        room = seconds - base
+        per_token, per_pair = c[2], c[5] / PAIRS_UNIT
+        linear = per_token + per_pair * (start + 0.5)       # seconds(n) = base + linear n + per_pair n^2 / 2
+        if room < linear + per_pair / 2:
+            return 0
+        if per_pair <= 0:
+            return most if linear <= 0 else min(most, int(room / linear))
+        return min(most, int((math.sqrt(linear * linear + 2 * per_pair * room) - linear) / per_pair))
 
     def seconds_per_prefill_token(self, threads: int | None) -> float | None:
         """The per-prefill-token coefficient, or None until three observed steps carried prefill (at
@@ -107,8 +139,10 @@ class StepCostModel:
         return float(c[2])
 
 
-def _features(decode_rows: int, prefill_tokens: int, context: int, drafts: int) -> np.ndarray:
-    return np.array([1.0, decode_rows, prefill_tokens + drafts, context / CONTEXT_UNIT, float(prefill_tokens > 0)])
+def _features(decode_rows: int, prefill_tokens: int, context: int, drafts: int, pairs: int | None) -> np.ndarray:
+    pairs = attention_pairs(0, prefill_tokens) if pairs is None else pairs
+    return np.array([1.0, decode_rows, prefill_tokens + drafts, context / CONTEXT_UNIT, float(prefill_tokens > 0),
+                     pairs / PAIRS_UNIT])
 
 
 def _by_threads(item: tuple) -> int:

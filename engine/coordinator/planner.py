@@ -30,11 +30,13 @@ unit. Nothing here reads a clock: the coordinator hands in how long each prompt 
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
 from pdserve.engine.coordinator.slo import Slos
 
 
@@ -49,6 +51,11 @@ class Waiting:
     @property
     def served(self) -> int:
         return self.length or self.tokens
+
+    @property
+    def start(self) -> int:
+        """Its prompt's tokens already computed (cached or prefilled): where its next chunk starts."""
+        return self.served - self.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,65 +164,89 @@ class Planner:
 
     # lending cores
     def lend(self, cost: StepCostModel, own: int, total: int, decode_rows: int, prefill_tokens: int,
-             context: int, partner_slo: float, drafts: int = 0) -> bool:
+             context: int, partner_slo: float, drafts: int = 0, pairs: int | None = None) -> bool:
         """Whether a unit whose partner idles steps on `total` threads instead of its `own`: when that is
         predicted faster (unmeasured: try it; not tried for longer than its fit remembers, or not at a step
         this large: try it again, its fit only learns from lent steps), and the step stays within the
         partner's SLO (the partner's next work waits for it to end). `decode_rows` counts verifying rows,
-        `drafts` their draft tokens."""
+        `drafts` their draft tokens; `pairs` the prompt chunks' attention pairs (None: a prompt's first chunk)."""
         if not cost.measured(own) or not cost.measured(total):
             return True
-        borrowed = cost.predict(total, decode_rows, prefill_tokens, context, drafts)
+        borrowed = cost.predict(total, decode_rows, prefill_tokens, context, drafts, pairs)
         if borrowed > partner_slo:
             return False
         return (cost.stale(total) or not cost.covers(total, decode_rows, prefill_tokens)
-                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context, drafts))
+                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context, drafts, pairs))
 
     # predictions
     def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
                           threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> list[Prediction]:
-        total = max(1, sum(w.tokens for w in queue))
-        whole = min(total, self.max_prefill_tokens)
-        chunks = [min(c, total) for c in (self._fitting_chunk(state, decode, threads), whole) if c > 0]
-        candidates = [self._local(queue, c, state, decode, threads, backlog=backlog) for c in dict.fromkeys(chunks)]
+        """Chunks that keep the ITL SLO, sized at each step's offsets into its prompts, and the whole queue
+        in steps of up to `--max-prefill-tokens`; waiting, when the streams' ends are known."""
+        whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
+        candidates = []
+        if self._fitting_chunk(queue, state, decode, threads) < whole:
+            fitting = self._local(queue, 0, state, decode, threads, backlog=backlog)
+            if fitting.chunk:
+                candidates.append(fitting)
+        candidates.append(self._local(queue, whole, state, decode, threads, backlog=backlog))
         if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
             candidates.append(self._wait(queue, state, decode, threads, backlog))
         return candidates
 
-    def _fitting_chunk(self, state: LoadState, decode: StepCostModel, threads: int | None) -> int:
-        """The most prefill tokens a decode step carries within the ITL SLO (all of a step without rows)."""
-        if not state.decode_rows:
+    def _fitting_chunk(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
+                       threads: int | None, start: int | None = None) -> int:
+        """The most prefill tokens a decode step carries within the ITL SLO, its chunk starting `start` tokens
+        into its prompt (None: the queue's first; all of a step without rows, 0: not one token)."""
+        if not state.decode_rows or not decode.seconds_per_prefill_token(threads):
             return self.max_prefill_tokens
-        per_token = decode.seconds_per_prefill_token(threads)
-        if not per_token:
-            return self.max_prefill_tokens
-        first = decode.predict(threads, state.decode_rows, 1, state.decode_context)     # the prompt path's price too
-        if first > self.slos.itl:
-            return 0
-        return min(self.max_prefill_tokens, 1 + int((self.slos.itl - first) / per_token))
+        start = (queue[0].start if queue else 0) if start is None else start
+        return decode.chunk_within(threads, self.slos.itl, state.decode_rows, state.decode_context, start,
+                                   self.max_prefill_tokens)
+
+    def _chunk_steps(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
+                     threads: int | None) -> list[tuple[float, int]]:
+        """(seconds, queue tokens done after it) of each decode step that prefills `queue` in order: `chunk`
+        tokens a step, or (`chunk` 0) the most that keep the ITL SLO at the step's offset into its prompt
+        (at least one token: a step past the SLO is the prediction's to count)."""
+        rows, context = state.decode_rows, state.decode_context
+        left = [(w.start, max(1, w.tokens)) for w in queue]     # (offset, tokens to compute) of each prompt
+        steps, done, head = [], 0, 0
+        while head < len(left):
+            budget = chunk or max(1, self._fitting_chunk(queue, state, decode, threads, left[head][0]))
+            tokens = pairs = 0
+            while budget and head < len(left):
+                start, todo = left[head]
+                taken = min(todo, budget)
+                tokens, pairs, budget = tokens + taken, pairs + attention_pairs(start, taken), budget - taken
+                if taken == todo:
+                    head += 1
+                else:
+                    left[head] = (start + taken, todo - taken)
+            done += tokens
+            steps.append((decode.predict(threads, rows, tokens, context, pairs=pairs), done))
+        return steps
 
     def _local(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
                threads: int | None, delay: float = 0.0, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
-        """The queue prefilled in chunks of `chunk` tokens per decode step, after `delay` seconds, while the
-        prefill unit works off its `backlog` (seconds, prompt tokens)."""
+        """The queue prefilled in chunks of `chunk` tokens per decode step (0: chunks that keep the ITL SLO),
+        after `delay` seconds, while the prefill unit works off its `backlog` (seconds, prompt tokens)."""
         rows, context = state.decode_rows, state.decode_context
-        step = decode.predict(threads, rows, chunk, context)
-        total = max(1, sum(w.tokens for w in queue))
-        full, last = divmod(total, chunk)
-        last_step = decode.predict(threads, rows, last, context) if last else 0.0
-        done, ttft_misses = 0, 0
+        steps = self._chunk_steps(queue, chunk, state, decode, threads)
+        ends = list(itertools.accumulate((seconds for seconds, _ in steps), initial=delay))[1:]
+        done = [tokens for _, tokens in steps]
+        needed, ttft_misses = 0, 0
         for waiting in queue:
-            done += waiting.tokens
-            steps = math.ceil(done / chunk)
-            at = delay + (steps * step if steps <= full else full * step + last_step)
-            ttft_misses += waiting.waited + at > self.slos.ttft
-        horizon = delay + full * step + last_step
-        itl_misses = self._itl_misses(state, decode, ((full, step), (int(bool(last)), last_step)))
+            needed += max(1, waiting.tokens)
+            ttft_misses += waiting.waited + ends[bisect.bisect_left(done, needed)] > self.slos.ttft
+        horizon = ends[-1]
+        itl_misses = self._itl_misses(state, decode, [(1, seconds) for seconds, _ in steps])
         span = max(horizon, backlog[0])
         alone = decode.predict(threads, rows, 0, context) if rows else 0.0
-        decoded = rows * (full + bool(last)) + (rows * (span - horizon) / alone if alone else 0.0)
+        decoded = rows * len(steps) + (rows * (span - horizon) / alone if alone else 0.0)
         tokens = decoded + sum(w.served for w in queue) + backlog[1]
-        return Prediction("local", chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon, step)
+        return Prediction("local", chunk or done[0], ttft_misses, itl_misses, tokens / span if span else 0.0,
+                          horizon, max(seconds for seconds, _ in steps))
 
     def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
               threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
@@ -236,7 +267,8 @@ class Planner:
         cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
         if cost.coefficients(state.prefill_threads) is None:
             return None
-        first_token = self._prefill_seconds(state.remote_backlog_tokens + tokens, cost, state.prefill_threads)
+        first_token = (self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
+                       + self._prompt_seconds(tokens, cost, state.prefill_threads, length - tokens))
         rows = state.decode_rows
         threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
@@ -261,18 +293,14 @@ class Planner:
         alone = decode.predict(state.local_threads, state.decode_rows, 0, state.decode_context)
         fresh = Stream(remaining=state.decode_remaining or None)
         streams = (*state.streams[:state.decode_rows], *[fresh] * (state.decode_rows - len(state.streams)))
-        return sum(self._misses_itl(stream, alone, steps) for stream in streams)
+        upto = _StepsUpTo(steps, alone)
+        return sum(self._misses_itl(stream, alone, upto) for stream in streams)
 
-    def _misses_itl(self, stream: Stream, alone: float, steps: Sequence[tuple[int, float]]) -> bool:
+    def _misses_itl(self, stream: Stream, alone: float, upto: "_StepsUpTo") -> bool:
         if stream.remaining == 0:
             return False
         remaining = stream.remaining or 1
-        left, added, longest = remaining, 0.0, 0.0
-        for count, seconds in steps:
-            taken = min(count, left)
-            added += taken * max(0.0, seconds - alone)
-            longest = max(longest, seconds) if taken else longest
-            left -= taken
+        added, longest = upto(remaining)
         if self.slos.itl_kind == "max":         # any one gap: a step it waits for past the SLO (and past decoding alone)
             return longest > max(self.slos.itl, alone)
         tokens = stream.gaps + remaining
@@ -287,8 +315,40 @@ class Planner:
                 state.remote_backlog_tokens)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
-        """`tokens` prefilled in steps of at most `--max-prefill-tokens`."""
+        """A backlog of `tokens` prefilled in steps of at most `--max-prefill-tokens`, each priced as its prompt's
+        first chunk (the prompts' lengths are not read)."""
         full, last = divmod(tokens, self.max_prefill_tokens)
         seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
         return seconds + (cost.predict(threads, 0, last) if last else 0.0)
 
+    def _prompt_seconds(self, tokens: int, cost: StepCostModel, threads: int | None, start: int) -> float:
+        """The last `tokens` of one prompt, after its first `start`, prefilled in steps of at most
+        `--max-prefill-tokens`."""
+        seconds = 0.0
+        for offset in range(start, start + tokens, self.max_prefill_tokens):
+            chunk = min(self.max_prefill_tokens, start + tokens - offset)
+            seconds += cost.predict(threads, 0, chunk, pairs=attention_pairs(offset, chunk))
+        return seconds
+
+
+
+class _StepsUpTo:
+    """Over an action's steps ((how many, seconds each), in order): the seconds the first n add past decoding
+    alone, and the longest of them, for any n (each stream waits for as many as it has tokens left)."""
+
+    def __init__(self, steps: Sequence[tuple[int, float]], alone: float) -> None:
+        self._runs = [(count, seconds) for count, seconds in steps if count > 0]
+        self._ends = list(itertools.accumulate((count for count, _ in self._runs), initial=0))
+        self._added = list(itertools.accumulate((count * max(0.0, seconds - alone) for count, seconds in self._runs),
+                                                initial=0.0))
+        self._longest = list(itertools.accumulate((seconds for _, seconds in self._runs), max, initial=0.0))
+        self._alone = alone
+
+    def __call__(self, n: int) -> tuple[float, float]:
+        full = bisect.bisect_right(self._ends, n) - 1           # runs wholly within the first n steps
+        added, longest = self._added[full], self._longest[full]
+        if full < len(self._runs) and n > self._ends[full]:     # part of the next run
+            _, seconds = self._runs[full]
+            added += (n - self._ends[full]) * max(0.0, seconds - self._alone)
+            longest = max(longest, seconds)
+        return added, longest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.coordinator.slo import prefill_step_tokens, profile_context
 from pdserve.engine.worker.compute import Compute
@@ -41,8 +41,9 @@ class UnitProfile:
 
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
     """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
-    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step: the points that separate
-    the cost model's four coefficients. A full batch at the long context is predicted from them, not run:
+    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step,
+    and the last quarter of a full step's prompt after the rest (a chunk's attention over its prompt's earlier
+    chunks): the points that separate the cost model's coefficients. A full batch at the long context is predicted from them, not run:
     each step's message stays small (its rows' tokens travel to a worker process)."""
     rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
     shapes = []
@@ -53,6 +54,8 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
     if prefills:
         tokens = prefill_step_tokens(sched, max_model_len)
         shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]
+        if tokens >= 4:
+            shapes.append(StepShape("prefill", 1, tokens // 4, context=tokens - tokens // 4))
     return shapes
 
 
@@ -79,7 +82,9 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
             decoding = shape.kind == "decode"
             profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
                                  0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
-                                 context=shape.num_seqs * shape.context if decoding else 0)
+                                 context=shape.num_seqs * shape.context if decoding else 0,
+                                 pairs=0 if decoding else shape.num_seqs * attention_pairs(shape.context,
+                                                                                           shape.new_tokens))
             observed += 1
     return observed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.actors.step_cost import attention_pairs
 from pdserve.engine.sim.hardware import Hardware
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.worker.step import StepInput
@@ -34,7 +35,7 @@ def step_shape(step: StepInput) -> StepShape:
     """The counts of `step` (a chunk of n tokens from `start` attends n*start + n(n+1)/2 pairs)."""
     spans = [(c.start, c.num_tokens) for c in step.chunks] + [(v.start, len(v.token_ids)) for v in step.verify]
     return StepShape(prefill_tokens=sum(n for _, n in spans), prompt_chunks=len(step.chunks),
-                     prefill_pairs=sum(n * start + n * (n + 1) // 2 for start, n in spans),
+                     prefill_pairs=sum(attention_pairs(start, n) for start, n in spans),
                      prefix_tokens=sum(start for start, _ in spans),
                      decode_rows=len(step.decode_rows),
                      decode_context=sum(p + 1 for p in step.decode_positions),
