@@ -197,11 +197,14 @@ class Planner:
     def _fitting_chunk(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
                        threads: int | None, start: int | None = None) -> int:
         """The most prefill tokens a decode step carries within the ITL SLO, its chunk starting `start` tokens
-        into its prompt (None: the queue's first; all of a step without rows, 0: not one token)."""
+        into its prompt (None: the queue's first; all of a step without rows, 0: not one token). With every gap
+        counted (`max`), within it as often as the cost model's recent predictions held (`overrun`); a mean
+        absorbs a step's error as it does a step."""
         if not state.decode_rows or not decode.seconds_per_prefill_token(threads):
             return self.max_prefill_tokens
         start = (queue[0].start if queue else 0) if start is None else start
-        return decode.chunk_within(threads, self.slos.itl, state.decode_rows, state.decode_context, start,
+        limit = self.slos.itl / (decode.overrun(threads) if self.slos.itl_kind == "max" else 1.0)
+        return decode.chunk_within(threads, limit, state.decode_rows, state.decode_context, start,
                                    self.max_prefill_tokens)
 
     def _chunk_steps(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
