@@ -389,6 +389,12 @@ def test_chunks_that_keep_the_itl_slo_shrink_as_they_reach_deeper_into_their_pro
     assert all(p.itl_misses == 0 and p.step <= 0.1 for p in fitting)     # each of their steps within the SLO
     assert fresh.chosen is fitting[0] and deep.chosen is fitting[1]       # the whole prompt: a 1 s step, 10 misses
     assert fitting[1].chunk == cost.chunk_within(None, 0.1 / cost.overrun(None), 10, 0, 1500, 2048)
+    seconds, start = 0.0, 0                           # the runner's steps: each decision's chunk at its offset
+    while start < 2000:
+        chunk = min(2000 - start, cost.chunk_within(None, 0.1 / cost.overrun(None), 10, 0, start, 2048))
+        seconds += cost.predict(None, 10, chunk, pairs=attention_pairs(start, chunk))
+        start += chunk
+    assert fitting[0].first_token == pytest.approx(seconds, rel=0.02)
 
 
 def test_with_every_gap_counted_a_chunk_keeps_the_margin_its_fits_recent_errors_show():

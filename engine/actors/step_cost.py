@@ -119,16 +119,27 @@ class StepCostModel:
         c = self.coefficients(threads)
         return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts, pairs))
 
+    def prompt_room(self, threads: int | None, seconds: float, decode_rows: int, context: int) -> float:
+        """Seconds of prompt work (`prompt_work`) a step of `decode_rows` rows reading `context` KV tokens has
+        left within `seconds`, once it prefills at all (its prompt path paid). Measured steps only."""
+        c = self.coefficients(threads)
+        return seconds - float(c @ _features(decode_rows, 0, context, 0, 0)) - float(c[4])
+
+    def prompt_work(self, threads: int | None, tokens: int, pairs: int) -> float:
+        """Seconds `tokens` prompt tokens reading `pairs` attention pairs add to a step: the same however a prompt
+        is chunked (a token attends to every earlier one of its prompt in any chunking). Measured steps only."""
+        c = self.coefficients(threads)
+        return float(c[2]) * tokens + float(c[5]) * pairs / PAIRS_UNIT
+
     def chunk_within(self, threads: int | None, seconds: float, decode_rows: int, context: int, start: int,
                      most: int) -> int:
         """The most prompt tokens after `start` computed ones, up to `most`, a step of `decode_rows` rows (reading
         `context`) carries within `seconds` (0: not even one; the step's cost grows with the chunk's attention
         pairs). Measured steps only: see `coefficients`."""
         c = self.coefficients(threads)
-        base = float(c @ _features(decode_rows, 0, context, 0, 0)) + c[4]
-        room = seconds - base
+        room = self.prompt_room(threads, seconds, decode_rows, context)
         per_token, per_pair = c[2], c[5] / PAIRS_UNIT
-        linear = per_token + per_pair * (start + 0.5)       # seconds(n) = base + linear n + per_pair n^2 / 2
+        linear = per_token + per_pair * (start + 0.5)       # work(n) = linear n + per_pair n^2 / 2
         if room < linear + per_pair / 2:
             return 0
         if per_pair <= 0:
