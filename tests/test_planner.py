@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Stream, Waiting
+from pdserve.engine.core.batch import Batch, ScheduledChunk, attention_pairs
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.config import SchedulerConfig
@@ -408,3 +409,15 @@ def test_with_every_gap_counted_a_chunk_keeps_the_margin_its_fits_recent_errors_
     assert most.chunk < mean.chunk
     assert cost.predict(None, 10, most.chunk) * cost.overrun(None) <= 0.1 < cost.predict(None, 10, mean.chunk) * 1.3
     assert attention_cost().overrun(None) == pytest.approx(1.0, abs=0.01)      # a fit that holds: no margin
+
+
+def test_a_prompts_attention_pairs_are_the_same_however_it_is_chunked():
+    """What the planner's fitting plan rests on: chunking moves a prompt's attention work between steps, it does
+    not change it."""
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randrange(2, 3000)
+        cuts = sorted(rng.sample(range(1, n), rng.randrange(1, min(n - 1, 12) + 1)))
+        chunks = [ScheduledChunk(None, start, stop - start, False) for start, stop in zip([0, *cuts], [*cuts, n])]
+        assert Batch(chunks=tuple(chunks)).chunk_pairs == attention_pairs(0, n)
+    assert attention_pairs(3, 4) == sum(position + 1 for position in range(3, 7))    # each query and its keys

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.actors.decode import DecodeActor
-from pdserve.engine.actors.step_cost import StepCostModel, chunk_pairs
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.actors.prefill import PrefillActor
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.messages import Abort, Request
@@ -63,8 +63,7 @@ class LendingPrefillActor(PrefillActor):
         return step_threads(self, batch, self.share and self.share.prefill_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds,
-                          pairs=chunk_pairs(batch.chunks))
+        self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds, pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.prefill_own)
 
     def role(self) -> str:
@@ -111,7 +110,7 @@ class AdaptiveDecodeActor(DecodeActor):
         rows = batch.decoding
         self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks), seconds,
                           context=sum(s.num_computed_tokens for s in rows), drafts=batch.num_drafts,
-                          pairs=chunk_pairs(batch.chunks))
+                          pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.decode_own)
         super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 

@@ -23,21 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.weighted_fit import WeightedFit
 
 CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens, A in millions: the ridge term then weighs them alike
 PAIRS_UNIT = CONTEXT_UNIT ** 2
 FEATURES = 6
-
-
-def attention_pairs(start: int, tokens: int) -> int:
-    """The query-key pairs causal attention reads for `tokens` prompt tokens after `start` computed ones."""
-    return tokens * start + tokens * (tokens + 1) // 2
-
-
-def chunk_pairs(chunks) -> int:
-    """The attention pairs of a step's prompt chunks (anything with `start` and `num_tokens`)."""
-    return sum(attention_pairs(c.start, c.num_tokens) for c in chunks)
 
 
 @dataclass(slots=True)

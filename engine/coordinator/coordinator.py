@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
 from pdserve.engine.actors.base import Actor
-from pdserve.engine.actors.step_cost import StepCostModel, chunk_pairs
+from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
@@ -206,7 +206,7 @@ class Coordinator(UnitFaults):
         context = sum(s.num_computed_tokens for s in rows)
         tokens = sum(c.num_tokens for c in batch.chunks)
         lend = self.planner.lend(actor.cost, own, total, len(rows), tokens, context,
-                                 slos.itl if prefilling else slos.ttft, batch.num_drafts, chunk_pairs(batch.chunks))
+                                 slos.itl if prefilling else slos.ttft, batch.num_drafts, batch.chunk_pairs)
         if lend:
             self._lending.add(actor.unit_name)
         return total if lend else own

@@ -36,7 +36,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.coordinator.slo import Slos
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pdserve.engine.actors.step_cost import StepCostModel, attention_pairs
+from pdserve.engine.actors.step_cost import StepCostModel
+from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.coordinator.slo import prefill_step_tokens, profile_context
 from pdserve.engine.worker.compute import Compute

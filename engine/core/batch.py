@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from pdserve.engine.core.sequence import Sequence
 
 
+def attention_pairs(start: int, tokens: int) -> int:
+    """The query-key pairs causal attention reads for `tokens` prompt tokens after `start` computed ones."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Prompt tokens start .. stop - 1 of `seq`, computed in one step (a prefill chunk)."""
@@ -18,6 +23,10 @@ class ScheduledChunk:
     @property
     def stop(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def pairs(self) -> int:
+        return attention_pairs(self.start, self.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,11 @@ class Batch:
     def decoding(self) -> tuple[Sequence, ...]:
         """The sequences decoding this step: the plain decode rows, then the verifying ones."""
         return self.decode + self.verify
+
+    @property
+    def chunk_pairs(self) -> int:
+        """Attention pairs the prompt chunks read (each token attends to every earlier one of its prompt)."""
+        return sum(c.pairs for c in self.chunks)
 
     @property
     def num_drafts(self) -> int:

@@ -67,10 +67,10 @@ class StepCost(Protocol):
     """The step cost model (engine.actors.step_cost.StepCostModel): seconds of one step."""
 
     def predict(self, threads: int, decode_rows: int, prefill_tokens: int, context: int = 0,
-                drafts: int = 0) -> float | None: ...
+                drafts: int = 0, pairs: int | None = None) -> float | None: ...
 
     def observe(self, threads: int, decode_rows: int, prefill_tokens: int, seconds: float, context: int = 0,
-                drafts: int = 0) -> None: ...
+                drafts: int = 0, pairs: int | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -226,13 +226,15 @@ class DraftGate:
         """Bound each step's added verification time by the ITL SLO (seconds; None: no bound)."""
         self.itl_slo = itl_slo
 
-    def observe_step(self, decode_rows: int, tokens: int, seconds: float, threads: int, drafts: int | None = None
-                     ) -> None:
+    def observe_step(self, decode_rows: int, tokens: int, seconds: float, threads: int, drafts: int | None = None,
+                     pairs: int = 0) -> None:
         """A step of `decode_rows` rows and `tokens` more (prefill or draft tokens); `drafts`: its draft
-        tokens when it carried no prefill (it then feeds this unit's own fit of decode steps)."""
+        tokens when it carried no prefill (it then feeds this unit's own fit of decode steps); `pairs`: its
+        prompt chunks' attention pairs."""
         self.threads = threads
         if self.cost is not None and self.learns:
-            self.cost.observe(threads, decode_rows, tokens if drafts is None else 0, seconds, drafts=drafts or 0)
+            self.cost.observe(threads, decode_rows, tokens if drafts is None else 0, seconds, drafts=drafts or 0,
+                              pairs=pairs)
         if drafts is not None and decode_rows:
             self.fit.observe(threads, decode_rows, drafts, seconds)
             self.shapes.observe(threads, decode_rows + drafts, seconds)

@@ -285,7 +285,7 @@ class Speculator:
         actor counts them) and, without prefill chunks, for this unit's own fit of decode steps."""
         rows = len(batch.decoding)
         drafts = None if batch.chunks else batch.num_drafts
-        self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads, drafts)
+        self.gate.observe_step(rows, batch.num_tokens - rows, seconds, threads, drafts, batch.chunk_pairs)
 
     def retire(self, seq: Sequence) -> None:
         """`seq` left the decode side (finished or aborted): its output joins the suffix cache."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.actors.step_cost import attention_pairs
+from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.sim.hardware import Hardware
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.worker.step import StepInput
