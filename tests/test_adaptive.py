@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.coordinator.coordinator import Route
-from pdserve.engine.coordinator.planner import Planner, Stream, Waiting
+from pdserve.engine.coordinator.planner import Planner, Stream
+from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams

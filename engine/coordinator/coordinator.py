@@ -24,7 +24,8 @@ from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.coordinator.faults import UnitFaults
-from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Stream, Waiting
+from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Stream
+from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 from pdserve.engine.coordinator.slo import MeasuredUnits
 

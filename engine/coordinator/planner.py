@@ -30,33 +30,14 @@ unit. Nothing here reads a clock: the coordinator hands in how long each prompt 
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.batch import attention_pairs
+from pdserve.engine.coordinator.prefill_plans import PrefillPlan, StepsUpTo, Waiting, chunk_plan, fitting_plan
 from pdserve.engine.coordinator.slo import Slos
-
-
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """A prompt waiting for its first token."""
-
-    tokens: int                      # prompt tokens still to compute (prefix-cache hits excluded)
-    waited: float = 0.0              # seconds since it arrived
-    length: int = 0                  # its prompt's tokens, cached ones included (0: `tokens`)
-
-    @property
-    def served(self) -> int:
-        return self.length or self.tokens
-
-    @property
-    def start(self) -> int:
-        """Its prompt's tokens already computed (cached or prefilled): where its next chunk starts."""
-        return self.served - self.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +167,12 @@ class Planner:
         in steps of up to `--max-prefill-tokens`; waiting, when the streams' ends are known."""
         whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
         candidates = []
-        fitting = self._fitting_plan(queue, state, decode, threads)
+        rows, context = state.decode_rows, state.decode_context
+        fitting = fitting_plan(queue, rows, context, decode, threads, self._chunk_limit(decode, threads),
+                               self.max_prefill_tokens)
         if fitting is not None and fitting.chunk < whole:
             candidates.append(self._local(queue, fitting, state, decode, threads, backlog=backlog))
-        candidates.append(self._local(queue, self._chunk_plan(queue, whole, state, decode, threads), state, decode,
+        candidates.append(self._local(queue, chunk_plan(queue, whole, rows, context, decode, threads), state, decode,
                                       threads, backlog=backlog))
         if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
             candidates.append(self._wait(queue, state, decode, threads, backlog))
@@ -200,52 +183,7 @@ class Planner:
         cost model's recent predictions held (`overrun`): a mean absorbs a step's error as it does a step."""
         return self.slos.itl / (decode.overrun(threads) if self.slos.itl_kind == "max" else 1.0)
 
-    def _fitting_plan(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
-                      threads: int | None) -> "_Plan | None":
-        """Chunks that keep the ITL SLO, each sized at its step's offset into its prompt. A queue's prompt work
-        (tokens and attention pairs) is the same however it is chunked and each step carries up to the room the
-        limit leaves it, so the queue takes ceil(work / room) steps of the limit's length, the last shorter
-        (whole tokens leave under a token's work a step unused). One prediction however many steps: walked step
-        by step, a plan of 3-token chunks took 10-27 ms a decision. None without rows to keep it for, or where
-        not one token fits a step (at the queue's deepest offset)."""
-        if not state.decode_rows or not decode.seconds_per_prefill_token(threads):
-            return None
-        limit, rows, context = self._chunk_limit(decode, threads), state.decode_rows, state.decode_context
-        room = decode.prompt_room(threads, limit, rows, context)
-        deepest = max(w.start + max(1, w.tokens) for w in queue)            # its last token's attention pairs
-        if room <= 0 or decode.prompt_work(threads, 1, deepest) > room:
-            return None
-        work, finished = 0.0, []
-        for waiting in queue:
-            tokens = max(1, waiting.tokens)
-            work += decode.prompt_work(threads, tokens, attention_pairs(waiting.start, tokens))
-            finished.append(max(1, math.ceil(work / room * (1 - 1e-9))))
-        steps = finished[-1]
-        last = limit - room + work - (steps - 1) * room
-        chunk = decode.chunk_within(threads, limit, rows, context, queue[0].start, self.max_prefill_tokens)
-        return _Plan(((steps - 1, limit), (1, last)), tuple(finished), chunk)
-
-    def _chunk_plan(self, queue: Sequence[Waiting], chunk: int, state: LoadState, decode: StepCostModel,
-                    threads: int | None) -> "_Plan":
-        """The queue prefilled in order, `chunk` tokens a decode step, each step priced at its offsets."""
-        rows, context = state.decode_rows, state.decode_context
-        left = [(w.start, max(1, w.tokens)) for w in queue]     # (offset, tokens to compute) of each prompt
-        runs, finished, head = [], [], 0
-        while head < len(left):
-            budget, tokens, pairs = chunk, 0, 0
-            while budget and head < len(left):
-                start, todo = left[head]
-                taken = min(todo, budget)
-                tokens, pairs, budget = tokens + taken, pairs + attention_pairs(start, taken), budget - taken
-                if taken == todo:
-                    head += 1
-                    finished.append(len(runs) + 1)
-                else:
-                    left[head] = (start + taken, todo - taken)
-            runs.append((1, decode.predict(threads, rows, tokens, context, pairs=pairs)))
-        return _Plan(tuple(runs), tuple(finished), chunk)
-
-    def _local(self, queue: Sequence[Waiting], plan: "_Plan", state: LoadState, decode: StepCostModel,
+    def _local(self, queue: Sequence[Waiting], plan: PrefillPlan, state: LoadState, decode: StepCostModel,
                threads: int | None, delay: float = 0.0, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
         """The queue prefilled by `plan`'s steps after `delay` seconds, while the prefill unit works off its
         `backlog` (seconds, prompt tokens)."""
@@ -268,8 +206,8 @@ class Planner:
         alone = decode.predict(threads, rows, 0, state.decode_context)
         drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
         whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
-        later = self._local(queue, self._chunk_plan(queue, whole, drained, decode, threads), drained, decode,
-                            threads, delay=state.decode_remaining * alone)
+        later = self._local(queue, chunk_plan(queue, whole, 0, 0, decode, threads), drained, decode, threads,
+                            delay=state.decode_remaining * alone)
         span = max(later.first_token, backlog[0])
         tokens = rows * state.decode_remaining + sum(w.served for w in queue) + backlog[1]
         return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone)
@@ -307,10 +245,10 @@ class Planner:
         alone = decode.predict(state.local_threads, state.decode_rows, 0, state.decode_context)
         fresh = Stream(remaining=state.decode_remaining or None)
         streams = (*state.streams[:state.decode_rows], *[fresh] * (state.decode_rows - len(state.streams)))
-        upto = _StepsUpTo(steps, alone)
+        upto = StepsUpTo(steps, alone)
         return sum(self._misses_itl(stream, alone, upto) for stream in streams)
 
-    def _misses_itl(self, stream: Stream, alone: float, upto: "_StepsUpTo") -> bool:
+    def _misses_itl(self, stream: Stream, alone: float, upto: StepsUpTo) -> bool:
         if stream.remaining == 0:
             return False
         remaining = stream.remaining or 1
@@ -343,52 +281,3 @@ class Planner:
             chunk = min(self.max_prefill_tokens, start + tokens - offset)
             seconds += cost.predict(threads, 0, chunk, pairs=attention_pairs(offset, chunk))
         return seconds
-
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """A local queue's prefill: its decode steps in runs of (how many, seconds each), the steps until each
-    prompt's last token, and the first step's chunk (the step budget a decision hands the runner)."""
-
-    runs: tuple[tuple[int, float], ...]
-    finished: tuple[int, ...]
-    chunk: int
-
-    @property
-    def steps(self) -> int:
-        return sum(count for count, _ in self.runs)
-
-    @property
-    def longest(self) -> float:
-        return max(seconds for count, seconds in self.runs if count)
-
-    def seconds_until(self, steps: int) -> float:
-        """The first `steps` steps' seconds."""
-        total = 0.0
-        for count, seconds in self.runs:
-            taken = min(count, steps)
-            total, steps = total + taken * seconds, steps - taken
-        return total
-
-
-class _StepsUpTo:
-    """Over an action's steps ((how many, seconds each), in order): the seconds the first n add past decoding
-    alone, and the longest of them, for any n (each stream waits for as many as it has tokens left)."""
-
-    def __init__(self, steps: Sequence[tuple[int, float]], alone: float) -> None:
-        self._runs = [(count, seconds) for count, seconds in steps if count > 0]
-        self._ends = list(itertools.accumulate((count for count, _ in self._runs), initial=0))
-        self._added = list(itertools.accumulate((count * max(0.0, seconds - alone) for count, seconds in self._runs),
-                                                initial=0.0))
-        self._longest = list(itertools.accumulate((seconds for _, seconds in self._runs), max, initial=0.0))
-        self._alone = alone
-
-    def __call__(self, n: int) -> tuple[float, float]:
-        full = bisect.bisect_right(self._ends, n) - 1           # runs wholly within the first n steps
-        added, longest = self._added[full], self._longest[full]
-        if full < len(self._runs) and n > self._ends[full]:     # part of the next run
-            _, seconds = self._runs[full]
-            added += (n - self._ends[full]) * max(0.0, seconds - self._alone)
-            longest = max(longest, seconds)
-        return added, longest
