@@ -11,9 +11,9 @@ from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Stream
 from pdserve.engine.coordinator.prefill_plans import Waiting
-from pdserve.engine.core.batch import Batch, ScheduledChunk, attention_pairs
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
+from pdserve.engine.core.batch import Batch, ScheduledChunk, attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
 
 SLOS = Slos(ttft=1.0, itl=0.05)

@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
-from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.coordinator.prefill_plans import PrefillPlan, StepsUpTo, Waiting, chunk_plan, fitting_plan
 from pdserve.engine.coordinator.slo import Slos
 
@@ -190,7 +189,7 @@ class Planner:
         rows, context = state.decode_rows, state.decode_context
         ttft_misses = sum(w.waited + delay + plan.seconds_until(steps) > self.slos.ttft
                           for w, steps in zip(queue, plan.finished))
-        horizon = delay + plan.seconds_until(plan.steps)
+        horizon = delay + plan.seconds_until_done()
         itl_misses = self._itl_misses(state, decode, plan.runs)
         span = max(horizon, backlog[0])
         alone = decode.predict(threads, rows, 0, context) if rows else 0.0
@@ -220,7 +219,8 @@ class Planner:
         if cost.coefficients(state.prefill_threads) is None:
             return None
         first_token = (self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
-                       + self._prompt_seconds(tokens, cost, state.prefill_threads, length - tokens))
+                       + chunk_plan((Waiting(tokens, length=length),), self.max_prefill_tokens, 0, 0, cost,
+                                    state.prefill_threads).seconds_until_done())
         rows = state.decode_rows
         threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
@@ -253,7 +253,7 @@ class Planner:
             return False
         remaining = stream.remaining or 1
         added, longest = upto(remaining)
-        if self.slos.itl_kind == "max":         # any one gap: a step it waits for past the SLO (and past decoding alone)
+        if self.slos.itl_kind == "max":   # any one gap: a step it waits for past the SLO (and past decoding alone)
             return longest > max(self.slos.itl, alone)
         tokens = stream.gaps + remaining
         decode_only = stream.spent + remaining * alone
@@ -272,12 +272,3 @@ class Planner:
         full, last = divmod(tokens, self.max_prefill_tokens)
         seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
         return seconds + (cost.predict(threads, 0, last) if last else 0.0)
-
-    def _prompt_seconds(self, tokens: int, cost: StepCostModel, threads: int | None, start: int) -> float:
-        """The last `tokens` of one prompt, after its first `start`, prefilled in steps of at most
-        `--max-prefill-tokens`."""
-        seconds = 0.0
-        for offset in range(start, start + tokens, self.max_prefill_tokens):
-            chunk = min(self.max_prefill_tokens, start + tokens - offset)
-            seconds += cost.predict(threads, 0, chunk, pairs=attention_pairs(offset, chunk))
-        return seconds

@@ -52,6 +52,9 @@ class PrefillPlan:
     def longest(self) -> float:
         return max(seconds for count, seconds in self.runs if count)
 
+    def seconds_until_done(self) -> float:
+        return sum(count * seconds for count, seconds in self.runs)
+
     def seconds_until(self, steps: int) -> float:
         """The first `steps` steps' seconds."""
         total = 0.0

@@ -44,8 +44,8 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
     """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
     full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step,
     and the last quarter of a full step's prompt after the rest (a chunk's attention over its prompt's earlier
-    chunks): the points that separate the cost model's coefficients. A full batch at the long context is predicted from them, not run:
-    each step's message stays small (its rows' tokens travel to a worker process)."""
+    chunks): the points that separate the cost model's coefficients. A full batch at the long context is predicted
+    from them, not run: each step's message stays small (its rows' tokens travel to a worker process)."""
     rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
     shapes = []
     if decodes:
