@@ -144,15 +144,17 @@ class Generation:
         return sum(min(c.num_cached_tokens for c in self.choices[p:p + n]) for p in range(0, len(self.choices), n))
 
     def _on_event(self, index: int, event: TokenEvent) -> dict | None:
-        """Update the choice and metrics; the chunk to stream, or None when there is nothing to send."""
+        """Update the choice and metrics; the chunk to stream, or None when there is nothing to send.
+
+        Every event that carries a token is sent, as vLLM's stream does, even when the token completes no
+        character yet (its text is then empty): a client timing tokens sees each step, not two at once."""
         choice, now = self.choices[index], time.monotonic()
         if event.token_ids:
             self._observe_token(choice, now)
         delta = choice.add(event, self.fmt.token_text)
         if event.finished:
             self._observe_finished(choice, now)
-        if event.finish_reason is FinishReason.ERROR or not (
-                delta.text or event.finished or (self.with_logprobs and delta.logprobs)):
+        if event.finish_reason is FinishReason.ERROR or not (delta.text or event.token_ids or event.finished):
             return None
         return self.fmt.chunk(index, delta, self.with_logprobs, choice.finish_reason)
 

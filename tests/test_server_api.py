@@ -121,6 +121,28 @@ async def test_chat_stream_matches_non_stream_and_completions(engines, serve, ti
     assert whole.choices[0].message.role == "assistant" and whole.model == tiny_model_dir.name
 
 
+async def test_every_token_gets_a_chunk_even_one_that_completes_no_character(engines, serve, tiny_model_dir):
+    """A byte token that ends mid-character still streams a chunk (empty content), as vLLM's does: a client
+    timing tokens sees each step, not two at once. The demo model samples such tokens at temperature 1."""
+    engine = engines("colocated")
+    base = await serve(engine)
+    async with client(base) as c:
+        for seed in range(1, 8):
+            stream = await c.chat.completions.create(model=tiny_model_dir.name, messages=USER, max_tokens=40,
+                                                     temperature=1.0, seed=seed, stream=True,
+                                                     stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            token_chunks, usage = chunks[1:-1], chunks[-1].usage
+            if any(ch.choices[0].delta.content == "" for ch in token_chunks):
+                break
+        else:
+            pytest.fail("no seed sampled a token that completes no character")
+        whole = await c.chat.completions.create(model=tiny_model_dir.name, messages=USER, max_tokens=40,
+                                                temperature=1.0, seed=seed)
+    assert len(token_chunks) == usage.completion_tokens
+    assert "".join(ch.choices[0].delta.content or "" for ch in token_chunks) == whole.choices[0].message.content
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 async def test_completion_stream_several_prompts_and_n(engines, serve, tiny_model_dir, mode):
     engine = engines(mode)
