@@ -180,12 +180,8 @@ class _Stream:
 
     def _on_choice(self, choice: dict, now: float) -> None:
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if self.endpoint == "chat":
-            delta = choice.get("delta") or {}
-            text = delta.get("content") or delta.get("reasoning_content")
-        else:
-            text = choice.get("text")
-        if not text:
+        text = self._token_text(choice)
+        if text is None:
             return
         self.text.append(text)
         if self.first_token is None:
@@ -193,6 +189,17 @@ class _Stream:
         else:
             self.itl.append(now - self.last_token)
         self.last_token = now
+
+    def _token_text(self, choice: dict) -> str | None:
+        """The text of the token a chunk carries ("" for one that completes no character yet, which vLLM and
+        pdserve stream too), or None for a chunk that carries no token (a role announcement, a bare finish)."""
+        if self.endpoint == "chat":
+            delta = choice.get("delta") or {}
+            empty = "" if delta.get("content") == "" and "role" not in delta else None
+            text = delta.get("content") or delta.get("reasoning_content") or empty
+        else:
+            text = choice.get("text")
+        return None if text == "" and choice.get("finish_reason") else text
 
 
 def _error_message(error: Any) -> str:

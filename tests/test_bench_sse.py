@@ -149,17 +149,20 @@ def _delta(content: str) -> str:
     return json.dumps({"choices": [{"delta": {"content": content}, "finish_reason": None}]})
 
 
-def test_stream_bookkeeping_times_content_chunks_only():
+def test_stream_bookkeeping_times_token_chunks_only():
+    """Each chunk carrying a token is timed, one whose text is empty (a token ending mid-character) too;
+    the role announcement, a bare finish and the usage chunk are not tokens."""
     stream = _Stream(start=10.0, endpoint="chat")
-    stream.on_event(json.dumps({"choices": [{"delta": {"role": "assistant"}}]}), 10.1)
+    stream.on_event(json.dumps({"choices": [{"delta": {"role": "assistant", "content": ""}}]}), 10.1)
     for content, now in [("a", 10.5), ("", 10.6), ("b", 10.75), ("c", 11.0)]:
         stream.on_event(_delta(content), now)
-    stream.on_event(json.dumps({"choices": [{"delta": {}, "finish_reason": "length"}]}), 11.1)
-    stream.on_event(json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}), 11.2)
+    stream.on_event(json.dumps({"choices": [{"delta": {"content": ""}, "finish_reason": "length"}]}), 11.1)
+    stream.on_event(json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 4}}), 11.2)
     stream.on_event("[DONE]", 11.3)
     assert stream.first_token == 10.5
-    assert stream.itl == pytest.approx([0.25, 0.25])
-    assert (stream.finish_reason, stream.usage["completion_tokens"]) == ("length", 3)
+    assert stream.itl == pytest.approx([0.1, 0.15, 0.25])
+    assert "".join(stream.text) == "abc"
+    assert (stream.finish_reason, stream.usage["completion_tokens"]) == ("length", 4)
     assert (stream.done, stream.end) == (True, 11.3)
 
 
