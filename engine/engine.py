@@ -449,15 +449,15 @@ def _unit_loader(config: EngineConfig):
 
 
 async def measure_units(config: EngineConfig, plan, units, vocab_size: int) -> MeasuredUnits | None:
-    """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`)
-    when an SLO is to be derived; None when both are set: each on its own threads and, where cores are lent,
+    """Profile the first decode unit and the first prefill unit (`pdserve.engine.coordinator.profile`);
+    None with `startup_profile` off (both SLOs are then set): each on its own threads and, where cores are lent,
     on both units' threads too; an adaptive decode unit prefills in both (without its own threads' prefill
     steps, its fit priced a 2,048-token chunk on one core at 78 ms, not 870, and it declined lent cores).
     The units' cost models (routing, the planner) start from it (`Coordinator.learn_costs`) and learn from
     serving steps on.
     (The simulator, pdserve.engine.sim, profiles its simulated units with it too.)"""
     sched = config.scheduler
-    if sched.ttft_slo_ms is not None and sched.itl_slo_ms is not None:
+    if not sched.startup_profile:
         return None
     share = core_share(plan)
     colocated = not units.prefills

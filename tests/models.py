@@ -28,16 +28,16 @@ def hf_checkpoint(arch: str) -> Path:
     return out
 
 
-# both SLOs given: nothing to derive, so no start-up profile steps through the units (for tests that patch a
-# unit's steps or arm a PDSERVE_FAULT, which counts every step a unit runs)
-SLOS_SET = dict(ttft_slo_ms=1000.0, itl_slo_ms=100.0)
-SLO_FLAGS = ("--ttft-slo-ms", "1000", "--itl-slo-ms", "100")
+# both SLOs given and no start-up profile: no profile steps through the units (for tests that patch a unit's
+# steps or arm a PDSERVE_FAULT, which counts every step a unit runs)
+SLOS_SET = dict(ttft_slo_ms=1000.0, itl_slo_ms=100.0, startup_profile=False)
+SLO_FLAGS = ("--ttft-slo-ms", "1000", "--itl-slo-ms", "100", "--no-startup-profile")
 
 
 def engine_config(model: Path, **overrides) -> EngineConfig:
     """float32, a small KV budget; `max_prefill_tokens`, `max_num_seqs` etc. pass through."""
     scheduler_keys = {"max_prefill_tokens", "max_num_seqs", "max_model_len", "max_queue", "ttft_slo_ms",
-                      "itl_slo_ms"}
+                      "itl_slo_ms", "startup_profile"}
     cache_keys = {"block_size", "kv_cache_memory", "kv_watermark", "enable_prefix_caching"}
     scheduler = replace(SchedulerConfig(max_model_len=2048),
                         **{k: overrides.pop(k) for k in list(overrides) if k in scheduler_keys})

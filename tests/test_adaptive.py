@@ -29,7 +29,7 @@ from tests.test_engine_modes import (
 )
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-SLOS = dict(ttft_slo_ms=100.0, itl_slo_ms=50.0)          # both set: no start-up profile, the seeded costs alone
+SLOS = dict(ttft_slo_ms=100.0, itl_slo_ms=50.0, startup_profile=False)   # no start-up profile: the seeded costs alone
 
 
 class FrozenCost(StepCostModel):
@@ -245,8 +245,10 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
     engine.close()
 
 
-def test_the_units_cost_models_start_from_the_start_up_profile():
-    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=512))
+@pytest.mark.parametrize("slos", [{}, dict(ttft_slo_ms=800.0, itl_slo_ms=100.0)], ids=["derived", "stated"])
+def test_the_units_cost_models_start_from_the_start_up_profile(slos):
+    """With SLOs stated too: the planner's first decisions need measured steps as much as derived SLOs do."""
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=512, **slos))
     prefill, decode = engine.actors
     decode_threads, prefill_threads = (decode.share.decode_own, decode.share.prefill_own) if decode.share else \
         (None, None)

@@ -315,6 +315,11 @@ def test_the_slos_are_engine_options_and_the_itl_target_is_gone():
             engine_config_from_args(parser.parse_args([option, "0"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--itl-target-ms", "50"])
+    assert sched.startup_profile                       # the cost models start measured, SLOs stated or not
+    quick = ["--ttft-slo-ms", "900", "--itl-slo-ms", "60", "--no-startup-profile"]
+    assert not engine_config_from_args(parser.parse_args(quick)).scheduler.startup_profile
+    with pytest.raises(ValueError, match="--no-startup-profile needs --ttft-slo-ms and --itl-slo-ms"):
+        engine_config_from_args(parser.parse_args(quick[2:]))
 
 
 def test_the_profile_measures_a_full_batch_in_small_step_messages():

@@ -28,3 +28,5 @@ class SchedulerConfig:
     itl_slo_ms: float | None = None      # time between two tokens of a stream, likewise
     itl_slo_kind: str = "mean"           # the planner's ITL miss: "mean" (a stream's mean gap, DistServe's TPOT)
     #                                      or "max" (any one gap: every step a stream waits for)
+    startup_profile: bool = True         # time a few steps on the units at start: the cost models (routing, the
+    #                                      planner) start from them, and an SLO not set is derived from them

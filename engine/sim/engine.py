@@ -140,8 +140,8 @@ class SimEngine:
         return self.plan.mode
 
     async def start(self) -> None:
-        """As Engine.start: the SLOs not set are derived from a profile of the (simulated) units, then the
-        adaptive mode's planner decides with them."""
+        """As Engine.start: the units' cost models start from a profile of the (simulated) units and the SLOs
+        not set are derived from it, then the adaptive mode's planner decides with them."""
         sched = self.config.scheduler
         measured = await measure_units(self.config, self.plan, self.units, self.vocab_size)
         self.slos = derive_slos(sched, self.plan.max_model_len, measured)
