@@ -52,6 +52,20 @@ def test_a_long_prompt_goes_remote_when_local_chunks_would_miss_the_slos():
     assert "remote" in decision.reason and "local chunks of 40" in decision.reason
 
 
+def test_a_new_prompts_first_token_counts_from_its_arrival():
+    """A prompt that waited (in the decode unit's mailbox, behind a step) before it is placed has that much less of
+    its TTFT SLO left, wherever it goes."""
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0005)
+    fresh = planner.place(1000, 1000, state(), decode_cost(), prefill)
+    late = planner.place(1000, 1000, state(), decode_cost(), prefill, waited=0.6)
+    remote = [next(p for p in d.candidates if p.action == "remote") for d in (fresh, late)]
+    assert remote[0].first_token == pytest.approx(remote[1].first_token)           # ~0.51 s from now
+    assert (remote[0].ttft_misses, remote[1].ttft_misses) == (0, 1)                 # 0.6 + 0.51 s: past 1 s
+    whole = [next(p for p in d.candidates if p.chunk == 1000) for d in (fresh, late)]
+    assert (whole[0].ttft_misses, whole[1].ttft_misses) == (0, 1)                   # 0.6 + one 530 ms step
+
+
 def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spent_ones_do_not():
     planner = Planner(SLOS, max_prefill_tokens=2048)
     prefill = linear_cost(0.01, 0.0, 0.0009)          # e.g. one core, where the decode unit steps on two

@@ -176,7 +176,8 @@ class Coordinator(UnitFaults):
             return True                                               # unit up, or not started
         prefill = self.prefill[index]
         decision = self.planner.place(uncached_tokens(actor.blocks, seq), uncached_tokens(prefill.blocks, seq),
-                                      self._load(actor, prefill), actor.cost, prefill.cost, seq.num_tokens)
+                                      self._load(actor, prefill), actor.cost, prefill.cost, seq.num_tokens,
+                                      _waited(seq, self.clock()))
         self._log("placement", decision)
         if decision.local:
             route.decode = actor.index

@@ -129,16 +129,17 @@ class Planner:
 
     # where a new prompt is prefilled
     def place(self, local_tokens: int, remote_tokens: int, state: LoadState, decode: StepCostModel,
-              prefill: StepCostModel | None, length: int = 0) -> Decision:
+              prefill: StepCostModel | None, length: int = 0, waited: float = 0.0) -> Decision:
         """Prefill a new prompt of `length` tokens here (`local_tokens` to compute) or on the prefill unit
-        (`remote_tokens`); `length` 0: the larger of the two."""
+        (`remote_tokens`); `length` 0: the larger of the two. It arrived `waited` seconds ago: its first
+        token counts from then, as every queued prompt's does."""
         if decode.coefficients(state.local_threads) is None:
             return Decision(Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0))
         length = length or max(local_tokens, remote_tokens)
-        queue = (*state.local_queue, Waiting(local_tokens, 0.0, length))
+        queue = (*state.local_queue, Waiting(local_tokens, waited, length))
         backlog = self._backlog(state, prefill)
         candidates = self._local_candidates(queue, state, decode, state.local_threads, backlog)
-        remote = self._remote(remote_tokens, length, state, decode, prefill)
+        remote = self._remote(remote_tokens, length, state, decode, prefill, waited)
         if remote is not None:
             candidates.append(remote)
         return Decision(best(candidates), tuple(candidates))
@@ -212,7 +213,7 @@ class Planner:
         return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
-                prefill: StepCostModel | None) -> Prediction | None:
+                prefill: StepCostModel | None, waited: float = 0.0) -> Prediction | None:
         """The prompt prefilled on the prefill unit after its backlog; the local queue meanwhile on the decode
         unit's own cores (the prefill unit is busy then). None when no step cost is measured for it."""
         cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
@@ -225,7 +226,8 @@ class Planner:
         threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
         step = decode.predict(threads, rows, 0, state.decode_context) if rows else 0.0
-        ttft_misses, span, served = int(first_token > self.slos.ttft), first_token, length + state.remote_backlog_tokens
+        ttft_misses = int(waited + first_token > self.slos.ttft)
+        span, served = first_token, length + state.remote_backlog_tokens
         if state.local_queue:
             meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
                                                     threads))
