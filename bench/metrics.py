@@ -25,9 +25,10 @@ METRIC_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL", "
 class RequestRecord:
     """What one request did. `send_time` is seconds after the benchmark started.
 
-    `itl` holds one gap per streamed content chunk after the first. `output_tokens`
+    `itl` holds one gap per streamed chunk that carries a token, after the first (a
+    token whose text completes no character yet counts, as in vLLM's bench). `output_tokens`
     comes from the server's usage report when `usage_reported`, else it is the
-    number of content chunks.
+    number of such chunks.
     """
 
     index: int
