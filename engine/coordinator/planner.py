@@ -165,7 +165,7 @@ class Planner:
                           threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> list[Prediction]:
         """Chunks that keep the ITL SLO, sized at each step's offsets into its prompts, and the whole queue
         in steps of up to `--max-prefill-tokens`; waiting, when the streams' ends are known."""
-        whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
+        whole = self._whole(queue)
         candidates = []
         rows, context = state.decode_rows, state.decode_context
         fitting = fitting_plan(queue, rows, context, decode, threads, self._chunk_limit(decode, threads),
@@ -177,6 +177,10 @@ class Planner:
         if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
             candidates.append(self._wait(queue, state, decode, threads, backlog))
         return candidates
+
+    def _whole(self, queue: Sequence[Waiting]) -> int:
+        """The chunk that prefills the whole queue at once: at most the runner's step size."""
+        return min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
 
     def _chunk_limit(self, decode: StepCostModel, threads: int | None) -> float:
         """The step a chunk is sized to: the ITL SLO; with every gap counted (`max`), within it as often as the
@@ -205,15 +209,14 @@ class Planner:
         rows = state.decode_rows
         alone = decode.predict(threads, rows, 0, state.decode_context)
         drained = replace(state, decode_rows=0, decode_context=0, decode_remaining=0)
-        whole = min(max(1, sum(w.tokens for w in queue)), self.max_prefill_tokens)
-        later = self._local(queue, chunk_plan(queue, whole, 0, 0, decode, threads), drained, decode, threads,
-                            delay=state.decode_remaining * alone)
+        whole = chunk_plan(queue, self._whole(queue), 0, 0, decode, threads)
+        later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
         span = max(later.first_token, backlog[0])
         tokens = rows * state.decode_remaining + sum(w.served for w in queue) + backlog[1]
         return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
-                prefill: StepCostModel | None, waited: float = 0.0) -> Prediction | None:
+                prefill: StepCostModel | None, waited: float) -> Prediction | None:
         """The prompt prefilled on the prefill unit after its backlog; the local queue meanwhile on the decode
         unit's own cores (the prefill unit is busy then). None when no step cost is measured for it."""
         cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
