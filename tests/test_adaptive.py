@@ -13,6 +13,7 @@ from pdserve.engine.coordinator.coordinator import Route
 from pdserve.engine.coordinator.planner import Planner, Stream
 from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.slo import Slos
+from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
@@ -226,6 +227,61 @@ def test_a_unit_whose_cores_are_lent_steps_only_after_the_lent_step():
               for lent_start, lent_end in lent if lent_start < start < lent_end]
     assert beside == []
     assert_pools_free(engine)
+    engine.close()
+
+
+def test_the_prefill_units_step_in_flight_is_in_the_load_the_planner_reads():
+    """A step's chunks leave the prefill unit's queue when it is scheduled: the load lists the step in flight
+    instead (what it prefills, its threads, how long it has run), and nothing once it has finished."""
+    import threading
+
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
+    prefill, decode = engine.actors
+    started, release = threading.Event(), threading.Event()
+    run = prefill.unit.step_runner.run
+
+    def held(work):
+        started.set()
+        release.wait(30.0)                              # NOTE: a bound on the hold, not on the outcome
+        return run(work)
+    prefill.unit.step_runner.run = held
+
+    async def scenario():
+        long = engine.submit(Request("long", prompts([400], seed=3)[0], GREEDY))
+        reading = asyncio.ensure_future(collect(long))
+        await asyncio.to_thread(started.wait, 30.0)
+        await asyncio.sleep(0.05)
+        during = engine.coordinator.load(decode)
+        release.set()
+        await reading
+        return during, engine.coordinator.load(decode)
+
+    during, after = asyncio.run(run_engine(engine, scenario()))
+    assert decode.remote_prefills == 1
+    assert during.remote_backlog_tokens == 0 and [r.tokens for r in during.remote_running] == [400]
+    assert during.remote_running[0].pairs == attention_pairs(0, 400) and during.remote_running_for >= 0.05
+    own = decode.share and decode.share.prefill_own
+    assert during.remote_running[0].threads in {own, decode.share and decode.share.total}
+    assert after.remote_running == () and after.remote_running_for == 0.0
+    assert_pools_free(engine)
+    engine.close()
+
+
+def test_the_prefill_units_next_step_carries_what_the_planner_decides_off_its_queue_in_order():
+    """Seeded costs: 10 ms + 0.2 ms a prompt token, so a short prompt packed with a 2,000-token one waits 0.42 s."""
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
+    prefill, decode = engine.actors
+    engine.coordinator.planner = Planner(Slos(ttft=1.0, itl=0.05), 2048)
+    for name, length in (("short", 40), ("long", 2000)):
+        prefill.scheduler.add(Sequence(Request(name, prompts([length])[0], GREEDY, arrival_time=100.0)))
+    assert [s.request_id for s in prefill.scheduler.in_order()] == ["short", "long"]
+    budgets = {}
+    for now in (100.0, 100.7):
+        engine.coordinator.clock = lambda: now
+        budgets[now] = engine.coordinator.prefill_budget(prefill)
+    assert budgets == {100.0: 2048, 100.7: 40}            # at 100.7 the packed step puts the short one past 1 s
+    for name in ("short", "long"):
+        prefill.scheduler.remove(prefill.scheduler.find(name))
     engine.close()
 
 

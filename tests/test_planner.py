@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
-from pdserve.engine.coordinator.planner import LoadState, Planner, Stream
+from pdserve.engine.coordinator.planner import LoadState, Planner, Running, Stream
 from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
@@ -124,6 +124,45 @@ def test_a_prompt_goes_where_all_the_queued_prefill_ends_soonest_when_neither_ch
     assert remote.misses == 0 and remote.first_token == pytest.approx(4.1, rel=0.05)
     idle = planner.place(128, 128, LoadState(0, (Waiting(128),) * 10), decode_cost(), prefill)
     assert not idle.local                                     # an idle prefill unit: the work is shared
+
+
+def test_a_prompt_is_not_sent_behind_the_prefill_step_in_flight_unseen():
+    """The prefill unit's step in flight has left its queue (its chunks are scheduled): what is left of it counts
+    before a new prompt's first token there. Unseen, a 62-token prompt was sent behind a 0.8 s step on an idle-looking
+    prefill unit and got its first token after 1.56 s (Xeon-167, documents load, step-traced)."""
+    planner = Planner(Slos(ttft=0.5, itl=0.05), max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0005)
+    idle = planner.place(30, 30, state(), decode_cost(), prefill)
+    assert not idle.local                                   # an idle prefill unit: the work is shared
+    long_step = (Running(2000, attention_pairs(0, 2000), None),)          # ~1.01 s, 0.2 s of it run
+    behind = LoadState(10, (), 0, remote_running=long_step, remote_running_for=0.2)
+    decision = planner.place(30, 30, behind, decode_cost(), prefill)
+    remote = next(p for p in decision.candidates if p.action == "remote")
+    assert remote.first_token == pytest.approx(idle.chosen.first_token + 0.81, rel=0.05) and remote.ttft_misses == 1
+    assert decision.local and decision.chosen.misses == 0
+    overdue = LoadState(10, (), 0, remote_running=long_step, remote_running_for=1.5)   # past its prediction: ending
+    assert next(p for p in planner.place(30, 30, overdue, decode_cost(), prefill).candidates
+                if p.action == "remote").first_token == pytest.approx(idle.chosen.first_token)
+
+
+def test_a_prefill_units_step_carries_only_its_first_prompts_when_a_packed_chunk_would_miss_their_slo():
+    """A full step packs a chunk of the next prompt behind the prompts it finishes; their first tokens wait for it."""
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    prefill = linear_cost(0.01, 0.0, 0.0005)                    # 2,048 tokens: ~1.03 s
+    late = (Waiting(60, waited=0.5), Waiting(2048))
+    decision = planner.prefill_budget(late, prefill, None)
+    assert decision.chosen.action == "first prompts" and decision.chosen.chunk == 60
+    assert decision.chosen.ttft_misses == 1                      # the document misses either way
+    full = next(p for p in decision.candidates if p.action == "prefill")
+    assert full.chunk == 2048 and full.ttft_misses == 2          # the short one's first token after 0.5 + 1.03 s
+    roomy = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)
+    packed = roomy.prefill_budget((Waiting(60), Waiting(1900)), prefill, None)   # no first token at risk: one step
+    assert packed.chosen.action == "prefill" and packed.chosen.chunk == 2048 and packed.chosen.misses == 0
+    split = next(p for p in packed.candidates if p is not packed.chosen)
+    assert packed.chosen.tokens_per_second > split.tokens_per_second
+    tail = (Waiting(40, waited=0.5, length=2088), Waiting(2000), Waiting(30))
+    tail_first = planner.prefill_budget(tail, prefill, None)    # a prompt's tail is a first prompt as well
+    assert [p.chunk for p in tail_first.candidates] == [2048, 40, 2040] and tail_first.chosen.chunk == 40
 
 
 def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():

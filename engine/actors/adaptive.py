@@ -59,6 +59,9 @@ class LendingPrefillActor(PrefillActor):
         super().__init__(*args, **kwargs)
         self.cost, self.share = cost, share
 
+    def step_budget(self) -> int | None:
+        return self.port.prefill_budget(self)
+
     def step_threads(self, batch: Batch) -> int | None:
         return step_threads(self, batch, self.share and self.share.prefill_own)
 

@@ -56,6 +56,9 @@ class Port(Protocol):
     def step_budget(self, actor: "Actor", decode_rows: int) -> int | None:
         """Adaptive mode: prefill tokens decode unit `actor`'s next step carries (None: a full prefill step)."""
 
+    def prefill_budget(self, actor: "Actor") -> int | None:
+        """Adaptive mode: prompt tokens prefill unit `actor`'s next step carries (None: a full prefill step)."""
+
     def step_threads(self, actor: "Actor", batch: Batch, own: int, total: int) -> int:
         """CPU core lending: threads for `actor`'s next step, its `own` or every one (`total`)."""
 
@@ -87,6 +90,9 @@ class NoPort:
     def step_budget(self, actor: "Actor", decode_rows: int) -> int | None:
         return None
 
+    def prefill_budget(self, actor: "Actor") -> int | None:
+        return None
+
     def step_threads(self, actor: "Actor", batch: Batch, own: int, total: int) -> int:
         return own
 
@@ -112,7 +118,8 @@ class InFlight:
     step_id: int
     batch: Batch
     future: asyncio.Future
-    started: float                   # time.monotonic() at launch
+    started: float                   # the actor's clock at launch
+    threads: int | None = None       # the CPU threads it runs on (None: its unit's own)
 
 
 class Actor(abc.ABC):
@@ -132,6 +139,7 @@ class Actor(abc.ABC):
         self.index = 0                   # its unit's position among the units of its role
         self.unit_name = self.name       # prefill, decode1, colocated0, ... (set when wired)
         self.port: Port = NoPort()
+        self.clock: Callable[[], float] = time.monotonic     # the coordinator's, once wired (virtual in a simulator)
         self.routed_prefill = self.routed_decode = 0     # what the coordinator routed here
         self.max_model_len = max_model_len
         self.blocks = BlockManager(unit.num_blocks, unit.block_size, enable_caching=prefix_caching)
@@ -202,7 +210,7 @@ class Actor(abc.ABC):
     def stepping(self, stall_seconds: float) -> bool:
         """Alive, and not stuck inside one device step for longer than `stall_seconds`."""
         oldest = self._in_flight[0].started if self._in_flight else None
-        return self.alive and (oldest is None or time.monotonic() - oldest < stall_seconds)
+        return self.alive and (oldest is None or self.clock() - oldest < stall_seconds)
 
     async def steps_done(self) -> None:
         """Until the steps in flight now have finished (their copies are started), whatever their outcome."""
@@ -213,6 +221,11 @@ class Actor(abc.ABC):
     @property
     def step_started_at(self) -> float | None:
         return self._in_flight[0].started if self._in_flight else None
+
+    @property
+    def steps_in_flight(self) -> tuple[InFlight, ...]:
+        """The steps launched and not yet finished, oldest (the one running) first."""
+        return tuple(self._in_flight)
 
     # messages
     def send(self, message) -> None:
@@ -270,9 +283,9 @@ class Actor(abc.ABC):
         self._next_step += 1
         for seq in batch.sequences():
             seq.last_step = step_id
-        work = self.prepare(batch)
-        future = self.unit.submit(replace(work, threads=self.step_threads(batch)))
-        self._in_flight.append(InFlight(step_id, batch, future, time.monotonic()))
+        work = replace(self.prepare(batch), threads=self.step_threads(batch))
+        future = self.unit.submit(work)
+        self._in_flight.append(InFlight(step_id, batch, future, self.clock(), work.threads))
         self.step_seconds += time.perf_counter() - started
         return True
 

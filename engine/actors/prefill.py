@@ -74,8 +74,12 @@ class PrefillActor(Actor):
 
     def schedule(self) -> Batch | None:
         self._retire_landed()
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(self.step_budget())
         return Batch.of(chunks=chunks) if chunks else None
+
+    def step_budget(self) -> int | None:
+        """Prompt tokens the next step carries (None: `--max-prefill-tokens`)."""
+        return None
 
     def prepare(self, batch: Batch) -> StepWork:
         copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)

@@ -24,7 +24,7 @@ from pdserve.engine.core.admission import cached_prefix, uncached_tokens
 from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, Reservation
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.coordinator.faults import UnitFaults
-from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Stream
+from pdserve.engine.coordinator.planner import Decision, LoadState, Planner, Running, Stream
 from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.routing import DecodeView, PrefillView, decode_order, first_token_order
 from pdserve.engine.coordinator.slo import MeasuredUnits
@@ -61,7 +61,7 @@ class Coordinator(UnitFaults):
         self._last_choice: dict[str, str] = {}
         self._lending: set[str] = set()             # the units stepping on lent cores now
         for actor in self.actors:
-            actor.port = self
+            actor.port, actor.clock = self, clock
 
     # admission
     def submit(self, request: Request) -> None:
@@ -198,6 +198,21 @@ class Coordinator(UnitFaults):
         self._log("step budget", decision)
         return decision.chosen.chunk
 
+    def prefill_budget(self, actor: Actor) -> int | None:
+        """Prompt tokens prefill unit `actor`'s next step carries, as the planner predicts best (None: a full
+        step, as before the planner has SLOs or the unit's steps are measured)."""
+        threads = actor.share and actor.share.prefill_own
+        if self.planner is None or actor.cost.coefficients(threads) is None:
+            return None
+        now = self.clock()
+        queue = tuple(Waiting(s.num_tokens - s.num_computed_tokens, _waited(s, now), s.num_tokens)
+                      for s in actor.scheduler.in_order())
+        if len(queue) < 2:
+            return None
+        decision = self.planner.prefill_budget(queue, actor.cost, threads)
+        self._log("prefill step", decision)
+        return decision.chosen.chunk
+
     def step_threads(self, actor: Actor, batch, own: int, total: int) -> int:
         """Core lending: every core for `actor`'s step while the unit it borrows from idles, when the planner
         predicts the step faster so (and within the partner's SLO: the partner waits for it to end)."""
@@ -261,8 +276,11 @@ class Coordinator(UnitFaults):
             slos, tokens = self.planner.slos, self.planner.max_prefill_tokens
             decode_alone = self._lent(decode.cost, share.decode_own, share.total, rows, 0, context, slos.ttft)
             prefill_alone = self._lent(prefill.cost, share.prefill_own, share.total, 0, tokens, 0, slos.itl)
+        prefilling = _prefill_steps(prefill, share and share.prefill_own)
         return LoadState(rows, queue, prefill.backlog_tokens(), share and share.decode_own, decode_alone,
                          share and (share.prefill_own if rows or queue else prefill_alone), prefill.busy,
+                         remote_running=prefilling,
+                         remote_running_for=now - prefill.step_started_at if prefilling else 0.0,
                          decode_context=context,
                          decode_remaining=max((s.params.max_tokens - len(s.output_token_ids) for s in running),
                                               default=0),
@@ -284,6 +302,12 @@ class Coordinator(UnitFaults):
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
         others = self.decode if actor in self.prefill else self.prefill
         return any(other.busy or not self.up(other) for other in others)    # a down unit's cores are not free
+
+
+def _prefill_steps(actor: Actor, own_threads: int | None) -> tuple[Running, ...]:
+    """The steps in flight on `actor` that prefill: its backlog leaves them out (their chunks are scheduled)."""
+    return tuple(Running(tokens, step.batch.chunk_pairs, own_threads if step.threads is None else step.threads)
+                 for step in actor.steps_in_flight if (tokens := sum(c.num_tokens for c in step.batch.chunks)))
 
 
 def _waited(seq: Sequence, now: float) -> float:

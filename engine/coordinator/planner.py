@@ -12,9 +12,12 @@ The actions, for the prompts a decode unit may prefill itself:
   the ITL SLO, and the whole queue in one step (up to `--max-prefill-tokens`, the runner's step size);
 - waiting: no prefill while the streams decode, then the whole queue once the longest of them may
   have ended (its `max_tokens`); never for a prompt already past its TTFT SLO;
-- for a new prompt, a remote prefill on a prefill unit: its queue there at its measured rate, while the
-  decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
+- for a new prompt, a remote prefill on a prefill unit: the rest of the step it runs and its queue there at
+  its measured rate, while the decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
 - lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
+
+A prefill unit's step carries its whole budget (`--max-prefill-tokens`), a chunk of the next prompt packed behind
+the prompts it finishes, or only its first prompts, whose first tokens then do not wait for that chunk.
 
 A stream misses the ITL SLO when its mean time between tokens, counted to its `max_tokens`, is predicted past
 it: the time it has decoded so far, the action's steps while it decodes in them, and decode-only steps for the
@@ -30,6 +33,7 @@ unit. Nothing here reads a clock: the coordinator hands in how long each prompt 
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -50,12 +54,21 @@ class Stream:
 
 
 @dataclass(frozen=True, slots=True)
+class Running:
+    """A prefill step in flight on the prefill unit (running, or launched behind the one that runs)."""
+
+    tokens: int                      # prompt tokens it prefills
+    pairs: int                       # the attention pairs its chunks read
+    threads: int | None              # the threads it runs on
+
+
+@dataclass(frozen=True, slots=True)
 class LoadState:
     """What a decision reads off a decode unit and the prefill unit it would hand a prompt to."""
 
     decode_rows: int                         # sequences decoding on the decode unit
     local_queue: tuple[Waiting, ...] = ()    # prompts queued there for a local prefill, in order
-    remote_backlog_tokens: int = 0           # prompt tokens queued on or being prefilled by the prefill unit
+    remote_backlog_tokens: int = 0           # prompt tokens queued on the prefill unit, beyond its steps in flight
     decode_threads: int | None = None        # threads of a decode step while the prefill unit works
     decode_threads_alone: int | None = None  # ... while it idles (its cores lent; the same off CPU)
     prefill_threads: int | None = None       # threads of a prefill step while the decode unit works
@@ -63,6 +76,8 @@ class LoadState:
     decode_context: int = 0                  # KV tokens the decoding rows read per step
     decode_remaining: int = 0                # the most tokens a decoding row may still take (0: unknown)
     streams: tuple[Stream, ...] = ()         # the decoding rows (fewer than `decode_rows`: the rest fresh)
+    remote_running: tuple[Running, ...] = () # the prefill unit's steps in flight (2,048 tokens: 0.7 s on a core)
+    remote_running_for: float = 0.0          # seconds since the oldest of them was launched
 
     @property
     def local_threads(self) -> int | None:
@@ -73,8 +88,9 @@ class LoadState:
 class Prediction:
     """One candidate action and what the cost models predict it causes."""
 
-    action: str                      # "local", "wait" or "remote"
-    chunk: int                       # prefill tokens per decode step (local), 0 otherwise
+    action: str                      # a decode unit's "local", "wait" or "remote"; a prefill unit's "prefill" (a
+                                     # full step) or "first prompts" (a step of its first prompts only)
+    chunk: int                       # prefill tokens per decode step (local) or in the prefill unit's step, else 0
     ttft_misses: int
     itl_misses: int
     tokens_per_second: float
@@ -86,7 +102,9 @@ class Prediction:
         return self.ttft_misses + self.itl_misses
 
     def describe(self) -> str:
-        what = f"local chunks of {self.chunk}" if self.action == "local" else self.action
+        what = (f"local chunks of {self.chunk}" if self.action == "local" else
+                f"{self.action} in a step of {self.chunk} tokens" if self.action in ("prefill", "first prompts") else
+                self.action)
         return (f"{what}: {self.ttft_misses} TTFT + {self.itl_misses} ITL misses, first token in "
                 f"{self.first_token:.3f}s, steps of {self.step * 1e3:.1f} ms, {self.tokens_per_second:.0f} tok/s")
 
@@ -142,6 +160,22 @@ class Planner:
         remote = self._remote(remote_tokens, length, state, decode, prefill, waited)
         if remote is not None:
             candidates.append(remote)
+        return Decision(best(candidates), tuple(candidates))
+
+    # the prompts a prefill unit's step carries
+    def prefill_budget(self, queue: Sequence[Waiting], cost: StepCostModel, threads: int | None) -> Decision:
+        """How many prompt tokens a prefill unit's next step carries for its `queue` (in the order it takes them):
+        its whole step, which packs a chunk of the next prompt behind those it finishes, or only its first `k`
+        prompts, whose first tokens then do not wait for what follows them (a prompt's 60-token tail packed
+        with the next document's 1,988 tokens got its first token a 0.8 s step later, Xeon-167)."""
+        full = self.max_prefill_tokens
+        candidates = [self._prefill_only(queue, chunk_plan(queue, full, 0, 0, cost, threads))]
+        for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1):
+            if end >= full:
+                break
+            first = chunk_plan(queue[:k], end, 0, 0, cost, threads)
+            candidates.append(self._prefill_only(queue, first.then(chunk_plan(queue[k:], full, 0, 0, cost, threads)),
+                                                 "first prompts"))
         return Decision(best(candidates), tuple(candidates))
 
     # lending cores
@@ -203,6 +237,14 @@ class Planner:
         return Prediction("local", plan.chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon,
                           plan.longest)
 
+    def _prefill_only(self, queue: Sequence[Waiting], plan: PrefillPlan, action: str = "prefill") -> Prediction:
+        """The queue prefilled by `plan`'s steps on a unit that only prefills."""
+        ttft_misses = sum(w.waited + plan.seconds_until(steps) > self.slos.ttft
+                          for w, steps in zip(queue, plan.finished))
+        done = plan.seconds_until_done()
+        return Prediction(action, plan.chunk, ttft_misses, 0, sum(w.served for w in queue) / done if done else 0.0,
+                          done, plan.runs[0][1])
+
     def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
               threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
         """No prefill while the streams decode; the whole queue once the longest may have ended."""
@@ -222,7 +264,7 @@ class Planner:
         cost = prefill if prefill is not None and prefill.coefficients(state.prefill_threads) is not None else decode
         if cost.coefficients(state.prefill_threads) is None:
             return None
-        first_token = (self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
+        first_token = (self._busy_seconds(state, cost)
                        + chunk_plan((Waiting(tokens, length=length),), self.max_prefill_tokens, 0, 0, cost,
                                     state.prefill_threads).seconds_until_done())
         rows = state.decode_rows
@@ -265,11 +307,19 @@ class Planner:
         return added > 0 and (decode_only + added) / tokens > max(self.slos.itl, decode_only / tokens)
 
     def _backlog(self, state: LoadState, prefill: StepCostModel | None) -> tuple[float, int]:
-        """The seconds the prefill unit is predicted busy with its queue whatever this decision, and its tokens."""
-        if not state.remote_backlog_tokens or prefill is None or prefill.coefficients(state.prefill_threads) is None:
+        """The seconds the prefill unit is predicted busy with its steps in flight and its queue whatever this
+        decision, and its queue's tokens."""
+        if prefill is None or prefill.coefficients(state.prefill_threads) is None:
             return 0.0, 0
-        return (self._prefill_seconds(state.remote_backlog_tokens, prefill, state.prefill_threads),
-                state.remote_backlog_tokens)
+        return self._busy_seconds(state, prefill), state.remote_backlog_tokens
+
+    def _busy_seconds(self, state: LoadState, cost: StepCostModel) -> float:
+        """Until the prefill unit could start a new prompt: what is left of its steps in flight (predicted, less
+        the time the oldest has run), then its queue."""
+        running = sum(cost.predict(r.threads, 0, r.tokens, pairs=r.pairs) for r in state.remote_running)
+        left = max(0.0, running - state.remote_running_for)
+        return left + (self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
+                       if state.remote_backlog_tokens else 0.0)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
         """A backlog of `tokens` prefilled in steps of at most `--max-prefill-tokens`, each priced as its prompt's

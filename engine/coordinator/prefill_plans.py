@@ -55,6 +55,11 @@ class PrefillPlan:
     def seconds_until_done(self) -> float:
         return sum(count * seconds for count, seconds in self.runs)
 
+    def then(self, later: PrefillPlan) -> PrefillPlan:
+        """This plan's steps, then `later`'s (whose prompts queue behind these)."""
+        return PrefillPlan(self.runs + later.runs, self.finished + tuple(self.steps + f for f in later.finished),
+                           self.chunk)
+
     def seconds_until(self, steps: int) -> float:
         """The first `steps` steps' seconds."""
         total = 0.0

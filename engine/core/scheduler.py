@@ -53,6 +53,12 @@ class PrefillScheduler:
     def sequences(self) -> Iterator[Sequence]:
         return iter(list(self._queued.values()))
 
+    def in_order(self) -> list[Sequence]:
+        """The queued sequences in the order `schedule` takes them (priority, then turn)."""
+        live = [entry for entry in (*self._running, *self._waiting)
+                if self._queued.get(entry[2].request_id) is entry[2]]
+        return [entry[2] for entry in sorted(live, key=lambda entry: entry[:2])]
+
     def schedule(self, token_budget: int | None = None) -> tuple[ScheduledChunk, ...]:
         budget = self.max_prefill_tokens if token_budget is None else token_budget
         chunks, requeue, admitting = [], [], True
