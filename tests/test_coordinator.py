@@ -117,6 +117,36 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
     engine.close()
 
 
+def test_a_prompt_goes_to_the_idle_prefill_unit_not_to_one_whose_queue_is_empty_because_it_is_prefilling():
+    """A scheduled step's chunks leave its unit's queue: routing counts them until the step ends."""
+    import threading
+
+    engine = four_units("disaggregated")
+    first, second = engine.coordinator.prefill
+    started, release = threading.Event(), threading.Event()
+    run = first.unit.step_runner.run
+
+    def held(work):
+        started.set()
+        release.wait(30.0)                              # NOTE: a bound on the hold, not on the outcome
+        return run(work)
+
+    async def scenario():
+        first.unit.step_runner.run = held               # started: its warm-up steps are done
+        long, short = prompts([30, 20], seed=5)
+        reading = asyncio.ensure_future(collect(engine.submit(Request("long", long, GREEDY))))
+        await asyncio.to_thread(started.wait, 30.0)
+        assert first.backlog_tokens() == 0 and first.prefill_tokens_in_flight == 30
+        answer = await collect(engine.submit(Request("short", short, GREEDY)))
+        release.set()
+        return answer, await reading
+
+    asyncio.run(run_engine(engine, scenario()))
+    assert (first.routed_prefill, second.routed_prefill) == (1, 1)     # the short one did not wait behind it
+    assert_pools_free(engine)
+    engine.close()
+
+
 def test_units_of_one_kind_weigh_a_prompt_and_a_row_at_one_price_whatever_their_own_fits_read():
     engine = four_units("adaptive")
     decode = engine.coordinator.decode

@@ -227,6 +227,11 @@ class Actor(abc.ABC):
         """The steps launched and not yet finished, oldest (the one running) first."""
         return tuple(self._in_flight)
 
+    @property
+    def prefill_tokens_in_flight(self) -> int:
+        """Prompt tokens the steps in flight prefill: scheduled, so no longer in `backlog_tokens`."""
+        return sum(c.num_tokens for step in self._in_flight for c in step.batch.chunks)
+
     # messages
     def send(self, message) -> None:
         prompt = _prompt_of(message)

@@ -80,7 +80,7 @@ class Coordinator(UnitFaults):
             return 0 if self.up(actors[0]) else None
         if isinstance(seq, Request):
             seq = Sequence(seq)
-        order = first_token_order([PrefillView(i, a.backlog_tokens(), uncached_tokens(a.blocks, seq),
+        order = first_token_order([PrefillView(i, _prefill_work(a), uncached_tokens(a.blocks, seq),
                                                self._prefill_rate(a, actors), self.up(a))
                                    for i, a in enumerate(actors)])
         return order[0] if order else None
@@ -261,7 +261,7 @@ class Coordinator(UnitFaults):
     def load(self, actor: Actor, decode_rows: int | None = None) -> LoadState:
         """What the planner reads for decode unit `actor`'s step budget: the least loaded live prefill unit."""
         live = [p for p in self.prefill if self.up(p)] or self.prefill
-        return self._load(actor, min(live, key=lambda p: p.backlog_tokens()), decode_rows)
+        return self._load(actor, min(live, key=_prefill_work), decode_rows)
 
     def _load(self, decode: AdaptiveDecodeActor, prefill: LendingPrefillActor,
               decode_rows: int | None = None) -> LoadState:
@@ -302,6 +302,11 @@ class Coordinator(UnitFaults):
         """Whether a unit of the other role has work (the one `actor` would borrow cores from, where lent)."""
         others = self.decode if actor in self.prefill else self.prefill
         return any(other.busy or not self.up(other) for other in others)    # a down unit's cores are not free
+
+
+def _prefill_work(actor: Actor) -> int:
+    """Prompt tokens `actor` has to prefill before a new prompt: its queue and its steps in flight."""
+    return actor.backlog_tokens() + actor.prefill_tokens_in_flight
 
 
 def _prefill_steps(actor: Actor, own_threads: int | None) -> tuple[Running, ...]:

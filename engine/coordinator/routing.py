@@ -13,7 +13,7 @@ class PrefillView:
     """One unit that can prefill a prompt, as routing sees it."""
 
     index: int
-    queued_tokens: int               # prompt tokens queued there, its mailbox included
+    queued_tokens: int               # prompt tokens queued there (its mailbox and its steps in flight included)
     uncached_tokens: int             # the prompt's tokens it would compute: its prefix-cache hits are free
     seconds_per_token: float | None  # its measured prefill rate (the step cost model); None: unmeasured
     up: bool = True                  # False while the unit fails or restarts: skipped
