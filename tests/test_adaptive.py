@@ -23,6 +23,7 @@ from tests.test_async_scheduling import joining_every_step
 from tests.test_engine_modes import (
     assert_pools_free,
     collect,
+    held_steps,
     prompts,
     run_engine,
     staggered,
@@ -233,18 +234,9 @@ def test_a_unit_whose_cores_are_lent_steps_only_after_the_lent_step():
 def test_the_prefill_units_step_in_flight_is_in_the_load_the_planner_reads():
     """A step's chunks leave the prefill unit's queue when it is scheduled: the load lists the step in flight
     instead (what it prefills, its threads, how long it has run), and nothing once it has finished."""
-    import threading
-
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
     prefill, decode = engine.actors
-    started, release = threading.Event(), threading.Event()
-    run = prefill.unit.step_runner.run
-
-    def held(work):
-        started.set()
-        release.wait(30.0)                              # NOTE: a bound on the hold, not on the outcome
-        return run(work)
-    prefill.unit.step_runner.run = held
+    started, release = held_steps(prefill.unit)
 
     async def scenario():
         long = engine.submit(Request("long", prompts([400], seed=3)[0], GREEDY))

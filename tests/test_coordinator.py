@@ -16,7 +16,15 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
-from tests.test_engine_modes import abort_after, assert_pools_free, collect, prompts, run_engine, wait_idle
+from tests.test_engine_modes import (
+    abort_after,
+    assert_pools_free,
+    collect,
+    held_steps,
+    prompts,
+    run_engine,
+    wait_idle,
+)
 
 MODES = ("colocated", "disaggregated", "adaptive")
 UNITS = dict(prefill_device="cpu,cpu", decode_device="cpu,cpu")
@@ -119,20 +127,11 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
 
 def test_a_prompt_goes_to_the_idle_prefill_unit_not_to_one_whose_queue_is_empty_because_it_is_prefilling():
     """A scheduled step's chunks leave its unit's queue: routing counts them until the step ends."""
-    import threading
-
     engine = four_units("disaggregated")
     first, second = engine.coordinator.prefill
-    started, release = threading.Event(), threading.Event()
-    run = first.unit.step_runner.run
-
-    def held(work):
-        started.set()
-        release.wait(30.0)                              # NOTE: a bound on the hold, not on the outcome
-        return run(work)
 
     async def scenario():
-        first.unit.step_runner.run = held               # started: its warm-up steps are done
+        started, release = held_steps(first.unit)       # once started: its warm-up steps are not held
         long, short = prompts([30, 20], seed=5)
         reading = asyncio.ensure_future(collect(engine.submit(Request("long", long, GREEDY))))
         await asyncio.to_thread(started.wait, 30.0)

@@ -19,6 +19,19 @@ MODES = ("disaggregated", "colocated")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
+def held_steps(unit) -> tuple[threading.Event, threading.Event]:
+    """Make each of `unit`'s steps wait for `release` (at most 30 s) once it has set `started`."""
+    started, release = threading.Event(), threading.Event()
+    run = unit.step_runner.run
+
+    def held(work):
+        started.set()
+        release.wait(30.0)                              # NOTE: a bound on the hold, not on the outcome
+        return run(work)
+    unit.step_runner.run = held
+    return started, release
+
+
 def prompts(lengths, seed=0, vocab=1024):
     generator = torch.Generator().manual_seed(seed)
     return [tuple(torch.randint(3, vocab, (n,), generator=generator).tolist()) for n in lengths]
