@@ -162,7 +162,14 @@ def test_a_prefill_units_step_carries_only_its_first_prompts_when_a_packed_chunk
     assert packed.chosen.tokens_per_second > split.tokens_per_second
     tail = (Waiting(40, waited=0.5, length=2088), Waiting(2000), Waiting(30))
     tail_first = planner.prefill_budget(tail, prefill, None)    # a prompt's tail is a first prompt as well
-    assert [p.chunk for p in tail_first.candidates] == [2048, 40, 2040] and tail_first.chosen.chunk == 40
+    assert [p.chunk for p in tail_first.candidates] == [2048, 2040, 40] and tail_first.chosen.chunk == 40
+
+
+def test_a_prefill_units_step_candidates_halve_so_a_long_queue_of_short_prompts_costs_a_few_plans():
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    queue = tuple(Waiting(16, waited=0.01 * i) for i in range(200))
+    decision = planner.prefill_budget(queue, linear_cost(0.01, 0.0, 0.0005), None)
+    assert [p.chunk for p in decision.candidates] == [2048, 2032, 1008, 496, 240, 112, 48, 16]
 
 
 def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():

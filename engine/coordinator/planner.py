@@ -124,6 +124,19 @@ class Decision:
         return self.chosen.describe() + (f" (over {others})" if others else "")
 
 
+def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, int]]:
+    """(k, tokens) of the first k prompts of `queue` taken whole in a step of under `most` tokens (the rest
+    left behind): the most such prompts, then each prefix of at most half the tokens of the last one kept. A
+    candidate per prompt cost O(queue) each: 200 queued 16-token prompts took 28 ms a decision."""
+    ends = [(k, end) for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)
+            if end < most]
+    kept = []
+    for k, end in reversed(ends):
+        if not kept or end <= kept[-1][1] / 2:
+            kept.append((k, end))
+    return kept
+
+
 def best(candidates: Sequence[Prediction]) -> Prediction:
     """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
     return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
@@ -170,9 +183,7 @@ class Planner:
         with the next document's 1,988 tokens got its first token a 0.8 s step later, Xeon-167)."""
         full = self.max_prefill_tokens
         candidates = [self._prefill_only(queue, chunk_plan(queue, full, 0, 0, cost, threads))]
-        for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1):
-            if end >= full:
-                break
+        for k, end in _halving_prefixes(queue, full):
             first = chunk_plan(queue[:k], end, 0, 0, cost, threads)
             candidates.append(self._prefill_only(queue, first.then(chunk_plan(queue[k:], full, 0, 0, cost, threads)),
                                                  "first prompts"))
