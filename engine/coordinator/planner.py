@@ -124,19 +124,6 @@ class Decision:
         return self.chosen.describe() + (f" (over {others})" if others else "")
 
 
-def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, int]]:
-    """(k, tokens) of the first k prompts of `queue` taken whole in a step of under `most` tokens (the rest
-    left behind): the most such prompts, then each prefix of at most half the tokens of the last one kept. A
-    candidate per prompt cost O(queue) each: 200 queued 16-token prompts took 28 ms a decision."""
-    ends = [(k, end) for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)
-            if end < most]
-    kept = []
-    for k, end in reversed(ends):
-        if not kept or end <= kept[-1][1] / 2:
-            kept.append((k, end))
-    return kept
-
-
 def best(candidates: Sequence[Prediction]) -> Prediction:
     """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
     return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
@@ -338,3 +325,16 @@ class Planner:
         full, last = divmod(tokens, self.max_prefill_tokens)
         seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
         return seconds + (cost.predict(threads, 0, last) if last else 0.0)
+
+
+def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, int]]:
+    """(k, tokens) of the first k prompts of `queue` taken whole in a step of under `most` tokens (the rest
+    left behind): the most such prompts, then each prefix of at most half the tokens of the last one kept. A
+    candidate per prompt cost O(queue) each: 200 queued 16-token prompts took 28 ms a decision."""
+    ends = [(k, end) for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)
+            if end < most]
+    kept = []
+    for k, end in reversed(ends):
+        if not kept or end <= kept[-1][1] / 2:
+            kept.append((k, end))
+    return kept
