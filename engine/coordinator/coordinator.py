@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
@@ -204,9 +204,7 @@ class Coordinator(UnitFaults):
         threads = actor.share and actor.share.prefill_own
         if self.planner is None or actor.cost.coefficients(threads) is None:
             return None
-        now = self.clock()
-        queue = tuple(Waiting(s.num_tokens - s.num_computed_tokens, _waited(s, now), s.num_tokens)
-                      for s in actor.scheduler.in_order())
+        queue = _waiting(actor.scheduler.in_order(), self.clock())
         if len(queue) < 2:
             return None
         decision = self.planner.prefill_budget(queue, actor.cost, threads)
@@ -266,8 +264,7 @@ class Coordinator(UnitFaults):
     def _load(self, decode: AdaptiveDecodeActor, prefill: LendingPrefillActor,
               decode_rows: int | None = None) -> LoadState:
         now = self.clock()
-        queue = tuple(Waiting(s.num_tokens - s.num_computed_tokens, _waited(s, now), s.num_tokens)
-                      for s in decode.local.sequences())
+        queue = _waiting(decode.local.sequences(), now)
         running = decode.scheduler.running
         rows = len(running) if decode_rows is None else decode_rows
         share, context = decode.share, sum(s.num_computed_tokens for s in running)
@@ -313,6 +310,11 @@ def _prefill_steps(actor: Actor, own_threads: int | None) -> tuple[Running, ...]
     """The steps in flight on `actor` that prefill: its backlog leaves them out (their chunks are scheduled)."""
     return tuple(Running(tokens, step.batch.chunk_pairs, own_threads if step.threads is None else step.threads)
                  for step in actor.steps_in_flight if (tokens := sum(c.num_tokens for c in step.batch.chunks)))
+
+
+def _waiting(seqs: Iterable[Sequence], now: float) -> tuple[Waiting, ...]:
+    """Prompts queued for prefill as the planner sees them: tokens still to compute, seconds since arrival."""
+    return tuple(Waiting(s.num_tokens - s.num_computed_tokens, _waited(s, now), s.num_tokens) for s in seqs)
 
 
 def _waited(seq: Sequence, now: float) -> float:
