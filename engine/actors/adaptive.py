@@ -66,7 +66,7 @@ class LendingPrefillActor(PrefillActor):
         return step_threads(self, batch, self.share and self.share.prefill_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        self.cost.observe(threads, 0, sum(c.num_tokens for c in batch.chunks), seconds, pairs=batch.chunk_pairs)
+        self.cost.observe(threads, 0, batch.chunk_tokens, seconds, pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.prefill_own)
 
     def role(self) -> str:
@@ -111,7 +111,7 @@ class AdaptiveDecodeActor(DecodeActor):
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
         rows = batch.decoding
-        self.cost.observe(threads, len(rows), sum(c.num_tokens for c in batch.chunks), seconds,
+        self.cost.observe(threads, len(rows), batch.chunk_tokens, seconds,
                           context=sum(s.num_computed_tokens for s in rows), drafts=batch.num_drafts,
                           pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.decode_own)

@@ -230,7 +230,7 @@ class Actor(abc.ABC):
     @property
     def prefill_tokens_in_flight(self) -> int:
         """Prompt tokens the steps in flight prefill: scheduled, so no longer in `backlog_tokens`."""
-        return sum(c.num_tokens for step in self._in_flight for c in step.batch.chunks)
+        return sum(step.batch.chunk_tokens for step in self._in_flight)
 
     # messages
     def send(self, message) -> None:
@@ -303,7 +303,7 @@ class Actor(abc.ABC):
         if self.trace is not None:
             batch = step.batch
             self.trace.step(self.unit_name, step.step_id, step.started, outcome.seconds, outcome.threads,
-                            len(batch.decode), len(batch.verify), sum(c.num_tokens for c in batch.chunks),
+                            len(batch.decode), len(batch.verify), batch.chunk_tokens,
                             batch.num_drafts)
         if outcome.mask_seconds:
             self.mask_seconds.append(outcome.mask_seconds)

@@ -219,8 +219,7 @@ class Coordinator(UnitFaults):
         slos, prefilling = self.planner.slos, actor in self.prefill
         rows = batch.decoding                                  # NOTE: verifying rows too, with their drafts
         context = sum(s.num_computed_tokens for s in rows)
-        tokens = sum(c.num_tokens for c in batch.chunks)
-        lend = self.planner.lend(actor.cost, own, total, len(rows), tokens, context,
+        lend = self.planner.lend(actor.cost, own, total, len(rows), batch.chunk_tokens, context,
                                  slos.itl if prefilling else slos.ttft, batch.num_drafts, batch.chunk_pairs)
         if lend:
             self._lending.add(actor.unit_name)
@@ -309,7 +308,7 @@ def _prefill_work(actor: Actor) -> int:
 def _prefill_steps(actor: Actor, own_threads: int | None) -> tuple[Running, ...]:
     """The steps in flight on `actor` that prefill: its backlog leaves them out (their chunks are scheduled)."""
     return tuple(Running(tokens, step.batch.chunk_pairs, own_threads if step.threads is None else step.threads)
-                 for step in actor.steps_in_flight if (tokens := sum(c.num_tokens for c in step.batch.chunks)))
+                 for step in actor.steps_in_flight if (tokens := step.batch.chunk_tokens))
 
 
 def _waiting(seqs: Iterable[Sequence], now: float) -> tuple[Waiting, ...]:

@@ -71,13 +71,17 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return (len(self.decode) + sum(c.num_tokens for c in self.chunks)
-                + sum(1 + len(d) for d in self.verify_drafts))
+        return len(self.decode) + self.chunk_tokens + sum(1 + len(d) for d in self.verify_drafts)
 
     @property
     def decoding(self) -> tuple[Sequence, ...]:
         """The sequences decoding this step: the plain decode rows, then the verifying ones."""
         return self.decode + self.verify
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prompt tokens the chunks prefill."""
+        return sum(c.num_tokens for c in self.chunks)
 
     @property
     def chunk_pairs(self) -> int:
