@@ -224,8 +224,7 @@ class Planner:
         """The queue prefilled by `plan`'s steps after `delay` seconds, while the prefill unit works off its
         `backlog` (seconds, prompt tokens)."""
         rows, context = state.decode_rows, state.decode_context
-        ttft_misses = sum(w.waited + delay + plan.seconds_until(steps) > self.slos.ttft
-                          for w, steps in zip(queue, plan.finished))
+        ttft_misses = self._ttft_misses(queue, plan, delay)
         horizon = delay + plan.seconds_until_done()
         itl_misses = self._itl_misses(state, decode, plan.runs)
         span = max(horizon, backlog[0])
@@ -235,13 +234,16 @@ class Planner:
         return Prediction("local", plan.chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon,
                           plan.longest)
 
+    def _ttft_misses(self, queue: Sequence[Waiting], plan: PrefillPlan, delay: float = 0.0) -> int:
+        """The prompts of `queue` whose first token, `plan`'s steps after `delay` seconds, comes past the SLO."""
+        return sum(w.waited + delay + plan.seconds_until(steps) > self.slos.ttft
+                   for w, steps in zip(queue, plan.finished))
+
     def _prefill_only(self, queue: Sequence[Waiting], plan: PrefillPlan, action: str = "prefill") -> Prediction:
         """The queue prefilled by `plan`'s steps on a unit that only prefills."""
-        ttft_misses = sum(w.waited + plan.seconds_until(steps) > self.slos.ttft
-                          for w, steps in zip(queue, plan.finished))
         done = plan.seconds_until_done()
-        return Prediction(action, plan.chunk, ttft_misses, 0, sum(w.served for w in queue) / done if done else 0.0,
-                          done, plan.runs[0][1])
+        rate = sum(w.served for w in queue) / done if done else 0.0
+        return Prediction(action, plan.chunk, self._ttft_misses(queue, plan), 0, rate, done, plan.runs[0][1])
 
     def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
               threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
@@ -316,8 +318,7 @@ class Planner:
         the time the oldest has run), then its queue."""
         running = sum(cost.predict(r.threads, 0, r.tokens, pairs=r.pairs) for r in state.remote_running)
         left = max(0.0, running - state.remote_running_for)
-        return left + (self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
-                       if state.remote_backlog_tokens else 0.0)
+        return left + self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
 
     def _prefill_seconds(self, tokens: int, cost: StepCostModel, threads: int | None) -> float:
         """A backlog of `tokens` prefilled in steps of at most `--max-prefill-tokens`, each priced as its prompt's
