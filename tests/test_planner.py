@@ -487,3 +487,43 @@ def test_a_prompts_attention_pairs_are_the_same_however_it_is_chunked():
         chunks = [ScheduledChunk(None, start, stop - start, False) for start, stop in zip([0, *cuts], [*cuts, n])]
         assert Batch(chunks=tuple(chunks)).chunk_pairs == attention_pairs(0, n)
     assert attention_pairs(3, 4) == sum(position + 1 for position in range(3, 7))    # each query and its keys
+
+
+class PreemptedOnceUnit:
+    """A unit whose step time is a known function of its prompt tokens and decode rows, but whose first run of
+    each step shape is preempted (three times as long), as a step on a shared host sometimes is."""
+
+    block_size, num_blocks = 16, 4096
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()
+
+    @staticmethod
+    def seconds(rows: int, tokens: int) -> float:
+        return 0.01 + 0.001 * rows + 0.0003 * tokens
+
+    async def submit(self, work):
+        from pdserve.engine.worker.step import StepResult
+        from pdserve.engine.worker.step_runner import StepOutcome
+        rows, tokens = len(work.step.decode_rows), sum(c.num_tokens for c in work.step.chunks)
+        shape = (rows, tokens, tuple(c.start for c in work.step.chunks))
+        seconds = self.seconds(rows, tokens) * (1 if shape in self.seen or not rows + tokens else 3)
+        self.seen.add(shape)
+        return StepOutcome(StepResult(token_ids=(0,) * len(work.step.sampled_rows)), (), seconds, work.threads or 1)
+
+
+def test_a_preempted_profile_run_is_not_what_the_cost_model_learns():
+    """Each profile step is the median of its runs: one run alone priced a burst's 128-token prompts at 1.39x
+    their time on one start-up and 0.57x on the next (Xeon-167), and the planner's first placements follow it."""
+    import asyncio
+
+    from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
+
+    sched = SchedulerConfig(max_num_seqs=16, max_prefill_tokens=512)
+    profile = UnitProfile(PreemptedOnceUnit(), StepCostModel(), decodes=True, prefills=True)
+    asyncio.run(profile_unit(profile, sched, 4096, vocab_size=100))
+    for (shape, _), seconds in profile.timed.items():
+        rows, tokens = (shape.num_seqs, 0) if shape.kind == "decode" else (0, shape.num_seqs * shape.new_tokens)
+        assert seconds == pytest.approx(PreemptedOnceUnit.seconds(rows, tokens))
+    assert profile.cost.predict(None, 8, 0) == pytest.approx(PreemptedOnceUnit.seconds(8, 0), rel=0.05)
+    assert profile.cost.predict(None, 0, 256) == pytest.approx(PreemptedOnceUnit.seconds(0, 256), rel=0.05)
