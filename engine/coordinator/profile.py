@@ -8,7 +8,6 @@ built kernels).
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass, field
 
 from pdserve.engine.actors.step_cost import StepCostModel
@@ -20,8 +19,6 @@ from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
 
-REPEATS = 3                  # each shape's median of three runs: one run preempted on a shared host priced a burst's
-#                              128-token prompts at 1.39x their time on one start-up, 0.57x on the next (Xeon-167)
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
 
@@ -81,12 +78,11 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
     for threads in profile.thread_counts:
         await _run(profile.unit, shapes[0], threads, vocab_size, rng)          # untimed: one-time costs
         for shape in shapes:
-            outcomes = [await _run(profile.unit, shape, threads, vocab_size, rng) for _ in range(REPEATS)]
-            seconds = statistics.median(outcome.seconds for outcome in outcomes)
-            profile.timed[shape, threads] = seconds
+            outcome = await _run(profile.unit, shape, threads, vocab_size, rng)
+            profile.timed[shape, threads] = outcome.seconds
             decoding = shape.kind == "decode"
-            profile.cost.observe(outcomes[0].threads, shape.num_seqs if decoding else 0,
-                                 0 if decoding else shape.num_seqs * shape.new_tokens, seconds,
+            profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
+                                 0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
                                  context=shape.num_seqs * shape.context if decoding else 0,
                                  pairs=0 if decoding else shape.num_seqs * attention_pairs(shape.context,
                                                                                            shape.new_tokens))
