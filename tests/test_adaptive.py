@@ -374,7 +374,7 @@ def test_lending_weighs_a_verify_steps_rows_and_drafts():
     seq.num_computed_tokens = 40
     batch = Batch(verify=(seq,), verify_positions=(39,), verify_drafts=((5, 6, 7),))
     engine.coordinator.step_threads(decode, batch, 1, 2)      # one core of its own, two while the partner idles
-    _, own, total, rows, tokens, context, _, drafts, pairs, chunks = asked[-1]
+    _, own, total, rows, tokens, context, _, drafts, pairs = asked[-1]
     assert (own, total) == (1, 2)
-    assert (rows, tokens, context, drafts, pairs, chunks) == (1, 0, 40, 3, 0, 0)
+    assert (rows, tokens, context, drafts, pairs) == (1, 0, 40, 3, 0)
     engine.close()

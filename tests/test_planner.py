@@ -10,7 +10,7 @@ import pytest
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator.planner import LoadState, Planner, Running, Stream
-from pdserve.engine.coordinator.prefill_plans import Waiting, chunk_plan
+from pdserve.engine.coordinator.prefill_plans import Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.batch import Batch, ScheduledChunk, attention_pairs
@@ -388,8 +388,8 @@ def test_the_profile_measures_a_full_batch_in_small_step_messages():
     assert all(s.num_seqs * (s.context + s.new_tokens) <= MESSAGE_TOKENS + s.num_seqs * 1 for s in shapes
                if s.kind == "decode")
     assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
-    assert [(s.num_seqs, s.new_tokens, s.context) for s in shapes if s.kind == "prefill"] == [
-        (1, 1, 0), (1, 2048, 0), (1, 4096, 0), (1, 1024, 3072), (8, 128, 0)]
+    assert [(s.new_tokens, s.context) for s in shapes if s.kind == "prefill"] == [(1, 0), (2048, 0), (4096, 0),
+                                                                                  (1024, 3072)]
     assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
 
 
@@ -487,51 +487,3 @@ def test_a_prompts_attention_pairs_are_the_same_however_it_is_chunked():
         chunks = [ScheduledChunk(None, start, stop - start, False) for start, stop in zip([0, *cuts], [*cuts, n])]
         assert Batch(chunks=tuple(chunks)).chunk_pairs == attention_pairs(0, n)
     assert attention_pairs(3, 4) == sum(position + 1 for position in range(3, 7))    # each query and its keys
-
-
-class TimedUnit:
-    """A unit whose prefill steps take a known time: a fixed part, the prompt path, a price per prompt chunk (its
-    sequence, its sampled row), per token and per attention pair; the profile sees only the seconds."""
-
-    block_size, num_blocks = 16, 4096
-
-    @staticmethod
-    def seconds(chunks: int, tokens: int, pairs: int, rows: int = 0) -> float:
-        return 0.01 + 0.001 * rows + 0.03 * (chunks > 0) + 0.01 * chunks + 0.00025 * tokens + 1.5e-7 * pairs
-
-    async def submit(self, work):
-        from pdserve.engine.worker.step import StepResult
-        from pdserve.engine.worker.step_runner import StepOutcome
-        spans = [(c.start, c.num_tokens) for c in work.step.chunks]
-        seconds = self.seconds(len(spans), sum(n for _, n in spans), sum(attention_pairs(s, n) for s, n in spans),
-                               len(work.step.decode_rows))
-        return StepOutcome(StepResult(token_ids=(0,) * len(work.step.sampled_rows)), (), seconds, work.threads or 1)
-
-
-def test_the_profile_prices_a_step_of_many_short_prompts():
-    """A burst of short prompts: fit to single prompts of growing size, a step's chunks were priced as one, and a
-    step of 16 128-token prompts on one core was predicted at 0.65-0.98x its time (Xeon-167, SmolLM2); the
-    profile's step of short prompts and the model's per-chunk price separate a chunk's cost from a token's."""
-    import asyncio
-
-    from pdserve.engine.coordinator.profile import UnitProfile, profile_unit
-
-    sched = SchedulerConfig(max_num_seqs=64, max_prefill_tokens=2048)
-    profile = UnitProfile(TimedUnit(), StepCostModel(), decodes=True, prefills=True)
-    asyncio.run(profile_unit(profile, sched, 4096, vocab_size=100))
-    for prompts, length in [(16, 128), (4, 128), (1, 128), (1, 256), (1, 2048), (32, 64)]:
-        pairs = prompts * attention_pairs(0, length)
-        predicted = profile.cost.predict(None, 0, prompts * length, pairs=pairs, chunks=prompts)
-        assert predicted == pytest.approx(TimedUnit.seconds(prompts, prompts * length, pairs), rel=0.05)
-
-
-def test_a_local_plan_prices_each_chunk_its_steps_carry():
-    cost = StepCostModel()
-    for chunks, tokens, rows in [(1, 64, 4), (8, 512, 4), (1, 512, 8), (4, 256, 1), (2, 1024, 0), (16, 256, 2),
-                                 (0, 0, 8), (0, 0, 1), (3, 96, 3)]:
-        pairs = chunks * attention_pairs(0, tokens // chunks) if chunks else 0
-        cost.observe(None, rows, tokens, TimedUnit.seconds(chunks, tokens, pairs, rows), pairs=pairs, chunks=chunks)
-    queue = [Waiting(32)] * 8                              # eight short prompts: one step of 256 tokens
-    plan = chunk_plan(queue, 256, 4, 0, cost, None)
-    assert plan.steps == 1
-    assert plan.longest == pytest.approx(TimedUnit.seconds(8, 256, 8 * attention_pairs(0, 32), 4), rel=0.02)

@@ -66,7 +66,7 @@ class LendingPrefillActor(PrefillActor):
         return step_threads(self, batch, self.share and self.share.prefill_own)
 
     def observe_step(self, batch: Batch, seconds: float, threads: int) -> None:
-        self.cost.observe(threads, 0, batch.chunk_tokens, seconds, pairs=batch.chunk_pairs, chunks=len(batch.chunks))
+        self.cost.observe(threads, 0, batch.chunk_tokens, seconds, pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.prefill_own)
 
     def role(self) -> str:
@@ -113,7 +113,7 @@ class AdaptiveDecodeActor(DecodeActor):
         rows = batch.decoding
         self.cost.observe(threads, len(rows), batch.chunk_tokens, seconds,
                           context=sum(s.num_computed_tokens for s in rows), drafts=batch.num_drafts,
-                          pairs=batch.chunk_pairs, chunks=len(batch.chunks))
+                          pairs=batch.chunk_pairs)
         returned_cores(self, threads, self.share and self.share.decode_own)
         super().observe_step(batch, seconds, threads)           # the speculator's own fit of decode steps
 

@@ -1,18 +1,16 @@
 """The step cost model: seconds of one step on one compute unit, fit online from the steps it ran.
 
     seconds = fixed + per_decode_row x D + per_prefill_token x (P + V) + per_context_token x K
-              + prompt_path x [P > 0] + per_pair x A + per_chunk x C
+              + prompt_path x [P > 0] + per_pair x A
 
 `D` rows decoding, `P` prompt tokens prefilled, `V` draft tokens verified, `K` KV tokens the decoding rows
 read (their contexts), `A` the query-key pairs the prompt chunks' attention reads (a chunk of n tokens after
-`start` computed ones: n x start + n(n + 1) / 2), `C` the prompt chunks it carries. A step that prefills also pays a price per step for its prompt
+`start` computed ones: n x start + n(n + 1) / 2). A step that prefills also pays a price per step for its prompt
 path (its first token's logits): without that term a fit fed 64-token chunks priced each of their
 tokens at 0.7 ms and predicted a 1,024-token chunk at 1.3-1.5x its time, one fed the start-up profile's
 long chunks priced a 64-token one at 0.7x (replayed from a served trace, Xeon-167, bench/RESULTS.md). Without
 `A`, a 300-token chunk at the end of a 2,048-token prompt, priced like one at its start, ran 10-30% past the
-ITL SLO it was sized to (Xeon-167, documents load, bench/RESULTS.md "Serving modes"). Each chunk costs a
-price of its own too (its sequence's attention call, its sampled row): fit to single prompts, a step of 16
-128-token prompts on one core was predicted at 0.65-0.98x its time (Xeon-167, SmolLM2). One fit
+ITL SLO it was sized to (Xeon-167, documents load, bench/RESULTS.md "Serving modes"). One fit
 per CPU thread count, so a step on borrowed cores is predicted from steps that ran on as many: core
 sharing is measured, not assumed. The adaptive actors feed it; the coordinator's planner reads it.
 """
@@ -30,7 +28,7 @@ from pdserve.engine.core.weighted_fit import WeightedFit
 
 CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens, A in millions: the ridge term then weighs them alike
 PAIRS_UNIT = CONTEXT_UNIT ** 2
-FEATURES = 7
+FEATURES = 6
 
 
 @dataclass(slots=True)
@@ -47,10 +45,10 @@ class StepCostModel:
     _overruns: dict[int | None, deque] = field(default_factory=dict)      # threads -> measured / predicted, mixed steps
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
-                context: int = 0, drafts: int = 0, pairs: int | None = None, chunks: int | None = None) -> None:
-        """One step's seconds; `pairs` and `chunks` None: its prefill is one prompt's first chunk (see `predict`)."""
+                context: int = 0, drafts: int = 0, pairs: int | None = None) -> None:
+        """One step's seconds; `pairs` None: its prefill is one prompt's first chunk (see `predict`)."""
         fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
-        features = _features(decode_rows, prefill_tokens, context, drafts, pairs, chunks)
+        features = _features(decode_rows, prefill_tokens, context, drafts, pairs)
         if decode_rows and prefill_tokens and fit.observations >= FEATURES:
             predicted = float(fit.coefficients() @ features)
             if predicted > 0:
@@ -100,31 +98,29 @@ class StepCostModel:
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens, per step that prefills, per
-        million attention pairs, per prompt chunk) seconds at `threads`
+        million attention pairs) seconds at `threads`
         (unmeasured there: the most threads measured), or None before three observations."""
         fit = self._fits.get(threads) or next((f for _, f in sorted(self._fits.items(), key=_by_threads,
                                                                       reverse=True)), None)
         return None if fit is None or fit.observations < 3 else fit.coefficients()
 
     def predict(self, threads: int | None, decode_rows: int, prefill_tokens: int, context: int = 0,
-                drafts: int = 0, pairs: int | None = None, chunks: int | None = None) -> float | None:
-        """Seconds of a step; `pairs` and `chunks` None: its `prefill_tokens` are one prompt's first chunk
-        (attention_pairs(0, P), one chunk)."""
+                drafts: int = 0, pairs: int | None = None) -> float | None:
+        """Seconds of a step; `pairs` None: its `prefill_tokens` are a prompt's first (attention_pairs(0, P))."""
         c = self.coefficients(threads)
-        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts, pairs, chunks))
+        return None if c is None else float(c @ _features(decode_rows, prefill_tokens, context, drafts, pairs))
 
     def prompt_room(self, threads: int | None, seconds: float, decode_rows: int, context: int) -> float:
         """Seconds of prompt work (`prompt_work`) a step of `decode_rows` rows reading `context` KV tokens has
         left within `seconds`, once it prefills at all (its prompt path paid). Measured steps only."""
         c = self.coefficients(threads)
-        return seconds - float(c @ _features(decode_rows, 0, context, 0, 0, 0)) - float(c[4])
+        return seconds - float(c @ _features(decode_rows, 0, context, 0, 0)) - float(c[4])
 
     def prompt_work(self, threads: int | None, tokens: int, pairs: int) -> float:
-        """Seconds one prompt's chunk of `tokens` tokens reading `pairs` attention pairs adds to a step: its tokens'
-        and pairs' work, the same however a prompt is chunked (a token attends to every earlier one of its prompt in
-        any chunking), and the chunk's own price. Measured steps only."""
+        """Seconds `tokens` prompt tokens reading `pairs` attention pairs add to a step: the same however a prompt
+        is chunked (a token attends to every earlier one of its prompt in any chunking). Measured steps only."""
         c = self.coefficients(threads)
-        return float(c[2]) * tokens + float(c[5]) * pairs / PAIRS_UNIT + float(c[6])
+        return float(c[2]) * tokens + float(c[5]) * pairs / PAIRS_UNIT
 
     def chunk_within(self, threads: int | None, seconds: float, decode_rows: int, context: int, start: int,
                      most: int) -> int:
@@ -132,7 +128,7 @@ class StepCostModel:
         `context`) carries within `seconds` (0: not even one; the step's cost grows with the chunk's attention
         pairs). Measured steps only: see `coefficients`."""
         c = self.coefficients(threads)
-        room = self.prompt_room(threads, seconds, decode_rows, context) - float(c[6])
+        room = self.prompt_room(threads, seconds, decode_rows, context)
         per_token, per_pair = c[2], c[5] / PAIRS_UNIT
         linear = per_token + per_pair * (start + 0.5)       # work(n) = linear n + per_pair n^2 / 2
         if room < linear + per_pair / 2:
@@ -160,12 +156,10 @@ class StepCostModel:
         return float(c[2])
 
 
-def _features(decode_rows: int, prefill_tokens: int, context: int, drafts: int, pairs: int | None,
-              chunks: int | None) -> np.ndarray:
+def _features(decode_rows: int, prefill_tokens: int, context: int, drafts: int, pairs: int | None) -> np.ndarray:
     pairs = attention_pairs(0, prefill_tokens) if pairs is None else pairs
-    chunks = int(prefill_tokens > 0) if chunks is None else chunks
     return np.array([1.0, decode_rows, prefill_tokens + drafts, context / CONTEXT_UNIT, float(prefill_tokens > 0),
-                     pairs / PAIRS_UNIT, float(chunks)])
+                     pairs / PAIRS_UNIT])
 
 
 def _by_threads(item: tuple) -> int:

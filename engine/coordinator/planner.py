@@ -60,7 +60,6 @@ class Running:
     tokens: int                      # prompt tokens it prefills
     pairs: int                       # the attention pairs its chunks read
     threads: int | None              # the threads it runs on
-    chunks: int = 1                  # its prompt chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,21 +178,19 @@ class Planner:
 
     # lending cores
     def lend(self, cost: StepCostModel, own: int, total: int, decode_rows: int, prefill_tokens: int,
-             context: int, partner_slo: float, drafts: int = 0, pairs: int | None = None,
-             chunks: int | None = None) -> bool:
+             context: int, partner_slo: float, drafts: int = 0, pairs: int | None = None) -> bool:
         """Whether a unit whose partner idles steps on `total` threads instead of its `own`: when that is
         predicted faster (unmeasured: try it; not tried for longer than its fit remembers, or not at a step
         this large: try it again, its fit only learns from lent steps), and the step stays within the
         partner's SLO (the partner's next work waits for it to end). `decode_rows` counts verifying rows,
-        `drafts` their draft tokens; `pairs` the prompt chunks' attention pairs and `chunks` how many (None: a prompt's
-        first chunk)."""
+        `drafts` their draft tokens; `pairs` the prompt chunks' attention pairs (None: a prompt's first chunk)."""
         if not cost.measured(own) or not cost.measured(total):
             return True
-        borrowed = cost.predict(total, decode_rows, prefill_tokens, context, drafts, pairs, chunks)
+        borrowed = cost.predict(total, decode_rows, prefill_tokens, context, drafts, pairs)
         if borrowed > partner_slo:
             return False
         return (cost.stale(total) or not cost.covers(total, decode_rows, prefill_tokens)
-                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context, drafts, pairs, chunks))
+                or borrowed < cost.predict(own, decode_rows, prefill_tokens, context, drafts, pairs))
 
     # predictions
     def _local_candidates(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
@@ -319,8 +316,7 @@ class Planner:
     def _busy_seconds(self, state: LoadState, cost: StepCostModel) -> float:
         """Until the prefill unit could start a new prompt: what is left of its steps in flight (predicted, less
         the time the oldest has run), then its queue."""
-        running = sum(cost.predict(r.threads, 0, r.tokens, pairs=r.pairs, chunks=r.chunks)
-                      for r in state.remote_running)
+        running = sum(cost.predict(r.threads, 0, r.tokens, pairs=r.pairs) for r in state.remote_running)
         left = max(0.0, running - state.remote_running_for)
         return left + self._prefill_seconds(state.remote_backlog_tokens, cost, state.prefill_threads)
 

@@ -124,16 +124,15 @@ def chunk_plan(queue: Sequence[Waiting], chunk: int, rows: int, context: int, de
     left = [(w.start, max(1, w.tokens)) for w in queue]     # (offset, tokens to compute) of each prompt
     runs, finished, head = [], [], 0
     while head < len(left):
-        budget, tokens, pairs, chunks = chunk, 0, 0, 0
+        budget, tokens, pairs = chunk, 0, 0
         while budget and head < len(left):
             start, todo = left[head]
             taken = min(todo, budget)
             tokens, pairs, budget = tokens + taken, pairs + attention_pairs(start, taken), budget - taken
-            chunks += 1
             if taken == todo:
                 head += 1
                 finished.append(len(runs) + 1)
             else:
                 left[head] = (start + taken, todo - taken)
-        runs.append((1, decode.predict(threads, rows, tokens, context, pairs=pairs, chunks=chunks)))
+        runs.append((1, decode.predict(threads, rows, tokens, context, pairs=pairs)))
     return PrefillPlan(tuple(runs), tuple(finished), chunk)

@@ -19,8 +19,6 @@ from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
 
-SHORT_PROMPTS = 8            # the short prompts of one profile step: enough chunks that their own price (the step cost
-#                              model's per-chunk term) stands out of one step's noise, a quarter of a step's tokens
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
 
@@ -45,9 +43,8 @@ class UnitProfile:
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
     """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
     full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step,
-    the last quarter of a full step's prompt after the rest (a chunk's attention over its prompt's earlier
-    chunks) and a quarter of a step in SHORT_PROMPTS prompts (a chunk's own price): the points that separate the
-    cost model's coefficients. A full batch at the long context is predicted
+    and the last quarter of a full step's prompt after the rest (a chunk's attention over its prompt's earlier
+    chunks): the points that separate the cost model's coefficients. A full batch at the long context is predicted
     from them, not run: each step's message stays small (its rows' tokens travel to a worker process)."""
     rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
     shapes = []
@@ -60,8 +57,6 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
         shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]
         if tokens >= 4:
             shapes.append(StepShape("prefill", 1, tokens // 4, context=tokens - tokens // 4))
-        if tokens >= 4 * SHORT_PROMPTS:
-            shapes.append(StepShape("prefill", SHORT_PROMPTS, tokens // (4 * SHORT_PROMPTS)))
     return shapes
 
 
@@ -90,8 +85,7 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
                                  0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
                                  context=shape.num_seqs * shape.context if decoding else 0,
                                  pairs=0 if decoding else shape.num_seqs * attention_pairs(shape.context,
-                                                                                           shape.new_tokens),
-                                 chunks=0 if decoding else shape.num_seqs)
+                                                                                           shape.new_tokens))
             observed += 1
     return observed
 

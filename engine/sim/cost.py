@@ -71,22 +71,21 @@ class Roofline:
         return nbytes / self.hardware.link_bandwidth
 
 
-FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decode_rows", "decode_context", "prompt_path",
-            "prompt_chunks")
+FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decode_rows", "decode_context", "prompt_path")
 
 
 def features(s: StepShape) -> tuple[float, ...]:
     """The counts a fitted cost weighs; `prompt_path`: the step prefills a prompt chunk, a price per step of its
-    own, and `prompt_chunks` a price per chunk (as in the step cost model, engine.actors.step_cost)."""
+    own (as in the step cost model, engine.actors.step_cost)."""
     return (1.0, float(s.prefill_tokens), float(s.prefill_pairs), float(s.decode_rows), float(s.decode_context),
-            float(s.prompt_chunks > 0), float(s.prompt_chunks))
+            float(s.prompt_chunks > 0))
 
 
 @dataclass(frozen=True, slots=True)
 class FittedCost:
-    """Seconds = coefficients . `features` (1, prefill tokens and pairs, decode rows and context, the prompt path,
-    prompt chunks), one set per CPU thread count (or one, keyed 0, for a GPU unit), fitted to steps measured on
-    this machine; KV copies at the measured bytes per second."""
+    """Seconds = coefficients . (1, prefill tokens, prefill pairs, decode rows, decode context), one set per
+    CPU thread count (or one, keyed 0, for a GPU unit), fitted to steps measured on this machine; KV copies
+    at the measured bytes per second."""
 
     coefficients: Mapping[int, tuple[float, ...]]
     copy_bandwidth: float
