@@ -15,32 +15,20 @@ import random
 import statistics
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.coordinator.profile import run_shape
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.engine import measure_units, on_single_threaded_loader
-from pdserve.engine.model.resolve import resolve_model
-from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import core_share, load_units, make_plan
-from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
-from pdserve.engine.worker.step import StepInput, StepWork
+from pdserve.engine.sim.profile import served_setup
+from pdserve.engine.topology import core_share, load_units
+from pdserve.engine.worker.startup.warmup import StepShape
 
 PROBES = ((16, 128), (4, 128), (1, 128), (1, 256), (1, 2048))      # (prompts, tokens each) of a probe step
 REPEATS = 3
 
 
-async def _seconds(unit, shape: StepShape, threads: int | None, vocab: int, rng: random.Random) -> float:
-    step = synthetic_step(shape, vocab, unit.block_size, unit.num_blocks, rng)
-    outcome = await unit.submit(StepWork(step, threads=threads))
-    await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows)), threads=threads))
-    return outcome.seconds
-
-
 async def probe(config) -> list[tuple[str, int | None, int, int, float, float]]:
     """(unit, threads, prompts, tokens, measured s, predicted s) for every probe."""
-    model = resolve_model(config.model)
-    model_config = ModelConfig.from_dir(model.path)
-    eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
-    plan = make_plan(config, model_config)
+    _, model_config, eos, plan = served_setup(config)
     units = on_single_threaded_loader(load_units, config, model_config, plan, eos)
     try:
         measured = await measure_units(config, plan, units, model_config.vocab_size)
@@ -55,8 +43,8 @@ async def probe(config) -> list[tuple[str, int | None, int, int, float, float]]:
             for threads in counts or (None,):
                 for prompts, tokens in PROBES:
                     shape = StepShape("prefill", prompts, tokens)
-                    seconds = statistics.median([await _seconds(unit, shape, threads, model_config.vocab_size, rng)
-                                                 for _ in range(REPEATS)])
+                    runs = [await run_shape(unit, shape, threads, model_config.vocab_size, rng) for _ in range(REPEATS)]
+                    seconds = statistics.median(run.seconds for run in runs)
                     predicted = cost.predict(threads, 0, prompts * tokens, pairs=prompts * attention_pairs(0, tokens))
                     rows.append((name, threads, prompts, tokens, seconds, predicted))
         return rows

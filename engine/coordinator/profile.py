@@ -76,9 +76,9 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
     rng, observed = random.Random(seed), 0
     shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
     for threads in profile.thread_counts:
-        await _run(profile.unit, shapes[0], threads, vocab_size, rng)          # untimed: one-time costs
+        await run_shape(profile.unit, shapes[0], threads, vocab_size, rng)     # untimed: one-time costs
         for shape in shapes:
-            outcome = await _run(profile.unit, shape, threads, vocab_size, rng)
+            outcome = await run_shape(profile.unit, shape, threads, vocab_size, rng)
             profile.timed[shape, threads] = outcome.seconds
             decoding = shape.kind == "decode"
             profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
@@ -90,7 +90,7 @@ async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_l
     return observed
 
 
-async def _run(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
+async def run_shape(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
     """One synthetic step of `shape` on `unit`, its rows given back after; its StepOutcome."""
     step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng)
     outcome = await unit.submit(StepWork(step, threads=threads))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import on_single_threaded_loader
-from pdserve.engine.model.resolve import resolve_model
+from pdserve.engine.model.resolve import ResolvedModel, resolve_model
 from pdserve.engine.sim.cost import FittedCost, StepShape, fit, step_shape
 from pdserve.engine.sim.engine import Target
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import Units, load_units, make_plan, step_thread_counts, unit_cores
+from pdserve.engine.topology import Plan, Units, load_units, make_plan, step_thread_counts, unit_cores
 from pdserve.engine.worker.startup.warmup import StepShape as Synthetic
 from pdserve.engine.worker.startup.warmup import synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
@@ -34,10 +34,7 @@ def measured_target(config: EngineConfig, profile_json: str | None = None, overh
     if config.workers != "thread":
         raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
                          "steps the same model runner; its pipe adds a little per step)")
-    model = resolve_model(config.model)
-    model_config = ModelConfig.from_dir(model.path)
-    eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
-    plan = make_plan(config, model_config)
+    model, model_config, eos, plan = served_setup(config)
     shape = replace(ModelShape.from_model_config(model_config), eos_token_ids=tuple(sorted(eos)))
     path = Path(profile_json) if profile_json else None
     if path is not None and path.is_file():
@@ -57,6 +54,14 @@ def measured_target(config: EngineConfig, profile_json: str | None = None, overh
     costs = tuple(replace(FittedCost.from_json(unit["cost"]), overhead=overhead) for unit in data["units"])
     return Target(shape, costs, plan=plan, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
                   dtype_bytes=plan.dtype.itemsize)
+
+
+def served_setup(config: EngineConfig) -> tuple[ResolvedModel, ModelConfig, frozenset[int], Plan]:
+    """What `pdserve serve` would load for `config`: the model, its config, its end-of-sequence tokens, the plan."""
+    model = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model.path)
+    eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
+    return model, model_config, eos, make_plan(config, model_config)
 
 
 def setup(config: EngineConfig, model_dir: Path, plan) -> str:
