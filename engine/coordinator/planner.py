@@ -332,8 +332,8 @@ def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, in
     """(k, tokens) of the first k prompts of `queue` taken whole in a step of under `most` tokens (the rest
     left behind): the most such prompts, then each prefix of at most half the tokens of the last one kept. A
     candidate per prompt cost O(queue) each: 200 queued 16-token prompts took 28 ms a decision."""
-    ends = [(k, end) for k, end in enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)
-            if end < most]
+    ends = list(itertools.takewhile(lambda item: item[1] < most,
+                                    enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)))
     kept = []
     for k, end in reversed(ends):
         if not kept or end <= kept[-1][1] / 2:
