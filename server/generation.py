@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, suppress
-from dataclasses import replace
 
 import orjson
 from aiohttp import web
@@ -50,8 +49,7 @@ class Generation:
             for j in range(n):
                 index = p * n + j
                 self.choices.append(Choice(index, len(ids), echoes[p]))
-                choice_params = params if params.seed is None else replace(params, seed=params.seed + j)
-                requests.append(Request(request_id if single else f"{request_id}-{index}", ids, choice_params,
+                requests.append(Request(request_id if single else f"{request_id}-{index}", ids, params.for_choice(j),
                                         self.parsed.priority, cache_salt=self.parsed.cache_salt))
         return requests
 

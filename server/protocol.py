@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.server.config import RequestLimits
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.structured import OutputFormat, logit_bias, output_format
@@ -152,6 +152,8 @@ class _Fields:
         description, ok = _KINDS[kind]
         if not ok(value):
             raise bad_request(f"{name} must be {description}, got {type(value).__name__}", name)
+        if kind == "int" and not INT64_MIN <= value <= INT64_MAX:
+            raise bad_request(f"{name} must be a 64-bit integer (from -2**63 to 2**63 - 1), got {value}", name)
         return float(value) if kind == "number" else value
 
     def get_max_tokens(self, name: str) -> int | None:
@@ -207,8 +209,8 @@ def _sampling(f: _Fields, logprobs: int | None) -> dict[str, Any]:
         sampling["stop"] = _stop_strings(stop)
     stop_ids = f.get("stop_token_ids", "list")
     if stop_ids is not None:
-        if not all(_KINDS["int"][1](t) for t in stop_ids):
-            raise bad_request("stop_token_ids must be an array of integers", "stop_token_ids")
+        if not all(_KINDS["int"][1](t) and 0 <= t <= INT64_MAX for t in stop_ids):
+            raise bad_request("stop_token_ids must be an array of non-negative 64-bit integers", "stop_token_ids")
         sampling["stop_token_ids"] = tuple(stop_ids)
     sampling["logprobs"] = logprobs
     return sampling
@@ -242,7 +244,7 @@ def _message(message: Any, index: int) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
     role = message.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:
         raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
     content = _content(message.get("content"), f"{param}.content", role)
     name = message.get("name")

@@ -119,7 +119,7 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", "logit_bias")
     pairs = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdecimal()):
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 18):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {key}",

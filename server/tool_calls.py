@@ -68,8 +68,8 @@ def parse_tools(body: dict) -> Tools | None:
         raise bad_request("tool function names must be unique", "tools")
     if choice is None or choice in ("none", "auto", "required"):
         return Tools(checked, choice or "auto", None, parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        else None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
                           "{'type': 'function', 'function': {'name': ...}}", "tool_choice")

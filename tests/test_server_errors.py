@@ -57,6 +57,14 @@ CHAT_CASES = [
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"priority": 1.5}, "priority"),
     ({"user": 42}, "user"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": []}},
+     "tool_choice"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"priority": 2**64 - 1}, "priority"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"logit_bias": {"9" * 30: 1}}, "logit_bias"),
 ]
 
 COMPLETION_CASES = [

@@ -307,6 +307,7 @@ class Actor(abc.ABC):
                             batch.num_drafts)
         if outcome.mask_seconds:
             self.mask_seconds.append(outcome.mask_seconds)
+        self.end_faulted(step.batch, outcome.result.faults)
         self.cache_landed(step.batch)
         output = self.record(step.batch, outcome)
         self.steps += 1
@@ -356,6 +357,19 @@ class Actor(abc.ABC):
             self.speculator.observe_step(batch, seconds, threads)
 
     # bookkeeping shared by the actors
+    def end_faulted(self, batch: Batch, faults: tuple[tuple[int, str], ...]) -> None:
+        """End each sequence whose own data failed (its runner row's in this finished step, or its drafts'): its
+        request gets an error and its blocks go; the unit serves on."""
+        failed = self.speculator.take_faulty() if self.speculator is not None else []
+        if faults:
+            by_row = dict(faults)
+            failed += [(seq, by_row[seq.row]) for seq in batch.sequences() if seq.row in by_row]
+        for seq, why in failed:
+            if not seq.done:
+                logger.warning("%s: request %s failed alone: %s", self.unit_name, seq.request_id, why)
+                self.emit(StepOutput((seq.request_id,), (-1,), (FinishReason.ERROR,), error=f"request failed: {why}"))
+                self.drop(seq)
+
     def cache_landed(self, batch: Batch) -> None:
         """Register in the prefix cache the blocks this finished step filled (their KV now exists)."""
         if not self.blocks.enable_caching:

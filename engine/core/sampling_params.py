@@ -1,7 +1,12 @@
 """Per-request sampling parameters, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1       # a seed, a priority, a token id: what the runner's tables hold
+FLOAT32_MAX = 3.4028234663852886e38                      # the largest temperature the sampler's float32 holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,27 +44,49 @@ class SamplingParams:
     MAX_LOGIT_BIAS = 300
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens")
-        _check(self.temperature >= 0.0, "temperature", "must be non-negative")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
+               "must be an integer of at least 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be an integer between 0 and max_tokens")
+        _check(_is_float(self.temperature) and 0.0 <= self.temperature <= FLOAT32_MAX, "temperature",
+               f"must be a finite number between 0 and {FLOAT32_MAX:.4g}")
+        _check(_is_float(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX, "top_k", "must be -1, 0 (disabled) or positive")
+        _check(_is_float(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(_is_float(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               "must be in [-2, 2]")
+        _check(_is_float(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               "must be in [-2, 2]")
+        _check(_is_float(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+               "must be in (0, 10]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative integers")
-        _check(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
-               f"must be between 0 and {self.MAX_LOGPROBS}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+               "must be integers in [0, 2**63 - 1]")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
+               "logprobs", f"must be between 0 and {self.MAX_LOGPROBS}")
+        _check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+               "must be an integer in [-2**63, 2**63 - 1] (a 64-bit seed)")
         _check(len(self.logit_bias) <= self.MAX_LOGIT_BIAS, "logit_bias",
                f"must hold at most {self.MAX_LOGIT_BIAS} tokens")
-        _check(all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+        _check(all(_is_int(t) and 0 <= t <= INT64_MAX and _is_float(b) and -100.0 <= b <= 100.0
+                   for t, b in self.logit_bias),
                "logit_bias", "must map non-negative token ids to biases in [-100, 100]")
         _check(self.grammar is None or not (self.min_tokens or self.ignore_eos), "grammar",
                "must not be combined with min_tokens or ignore_eos (the grammar decides where the output ends)")
+
+    @classmethod
+    def unchecked(cls, **fields) -> "SamplingParams":
+        """Parameters checked elsewhere already (the other side of a wire), built without checking again."""
+        params = object.__new__(cls)
+        for name in cls.__slots__:
+            object.__setattr__(params, name, fields.get(name, getattr(_DEFAULTS, name)))
+        return params
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice `index` of n: its seed offset by `index`, wrapping within 64 bits."""
+        if self.seed is None or not index:
+            return self
+        return replace(self, seed=(self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN)
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +103,18 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_float(value) -> bool:
+    """A real number that is not NaN or infinite (an int counts)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+_DEFAULTS = SamplingParams()

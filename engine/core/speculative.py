@@ -198,6 +198,7 @@ class Speculator:
         self.gate = DraftGate(config.num_speculative_tokens, config.disable_by_batch_size)
         self.overall = Acceptance(decay=1.0)
         self.cache = SuffixCache(config.suffix_decoding_max_cached_requests) if config.method == "suffix" else None
+        self.faulty: list[tuple[Sequence, str]] = []
 
     def plan(self, seqs: list[Sequence], rooms: list[int], num_rows: int, prefill_tokens: int = 0
              ) -> list[int] | None:
@@ -229,6 +230,19 @@ class Speculator:
         return [self._lookup(seq, k) if k > 0 else () for seq, k in zip(seqs, lengths)]
 
     def _lookup(self, seq: Sequence, k: int) -> tuple[int, ...]:
+        """`seq`'s drafts from the prompt or the suffix cache; none, and the sequence marked faulty, if they fail."""
+        try:
+            return self._propose(seq, k)
+        except Exception as e:                  # NOTE: one row's drafts fail that row only
+            self.faulty.append((seq, f"{type(e).__name__}: {e}"))
+            return ()
+
+    def take_faulty(self) -> list[tuple[Sequence, str]]:
+        """The sequences whose drafts failed since the last call, and why (their actor ends them)."""
+        faulty, self.faulty = self.faulty, []
+        return faulty
+
+    def _propose(self, seq: Sequence, k: int) -> tuple[int, ...]:
         tokens, c = seq.spec.sync(seq), self.config
         if self.cache is None:
             return tuple(propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max))

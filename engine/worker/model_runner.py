@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pdserve import kernels
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.llama import CausalLM
@@ -22,7 +23,9 @@ from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inpu
 from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
 from pdserve.engine.worker.spec_verify import read_back_into as verified_into, verify_on_device, with_logprobs
-from pdserve.engine.worker.step import StepInput, StepResult
+from pdserve.engine.worker.step import NewRow, StepInput, StepResult
+
+FAULTED = SamplingParams(max_tokens=1, temperature=0.0)    # what a row whose own parameters failed samples with
 
 
 @contextlib.contextmanager
@@ -70,6 +73,7 @@ class ModelRunner:
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
         self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids)
         self.mask_seconds = 0.0          # host time of the newest step's token masks (0 without any)
+        self.faults: list[tuple[int, str]] = []     # rows of the step being launched whose own data failed
         self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
         self._unsettled: deque[PendingStep] = deque()   # launched, their host bookkeeping not done yet
         self.graphs = None
@@ -92,9 +96,10 @@ class ModelRunner:
             for earlier in self._unsettled:
                 earlier.result()
         self.settle()
+        self.faults = []
         self.apply(step)
         if not step.num_tokens:
-            return PendingStep(step)
+            return PendingStep(step, faults=tuple(self.faults))
         timer, readback, self.mask_seconds = StepTimer(self.device), ReadBack(self.device), 0.0
         sampled_rows = step.sampled_rows
         masks = self.constraints.start(sampled_rows)      # filled while the forward runs
@@ -104,7 +109,8 @@ class ModelRunner:
         verified = self._verify(logits[num_sampled:], step, readback) if step.verify else None
         timer.stop()
         readback.start()
-        pending = PendingStep(step, readback, timer, sampled, verified, self._joins(step, sampled_rows))
+        pending = PendingStep(step, readback, timer, sampled, verified, self._joins(step, sampled_rows),
+                              tuple(self.faults))
         self._unsettled.append(pending)
         return pending
 
@@ -138,7 +144,11 @@ class ModelRunner:
         sampled_rows = np.asarray(step.sampled_rows, dtype=np.int64)
         device_rows = buffers.dev["sampled_rows"][:len(sampled_rows)]
         batch = self.sampling.batch(sampled_rows, device_rows=device_rows)
-        constraints = masks.result().to(self.device) if masks is not None else None
+        constraints = None
+        if masks is not None:
+            built = masks.result()
+            self.faults += built.faults
+            constraints = built.to(self.device)
         output = self.sampler.sample(logits, batch, constraints)
         self.rows.remember_sampled(device_rows, output.tokens)
         self.sampling.record(sampled_rows, output.tokens)
@@ -163,9 +173,19 @@ class ModelRunner:
             self.constraints.free(row)
         self.rows.apply(step)
         for new in step.new_rows:
-            self.sampling.add(new.row, new.params, new.token_ids[:new.num_prompt_tokens],
-                              new.token_ids[new.num_prompt_tokens:])
-            self.constraints.add(new.row, new.params, new.token_ids[new.num_prompt_tokens:])
+            self._admit(new)
+
+    def _admit(self, new: NewRow) -> None:
+        """A new row's sampling parameters and constraints. A row whose own parameters fail here samples greedily
+        instead (the step keeps its shape) and is reported in the step's faults: it fails that request, not the unit."""
+        prompt, outputs = new.token_ids[:new.num_prompt_tokens], new.token_ids[new.num_prompt_tokens:]
+        try:
+            self.sampling.add(new.row, new.params, prompt, outputs)
+            self.constraints.add(new.row, new.params, outputs)
+        except Exception as e:                     # NOTE: whatever a row's parameters cause, it ends that row only
+            self.constraints.free(new.row)
+            self.sampling.add(new.row, FAULTED, (), ())
+            self.faults.append((new.row, f"{type(e).__name__}: {e}"))
 
     def prepare(self, step: StepInput) -> ForwardBatch:
         """The model's inputs for an applied `step` (eager buffers; every token's hidden state is computed)."""

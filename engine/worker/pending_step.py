@@ -47,8 +47,9 @@ class StepTimer:
 class PendingStep:
     def __init__(self, step: StepInput, readback: ReadBack | None = None, timer: StepTimer | None = None,
                  sampled: tuple[tuple[int, ...], SamplingBatch] | None = None,
-                 verified: tuple[tuple[int, ...], Verified] | None = None, joins: np.ndarray | None = None) -> None:
-        self.step, self.readback, self.timer = step, readback, timer
+                 verified: tuple[tuple[int, ...], Verified] | None = None, joins: np.ndarray | None = None,
+                 faults: tuple[tuple[int, str], ...] = ()) -> None:
+        self.step, self.readback, self.timer, self.faults = step, readback, timer, faults
         self.sampled, self.verified = sampled, verified
         self.joins = joins               # RowState.joins of the sampled, then the verifying rows, at launch
         self.seconds = 0.0
@@ -76,7 +77,7 @@ class PendingStep:
 
     def _read(self) -> StepResult:
         if self.readback is None:
-            return StepResult()
+            return StepResult(faults=self.faults)
         self.readback.wait()
         tokens, logprobs = (), None
         if self.sampled is not None:
@@ -87,4 +88,4 @@ class PendingStep:
             verified, verified_logprobs = read_verified(self.readback, slots, self.step.verify,
                                                         (output.logprob_rows, output.logprob_counts))
         self.seconds = self.timer.seconds()
-        return StepResult(tokens, logprobs, verified, verified_logprobs)
+        return StepResult(tokens, logprobs, verified, verified_logprobs, self.faults)

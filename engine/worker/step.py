@@ -99,3 +99,4 @@ class StepResult:
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     verified: tuple[tuple[int, ...], ...] = ()    # per StepInput.verify row: the accepted drafts, then one more
     verified_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] | None = None   # of each, where a row asked
+    faults: tuple[tuple[int, str], ...] = ()      # (row, why): rows whose own parameters failed; their tokens are void

@@ -124,9 +124,11 @@ def _verify_inputs(meta: np.ndarray, tokens: np.ndarray) -> tuple[VerifyInput, .
 
 
 def _params(fields: dict) -> SamplingParams:
+    """As the coordinator built them: checked there once, so a value a runner cannot hold fails its row there,
+    not the decoding of the whole step here."""
     fields["stop"], fields["stop_token_ids"] = tuple(fields["stop"]), tuple(fields["stop_token_ids"])
     fields["logit_bias"] = tuple((token, bias) for token, bias in fields["logit_bias"])
-    return SamplingParams(**fields)
+    return SamplingParams.unchecked(**fields)
 
 
 # worker -> coordinator
@@ -139,7 +141,8 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     verified_logprobs = None if result.verified_logprobs is None else [
         None if row is None else [[lp.token_id, lp.logprob, lp.top] for lp in row] for row in result.verified_logprobs]
     doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
-           "verified_logprobs": verified_logprobs, "mask_seconds": outcome.mask_seconds}
+           "verified_logprobs": verified_logprobs, "mask_seconds": outcome.mask_seconds,
+           "faults": [list(fault) for fault in result.faults]}
     verified = result.verified
     return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
@@ -154,7 +157,8 @@ def decode_outcome(data: bytes) -> StepOutcome:
     verified_logprobs = None if doc["verified_logprobs"] is None else tuple(
         None if row is None else tuple(TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in row)
         for row in doc["verified_logprobs"])
-    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs), copies,
+    faults = tuple((row, why) for row, why in doc["faults"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs, faults), copies,
                        doc["seconds"], doc["threads"], doc["mask_seconds"])
 
 

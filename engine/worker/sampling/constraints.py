@@ -38,6 +38,7 @@ class StepConstraints:
     mask_seconds: float                 # host time spent building matchers and filling the masks
     vocab_size: int
     disallowed: torch.Tensor | None = None  # [G, V] bool, True where a token is masked out: `to` unpacks it
+    faults: tuple[tuple[int, str], ...] = ()   # (row, why): rows whose grammar could not be built (unconstrained)
 
     def to(self, device: torch.device) -> "StepConstraints":
         """On `device`, the bitmask unpacked there: numpy's bit unpacking on the host, torch shifts on an
@@ -119,7 +120,7 @@ class RowConstraints:
 
     def constraints(self, rows: list[int]) -> StepConstraints:
         started = time.perf_counter()
-        self._build_pending()
+        faults = self._build_pending()
         grammar_rows = [i for i, r in enumerate(rows) if r in self.matchers]
         bitmask = self._fill(rows, grammar_rows) if grammar_rows else None
         every_row = len(grammar_rows) == len(rows)
@@ -129,7 +130,7 @@ class RowConstraints:
             bitmask=bitmask,
             bias_index=torch.tensor([(i, t) for i, t, _ in pairs], dtype=torch.long).T.contiguous() if pairs else None,
             bias_values=torch.tensor([b for _, _, b in pairs], dtype=torch.float32) if pairs else None,
-            mask_seconds=time.perf_counter() - started, vocab_size=self.vocab_size)
+            mask_seconds=time.perf_counter() - started, vocab_size=self.vocab_size, faults=faults)
 
     def advance(self, rows: Sequence[int], tokens: Sequence[int]) -> None:
         """Feed each grammar row the token just sampled for it."""
@@ -140,15 +141,21 @@ class RowConstraints:
             if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token):
                 logger.warning("row %d: token %d breaks its grammar: %s", row, token, matcher.get_error())
 
-    def _build_pending(self) -> None:
+    def _build_pending(self) -> tuple[tuple[int, str], ...]:
+        """Matchers for the rows added since the last step; the rows whose grammar fails to build, and why."""
         if not self.pending:
-            return
+            return ()
         if self._cache is None:
             tokenizer = grammar_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
             self._cache, self._executor = GrammarCache(tokenizer), LLExecutor()
+        faults = []
         for row, (grammar, outputs) in self.pending.items():
-            self.matchers[row] = self._cache.matcher(grammar, outputs)
+            try:
+                self.matchers[row] = self._cache.matcher(grammar, outputs)
+            except Exception as e:             # NOTE: one row's grammar fails that row only
+                faults.append((row, f"{type(e).__name__}: {e}"))
         self.pending.clear()
+        return tuple(faults)
 
     def _fill(self, rows: list[int], grammar_rows: list[int]) -> torch.Tensor:
         """The bitmask [G, W] of the grammar rows (numpy on this helper thread: a torch op here would start a

@@ -30,6 +30,7 @@ _INTS = ("greedy", "top_k", "seed")
 # bits of a row's "kind": what its sampling needs
 RANDOM, PENALISED, LOGPROBS, TOP_K, TOP_P, MIN_P, SEEDED, UNSEEDED, MIN_TOKENS = (1 << i for i in range(9))
 _NOT_PLAIN = RANDOM | PENALISED | LOGPROBS
+MIN_TEMPERATURE = 1e-2      # vLLM's floor: logits divided by less can overflow float32 and the softmax gives NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ class SamplingTable:
         self._ensure(row + 1)
         a, vocab = self.arrays, self.vocab_size
         greedy = params.greedy
-        values = {"greedy": greedy, "temperature": 1.0 if greedy else params.temperature,
+        values = {"greedy": greedy, "temperature": 1.0 if greedy else max(params.temperature, MIN_TEMPERATURE),
                   "top_k": params.top_k if not greedy and 0 < params.top_k < vocab else vocab,
                   "top_p": 1.0 if greedy else params.top_p, "min_p": 0.0 if greedy else params.min_p,
                   "seed": params.seed or 0, "seeded": params.seed is not None and not greedy,
