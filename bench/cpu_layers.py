@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import DTYPES, ModelConfig
-from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.units.layout import resolve_model_dir
 from pdserve.engine.worker.model_runner import load_model
 from pdserve.kernels.activation import silu_and_mul_ref
 from pdserve.kernels.native_linear import linear_native

@@ -49,7 +49,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run(model: str, device: str, max_tokens: int, seed: int) -> dict:
     from pdserve.engine.model.config import ModelConfig
-    from pdserve.engine.topology import resolve_model_dir
+    from pdserve.engine.units.layout import resolve_model_dir
 
     inputs = prompts(seed, ModelConfig.from_dir(resolve_model_dir(model)).vocab_size)
     reference, _ = greedy_tokens(model, "colocated", "cpu", inputs, max_tokens)

@@ -19,7 +19,7 @@ def _child(model: str, dtype: str, kv: str, mode: str) -> None:
 
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.engine.topology import resolve_model_dir
+    from pdserve.engine.units.layout import resolve_model_dir
 
     model_dir = resolve_model_dir(model)               # generated before measuring, if needed
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -29,7 +29,7 @@ from pdserve.bench.documents import machine_description, write_json
 from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.llama_cpp import find_llama_server
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.units.layout import resolve_model_dir
 from pdserve.kernels.timing import best_seconds
 
 RESULT_PREFIX = "offline-throughput-result: "

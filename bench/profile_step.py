@@ -20,7 +20,7 @@ from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.topology import resolve_model_dir
+from pdserve.engine.units.layout import resolve_model_dir
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.step import StepInput

@@ -19,7 +19,7 @@ from pdserve.engine.coordinator.profile import run_shape
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.engine import measure_units, on_single_threaded_loader
 from pdserve.engine.sim.profile import served_setup
-from pdserve.engine.topology import core_share, load_units
+from pdserve.engine.units.layout import core_share, load_units
 from pdserve.engine.worker.startup.warmup import StepShape
 
 PROBES = ((16, 128), (4, 128), (1, 128), (1, 256), (1, 2048))      # (prompts, tokens each) of a probe step

@@ -26,7 +26,7 @@ def _child(model: str, dtype: str, kv: str, layout: str) -> None:
     from pdserve.engine.core.messages import Request
     from pdserve.engine.core.sampling_params import SamplingParams
     from pdserve.engine.engine import Engine
-    from pdserve.engine.topology import resolve_model_dir
+    from pdserve.engine.units.layout import resolve_model_dir
 
     model_dir = resolve_model_dir(model)               # generated before measuring, if needed
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

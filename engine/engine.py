@@ -26,14 +26,14 @@ from pdserve.engine.core.messages import (
     TokenEvent,
     TokenLogprob,
 )
-from pdserve.engine.draft_units import check_draft_model, with_draft_models
+from pdserve.engine.units.drafts import check_draft_model, with_draft_models
 from pdserve.engine.model.resolve import resolve_model
-from pdserve.engine.process_units import load_process_units
+from pdserve.engine.units.processes import load_process_units
 from pdserve.engine.supervisor import Supervisor
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
+from pdserve.engine.units.layout import core_share, load_units, make_plan, unit_names, wire_actor, wire_actors
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 
 logger = logging.getLogger(__name__)

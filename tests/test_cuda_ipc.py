@@ -61,7 +61,7 @@ def test_the_wiring_shares_cpu_pools_as_memfd_and_gpu_pools_as_cuda_ipc(monkeypa
 
 def test_process_units_hand_cuda_ipc_handles_to_gpu_workers_and_memfds_to_cpu_workers(monkeypatch):
     from pdserve.engine import process_units
-    from pdserve.engine.topology import Plan
+    from pdserve.engine.units.layout import Plan
 
     handed = []
 

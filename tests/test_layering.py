@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RANKS = {"pdserve.kernels": 0, "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
          "pdserve.engine.core": 2, "pdserve.engine.worker.sampling": 3, "pdserve.engine.worker": 4,
          "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6, "pdserve.engine.actors": 7,
-         "pdserve.engine.coordinator": 8, "pdserve.engine": 9}
+         "pdserve.engine.modes": 7.5, "pdserve.engine.coordinator": 8, "pdserve.engine": 9}
 
 
 def module_name(path: Path) -> str:

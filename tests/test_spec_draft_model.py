@@ -24,7 +24,7 @@ from pdserve.engine.core.speculative import SpeculativeConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.demo import DemoSize, make_weights, model_config
-from pdserve.engine.draft_units import check_draft_model
+from pdserve.engine.units.drafts import check_draft_model
 from pdserve.engine.worker.draft_model import DraftModelProposer, load_draft_model
 from pdserve.server.cli import add_serve_arguments, server_config_from_args
 from tests.models import _ROOT, demo_checkpoint, engine_config

@@ -124,8 +124,8 @@ def test_a_worker_that_cannot_start_fails_the_engine_with_its_reason(tmp_path):
 
 def test_process_workers_refuse_cuda_without_cuda_with_a_reason(monkeypatch):
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.process_units import load_process_units
-    from pdserve.engine.topology import Plan
+    from pdserve.engine.units.processes import load_process_units
+    from pdserve.engine.units.layout import Plan
 
     from pdserve.engine.transfer.cuda_ipc import CudaIpcUnavailable
 

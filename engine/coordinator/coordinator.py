@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, LendingPrefillActor
+from pdserve.engine.modes.adaptive.actors import AdaptiveDecodeActor, LendingPrefillActor
 from pdserve.engine.actors.base import Actor
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.admission import cached_prefix, uncached_tokens

@@ -16,8 +16,8 @@ from dataclasses import replace
 import ray
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.process_units import started, worker_pools, worker_spec
-from pdserve.engine.topology import Plan, Units, unit_names
+from pdserve.engine.units.processes import started, worker_pools, worker_spec
+from pdserve.engine.units.layout import Plan, Units, unit_names
 from pdserve.engine.worker.processes.shared_pool import PoolSpec
 from pdserve.engine.ray.compute import START_TIMEOUT_S, RayCompute, first_line
 from pdserve.engine.ray.shared import PoolAddress

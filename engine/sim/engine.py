@@ -1,5 +1,5 @@
 """The simulated engine: a Plan and simulated units for a named accelerator (or the measured units of this
-machine), wired into the engine's own actors and coordinator (`pdserve.engine.topology.wire_actors`)."""
+machine), wired into the engine's own actors and coordinator (`pdserve.engine.units.layout.wire_actors`)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from pdserve.engine.engine import measure_units
 from pdserve.engine.sim.hardware import Hardware
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.sim.units import SimCompute, Timeline, UnitModel
-from pdserve.engine.topology import MODES, Plan, Units, parse_devices, unit_names, wire_actors
+from pdserve.engine.units.layout import MODES, Plan, Units, parse_devices, unit_names, wire_actors
 from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, parse_memory
 
 SIM_DTYPE = "bfloat16"          # what a named accelerator serves in (its dense bf16 figure is the one tabled)

@@ -18,7 +18,7 @@ from pdserve.engine.sim.cost import FittedCost, StepShape, fit, step_shape
 from pdserve.engine.sim.engine import Target
 from pdserve.engine.sim.shapes import ModelShape
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.topology import Plan, Units, load_units, make_plan, step_thread_counts, unit_cores
+from pdserve.engine.units.layout import Plan, Units, load_units, make_plan, step_thread_counts, unit_cores
 from pdserve.engine.worker.startup.warmup import StepShape as Synthetic
 from pdserve.engine.worker.startup.warmup import synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork

@@ -1,6 +1,6 @@
 """Defaults chosen from the machine it runs on: the devices and the dtype, each with its reason.
 
-One home for these decisions; `pdserve.engine.topology.make_plan` asks here whenever an option is not given.
+One home for these decisions; `pdserve.engine.units.layout.make_plan` asks here whenever an option is not given.
 
 - Devices: CUDA when a GPU is visible (two or more: prefill on cuda:0, decode on cuda:1; one: both on
   cuda:0), else the CPU.

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
-from pdserve.engine.topology import Plan, Units
+from pdserve.engine.units.layout import Plan, Units
 from pdserve.engine.worker.compute import ThreadCompute
 from pdserve.engine.worker.draft_model import draft_config, draft_proposers
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pdserve import kernels
-from pdserve.engine.actors.adaptive import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
+from pdserve.engine.modes.adaptive.actors import AdaptiveDecodeActor, CoreShare, LendingPrefillActor
 from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.actors.colocated import ColocatedActor
 from pdserve.engine.actors.decode import DecodeActor

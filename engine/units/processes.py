@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
-from pdserve.engine.topology import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, step_thread_counts, unit_cores, unit_names
+from pdserve.engine.units.layout import PREFILL_SHARE_OF_SHARED_DEVICE, Plan, Units, step_thread_counts, unit_cores, unit_names
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
 from pdserve.engine.worker.processes.process import ProcessCompute, SpawnTracker

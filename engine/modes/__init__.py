@@ -1,0 +1,1 @@
+"""One object per serving mode: colocated, disaggregated, adaptive."""

@@ -1,0 +1,1 @@
+"""The adaptive mode: its actors, placement, step budgets and core lending."""
