@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import DTYPES, ModelConfig
-from pdserve.engine.units.layout import resolve_model_dir
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.worker.model_runner import load_model
 from pdserve.kernels.activation import silu_and_mul_ref
 from pdserve.kernels.native_linear import linear_native
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))  # NOTE: a cold compile
-    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    config = ModelConfig.from_dir(resolve_model(args.model).path)
     model = load_model(config, DTYPES[args.dtype], torch.device("cpu"), 4096)
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if name.startswith("layers.") and p.dim() == 2)

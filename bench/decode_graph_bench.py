@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.units.layout import resolve_model_dir
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.step import StepInput
 
@@ -36,7 +36,7 @@ def decode_step(num_seqs: int, context: int, blocks: BlockManager) -> StepInput:
                        num_computed_tokens=context + 1)
         seq.block_table = blocks.grow(seq.request_id, context + 1)
         seqs.append(seq)
-    return StepPlanner().step_input(Batch.of(tuple(seqs)))
+    return RunnerRows().step_input(Batch.of(tuple(seqs)))
 
 
 def time_forward(runner: ModelRunner, step: StepInput, iters: int) -> float:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
 
 def measure(args: argparse.Namespace, device: torch.device, sizes: list[int]) -> list[dict]:
-    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    config = ModelConfig.from_dir(resolve_model(args.model).path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(config, dtype, device, args.context + 16)
     per_seq = -(-(args.context + 1) // 16)

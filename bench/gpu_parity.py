@@ -49,9 +49,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run(model: str, device: str, max_tokens: int, seed: int) -> dict:
     from pdserve.engine.model.config import ModelConfig
-    from pdserve.engine.units.layout import resolve_model_dir
+    from pdserve.engine.model.resolve import resolve_model
 
-    inputs = prompts(seed, ModelConfig.from_dir(resolve_model_dir(model)).vocab_size)
+    inputs = prompts(seed, ModelConfig.from_dir(resolve_model(model).path).vocab_size)
     reference, _ = greedy_tokens(model, "colocated", "cpu", inputs, max_tokens)
     rows = []
     for mode in MODES:

@@ -19,9 +19,9 @@ def _child(model: str, dtype: str, kv: str, mode: str) -> None:
 
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.engine.units.layout import resolve_model_dir
+    from pdserve.engine.model.resolve import resolve_model
 
-    model_dir = resolve_model_dir(model)               # generated before measuring, if needed
+    model_dir = resolve_model(model).path               # generated before measuring, if needed
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, mode=mode,
                                  cache=CacheConfig(kv_cache_memory=kv)))

@@ -29,7 +29,7 @@ from pdserve.bench.documents import machine_description, write_json
 from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.llama_cpp import find_llama_server
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.units.layout import resolve_model_dir
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.kernels.timing import best_seconds
 
 RESULT_PREFIX = "offline-throughput-result: "
@@ -83,7 +83,7 @@ def bench_pdserve(args, prompts, long_prompt) -> dict:
         result = measure(lambda p, n: llm.generate(p, replace(params, max_tokens=n)), args, prompts, long_prompt)
     finally:
         llm.close()
-    return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.plan.dtype), **result,
+    return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.layout.dtype), **result,
             **_step_split(decode_actor)}
 
 
@@ -99,7 +99,7 @@ def bench_transformers(args, prompts, long_prompt) -> dict:
     import transformers
 
     dtype = getattr(torch, args.dtype or "bfloat16")
-    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=dtype).eval()
 
     def generate(batch, new_tokens):
         with torch.inference_mode():
@@ -137,7 +137,7 @@ def weight_bytes(args, element: int) -> int:
         import gguf
 
         return sum(int(t.n_bytes) for t in gguf.GGUFReader(args.model).tensors)
-    return parameter_count(resolve_model_dir(args.model)) * element
+    return parameter_count(resolve_model(args.model).path) * element
 
 
 def bytes_per_step(args, config: ModelConfig, batch: int) -> float:
@@ -149,7 +149,7 @@ def bytes_per_step(args, config: ModelConfig, batch: int) -> float:
 
 
 def report(args, results: list[dict], bandwidth: dict) -> None:
-    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    config = ModelConfig.from_dir(resolve_model(args.model).path)
     ceiling = bandwidth["read_gb_s"]
     print(f"memory bandwidth ({bandwidth['threads']} threads): read {ceiling:.1f} GB/s, "
           f"copy {bandwidth['copy_gb_s']:.1f} GB/s, triad {bandwidth['triad_gb_s']:.1f} GB/s")
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
 def _run_one(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")     # NOTE: to stderr, read by main
     torch.manual_seed(args.seed)
-    vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+    vocab = ModelConfig.from_dir(resolve_model(args.model).path).vocab_size
     prompts = seeded_prompts(max(args.batches), args.input_len, vocab, args.seed)
     long_prompt = seeded_prompts(1, args.prefill_len, vocab, args.seed + 1)[0] if args.prefill_len else None
     bench = {"pdserve": bench_pdserve, "transformers": bench_transformers, "llama.cpp": bench_llama_cpp}[args.engine]

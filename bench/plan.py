@@ -24,7 +24,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.sim.clock import SimulationStalled
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
-from pdserve.engine.sim.engine import Target
+from pdserve.engine.sim.target import Target
 from pdserve.engine.sim.hardware import HARDWARE
 from pdserve.engine.sim.shapes import NAMED_SHAPES
 

@@ -13,14 +13,14 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.config import DTYPES, ModelConfig
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
-from pdserve.engine.units.layout import resolve_model_dir
+from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.worker.memory import keep_freed_memory_in_process
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.step import StepInput
@@ -37,8 +37,8 @@ def make_step(phase: str, batch: int, context: int, blocks: BlockManager) -> Ste
         seq.block_table = blocks.grow(seq.request_id, context + 1)
         seqs.append(seq)
     if phase == "decode":
-        return StepPlanner().step_input(Batch(decode=tuple(seqs)))
-    return StepPlanner().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, context, True) for s in seqs)))
+        return RunnerRows().step_input(Batch(decode=tuple(seqs)))
+    return RunnerRows().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, context, True) for s in seqs)))
 
 
 def main(argv=None) -> int:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory_in_process()
-    config = ModelConfig.from_dir(resolve_model_dir(args.model))
+    config = ModelConfig.from_dir(resolve_model(args.model).path)
     num_blocks = args.batch * (-(-(args.context + 1) // 16))
     runner = ModelRunner(load_model(config, DTYPES[args.dtype], torch.device("cpu"), args.context + 16),
                          num_blocks, 16, frozenset())

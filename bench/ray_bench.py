@@ -73,7 +73,7 @@ def engine_config(args, backend: str) -> EngineConfig:
 def time_steps(engine: Engine) -> dict[str, list[float]]:
     """Each unit's per-step overhead in seconds (submit to outcome, less the worker's own compute)."""
     overheads: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for role, unit in (("prefill", engine.units.prefill), ("decode", engine.units.decode)):
+    for role, unit in (("prefill", engine.units.prefills[0]), ("decode", engine.units.decoding[0])):
         submit = unit.submit
 
         def timed(work, submit=submit, out=overheads[role]):
@@ -118,7 +118,7 @@ def quantile(values: list[float], q: float) -> float:
 
 def kv_bytes_per_second(engine: Engine, iters: int) -> dict:
     """Runs of RUN_BLOCKS blocks from the prefill actor's pool into the decode actor's, as a hand-off goes."""
-    prefill, decode = engine.units.prefill, engine.units.decode
+    prefill, decode = engine.units.prefills[0], engine.units.decoding[0]
     n = min(prefill.num_blocks, decode.num_blocks, RUN_BLOCKS)
     src, dst = list(range(n)), list(range(n))
     transport = prefill.transport
@@ -201,7 +201,7 @@ def run(args) -> dict:
             results[backend] = {"serving": asyncio.run(serve(engine, args)), "step_round_trip": summary(overheads)}
             if backend == "ray":
                 results["ray"]["kv"] = kv_bytes_per_second(engine, args.kv_iters)
-                results["ray"]["shared_pool"] = bool(engine.units.prefill.shared_peers)
+                results["ray"]["shared_pool"] = bool(engine.units.prefills[0].shared_peers)
             engine.close()
         return results
     finally:

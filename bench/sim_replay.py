@@ -16,7 +16,7 @@ from pdserve.bench.server_metrics import HITS, QUERIES, prefix_cache_delta
 from pdserve.bench.workloads import SampleRequest, arrival_offsets, build_workload, warmup_spec
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.engine.sim.engine import SimEngine
+from pdserve.engine.engine import Engine
 
 ANSWER = "\x00answer"      # the word an answer is made of: it tokenizes to the token the simulated units emit
 
@@ -87,7 +87,7 @@ class WordIds:
         return self.text(" ".join(f"\x00{role}{i}" for i in range(count)))[:count] if count else []
 
 
-async def send(engine: SimEngine, ids: WordIds, sample: SampleRequest, index: int, origin: float,
+async def send(engine: Engine, ids: WordIds, sample: SampleRequest, index: int, origin: float,
                prefix: str = "req") -> tuple[RequestRecord, str]:
     """One request through the engine, recorded as `pdserve bench` records a stream; and its answer text."""
     loop = asyncio.get_running_loop()
@@ -98,14 +98,14 @@ async def send(engine: SimEngine, ids: WordIds, sample: SampleRequest, index: in
     base = dict(index=index, kind=sample.kind, prompt_len=sample.prompt_len, max_tokens=sample.output_len,
                 send_time=sent - origin, conversation=sample.conversation, turn=sample.turn)
     try:
-        queue = engine.submit(Request(f"{prefix}-{index}", prompt, params))
+        stream = engine.submit(Request(f"{prefix}-{index}", prompt, params))
     except ValueError as error:
         return RequestRecord(**base, success=False, error=f"HTTP 400: {error}"), ""
     times, cached, reason, error = [], 0, None, None
-    while reason is None:
-        event = await queue.get()
-        times.append(event.at)
-        cached = cached or event.cached_tokens
+    async for event in stream:
+        if event.token_ids:
+            times.append(loop.time())
+        cached = cached or event.num_cached_tokens
         reason, error = event.finish_reason, event.error
     if reason is FinishReason.ERROR:
         return RequestRecord(**base, success=False, error=f"engine error: {error}"), ""
@@ -116,16 +116,16 @@ async def send(engine: SimEngine, ids: WordIds, sample: SampleRequest, index: in
     return record, " ".join([ANSWER] * len(times))
 
 
-def prefix_counters(engine: SimEngine) -> dict:
+def prefix_counters(engine: Engine) -> dict:
     """The prefix-cache counters /metrics would show now, keyed as bench.server_metrics parses them."""
     counters: dict = {}
-    for stats in engine.stats():
+    for stats in engine.stats().actors:
         for name, value in ((QUERIES, stats.prefix_cache_queries), (HITS, stats.prefix_cache_hits)):
             counters[(name, stats.name)] = counters.get((name, stats.name), 0.0) + float(value)
     return counters
 
 
-async def replay(engine: SimEngine, ids: WordIds, options: Options) -> BenchResult:
+async def replay(engine: Engine, ids: WordIds, options: Options) -> BenchResult:
     """Warm up, then run `options`' workload on its traffic, as `pdserve.bench.loadtest.run_workload` does."""
     loop = asyncio.get_running_loop()
     workload, traffic = options.workload, options.traffic
@@ -147,13 +147,13 @@ async def replay(engine: SimEngine, ids: WordIds, options: Options) -> BenchResu
                        prefix_cache_delta(before, prefix_counters(engine)), origin, None)
 
 
-def _requests(engine: SimEngine, ids: WordIds, options: Options, origin: float) -> Iterable:
+def _requests(engine: Engine, ids: WordIds, options: Options, origin: float) -> Iterable:
     samples = build_workload(options.workload)
     for index, sample in zip(range(options.traffic.num_prompts), samples):
         yield lambda index=index, sample=sample: send(engine, ids, sample, index, origin)
 
 
-def _conversations(engine: SimEngine, ids: WordIds, options: Options, origin: float) -> Iterable:
+def _conversations(engine: Engine, ids: WordIds, options: Options, origin: float) -> Iterable:
     spec = options.workload
 
     async def turn(sample: SampleRequest, index: int):

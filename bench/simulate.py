@@ -26,9 +26,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import DEFAULT_STEP_OVERHEAD_S, Roofline
-from pdserve.engine.sim.engine import SimEngine, Target
+from pdserve.engine.engine import Engine
+from pdserve.engine.sim.target import Target, simulated_engine
 from pdserve.engine.sim.hardware import HARDWARE, HARDWARE_CHOICES, MEASURED
-from pdserve.engine.sim.shapes import NAMED_SHAPES, ModelShape
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.sim.shapes import NAMED_SHAPES
 
 
 def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +68,7 @@ class Simulation:
 
     result: object
     summary: dict
-    engine: SimEngine
+    engine: Engine
 
 
 def target_from_args(args: argparse.Namespace, config: EngineConfig) -> Target:
@@ -87,12 +89,10 @@ def target_from_args(args: argparse.Namespace, config: EngineConfig) -> Target:
     return Target(shape, Roofline(shape, hardware, overhead=overhead_ms / 1e3), hardware)
 
 
-def model_shape(name: str | None, model: str | None) -> ModelShape:
+def model_shape(name: str | None, model: str | None) -> ModelConfig:
     if name:
         return NAMED_SHAPES[name]
-    from pdserve.engine.config import ModelConfig
-
-    return ModelShape.from_model_config(ModelConfig.from_dir(resolve_model(model).path))
+    return ModelConfig.from_dir(resolve_model(model).path)
 
 
 def simulate(config: EngineConfig, target: Target, options: loadtest.Options, tokens_per_word: float,
@@ -100,9 +100,10 @@ def simulate(config: EngineConfig, target: Target, options: loadtest.Options, to
     """Run `options`' workload through a SimEngine for `target` on a virtual clock (`chat`: the tokens the
     model's chat template adds to a chat request)."""
     async def main() -> Simulation:
-        engine = SimEngine(config, target)
-        answer = engine.units.decode.model.token_id
-        ids = WordIds(engine.vocab_size, answer, tokens_per_word, frozenset(target.shape.eos_token_ids), chat)
+        engine = simulated_engine(config, target)
+        answer = engine.units.decoding[0].model.token_id
+        ids = WordIds(engine.model_config.vocab_size, answer, tokens_per_word, frozenset(target.shape.eos_token_ids),
+                      chat)
         await engine.start()
         try:
             result = await replay(engine, ids, options)
@@ -113,10 +114,10 @@ def simulate(config: EngineConfig, target: Target, options: loadtest.Options, to
     return run_virtual(main())
 
 
-def units_line(engine: SimEngine) -> str:
+def units_line(engine: Engine) -> str:
     """What each simulated unit did: steps, the share of the simulated time (warm-ups included) it was busy,
     what the coordinator sent it, and the real host time its actor spent per step."""
-    parts, units = [], (*engine.units.prefills, *engine.units.decodes)
+    parts, units = [], engine.units.computes
     span = max((start + seconds for unit in units for start, seconds in unit.steps), default=0.0)
     for actor, unit in zip(engine.coordinator.actors, units):
         stats = actor.stats()
@@ -131,7 +132,7 @@ def units_line(engine: SimEngine) -> str:
             "machine's CPU and left off the virtual clock): " + "; ".join(parts))
 
 
-def _label(args: argparse.Namespace, target: Target, engine: SimEngine) -> str:
+def _label(args: argparse.Namespace, target: Target, engine: Engine) -> str:
     where = target.hardware.name if target.hardware else "measured"
     return args.label or f"{target.shape.name} on {where}, {engine.mode} (simulated)"
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.engine.modes import MODES
 from pdserve.engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.model.quant import SCHEMES
 from pdserve.engine.worker.startup.cpu_kernels import CPU_KERNELS
@@ -19,7 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype (default: chosen from the machine: bfloat16 on sm_80+ GPUs "
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
-    g.add_argument("--mode", choices=("adaptive", "disaggregated", "colocated"), default=None,
+    g.add_argument("--mode", choices=tuple(MODES), default=None,
                    help="adaptive (default): an SLO planner prefills each prompt on the decode unit (in chunks "
                         "sized to --itl-slo-ms) or the prefill unit, whichever its step costs predict misses "
                         "fewer SLOs, and an idle side lends its CPU cores to the other. "

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from pdserve.engine.core.context_window import ContextLengthExceeded, check_context
 from pdserve.engine.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.server.config import RequestLimits
 from pdserve.server.errors import APIError, bad_request
@@ -67,17 +68,12 @@ class ParsedRequest:
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """SamplingParams for a prompt of `prompt_len` tokens; APIError(400) when it cannot fit."""
+        try:
+            check_context(prompt_len, self.max_tokens, max_model_len, self.prompt_param, self.max_tokens_param)
+        except ContextLengthExceeded as e:
+            raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
         room = max_model_len - prompt_len
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
-                                f"your {self.prompt_param} resulted in {prompt_len} tokens.",
-                           param=self.prompt_param, code="context_length_exceeded")
         max_tokens = min(room, self.max_tokens_cap) if self.max_tokens is None else self.max_tokens
-        if max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-                                f"{self.prompt_param}, {max_tokens} in the completion).",
-                           param=self.max_tokens_param, code="context_length_exceeded")
         return SamplingParams(max_tokens=max_tokens, **self.sampling)
 
 

@@ -130,7 +130,7 @@ async def health(request: web.Request) -> web.Response:
         raise APIError(503, f"the engine is {reason}", retry_after=state.config.retry_after)
     units = engine.units_up()                  # a unit down (restarting, or retired: why) makes it degraded
     status = "ok" if all(unit["up"] for unit in units) else "degraded"
-    return _json({"status": status, "mode": engine.mode, "units": units})
+    return _json({"status": status, "mode": engine.mode.name, "units": units})
 
 
 async def metrics(request: web.Request) -> web.Response:

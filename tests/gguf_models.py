@@ -168,7 +168,7 @@ def _gguf_layout(hf_name: str, w: np.ndarray, c) -> np.ndarray:
 
 def model_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Every position's float32 logits from pdserve's model, each prompt prefilled in one step."""
-    from pdserve.engine.actors.planner import StepPlanner
+    from pdserve.engine.actors.runner_rows import RunnerRows
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.core.batch import Batch, ScheduledChunk
     from pdserve.engine.core.block_manager import BlockManager
@@ -183,7 +183,7 @@ def model_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
         seq.block_table = manager.grow(seq.request_id, seq.num_tokens)
-    step = StepPlanner().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, s.num_tokens, False) for s in seqs)))
+    step = RunnerRows().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, s.num_tokens, False) for s in seqs)))
     runner.apply(step)
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.model(runner.prepare(step), runner.kv_pool))

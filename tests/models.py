@@ -7,8 +7,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model.demo import make_model
+from pdserve.engine.modes import MODES
+from pdserve.engine.units.layout import make_layout
+from pdserve.engine.units.spec import Layout, parse_devices
 from tests.hf_models import make_hf_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="pdserve-tests-"))
@@ -44,3 +49,9 @@ def engine_config(model: Path, **overrides) -> EngineConfig:
     cache = replace(CacheConfig(kv_cache_memory="64MiB"),
                     **{k: overrides.pop(k) for k in list(overrides) if k in cache_keys})
     return EngineConfig(model=str(model), dtype="float32", scheduler=scheduler, cache=cache, **overrides)
+
+
+def layout_of(config: EngineConfig, model_config, mode: str, prefill: str, decode: str,
+              dtype: torch.dtype = torch.float32) -> Layout:
+    """The layout `mode` gives `config` on these devices (comma-separated lists), without CPU cores."""
+    return make_layout(config, model_config, MODES[mode](), parse_devices(prefill), parse_devices(decode), dtype, ())

@@ -10,8 +10,9 @@ import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.coordinator.coordinator import Route
-from pdserve.engine.coordinator.planner import Planner, Stream
-from pdserve.engine.coordinator.prefill_plans import Waiting
+from pdserve.engine.modes.adaptive.decisions import Stream
+from pdserve.engine.modes.adaptive.planner import Planner
+from pdserve.engine.modes.adaptive.prefill_plans import Waiting
 from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.messages import Request
@@ -56,7 +57,7 @@ def seed_costs(engine: Engine, speedup: float = 1.0) -> Engine:
     for actor in engine.actors:
         prefilling = actor in engine.coordinator.prefill
         actor.cost = frozen(0.01, 0.0, 0.0002, speedup) if prefilling else frozen(0.005, 0.001, 0.0005, speedup)
-        engine.units.costs["prefill" if prefilling else "decode", actor.index] = actor.cost
+        engine.mode.costs["prefill" if prefilling else "decode", actor.index] = actor.cost
     return engine
 
 
@@ -73,13 +74,13 @@ def test_the_prefill_backlog_counts_a_burst_still_in_its_mailbox():
     requests = mixed_requests(seed=5)
     expected = 0
     for request in requests:                          # placed one after the other, before the loop runs
-        assert engine.coordinator.load(decode).remote_backlog_tokens == expected
+        assert engine.mode.placement.load(decode).remote_backlog_tokens == expected
         prefill.send(request)
         expected += len(request.prompt_token_ids)
     assert prefill.backlog_tokens() == expected
     prefill.drain()                                   # now in its scheduler, and counted once
     assert prefill.backlog_tokens() == expected and len(prefill.scheduler) == len(requests)
-    prefill.settle()
+    prefill.clear()
     engine.close()
 
 
@@ -243,10 +244,10 @@ def test_the_prefill_units_step_in_flight_is_in_the_load_the_planner_reads():
         reading = asyncio.ensure_future(collect(long))
         await asyncio.to_thread(started.wait, 30.0)
         await asyncio.sleep(0.05)
-        during = engine.coordinator.load(decode)
+        during = engine.mode.placement.load(decode)
         release.set()
         await reading
-        return during, engine.coordinator.load(decode)
+        return during, engine.mode.placement.load(decode)
 
     during, after = asyncio.run(run_engine(engine, scenario()))
     assert decode.remote_prefills == 1
@@ -263,14 +264,14 @@ def test_the_prefill_units_next_step_carries_what_the_planner_decides_off_its_qu
     """Seeded costs: 10 ms + 0.2 ms a prompt token, so a short prompt packed with a 2,000-token one waits 0.42 s."""
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)))
     prefill, decode = engine.actors
-    engine.coordinator.planner = Planner(Slos(ttft=1.0, itl=0.05), 2048)
+    engine.mode.placement.planner = Planner(Slos(ttft=1.0, itl=0.05), 2048)
     for name, length in (("short", 40), ("long", 2000)):
         prefill.scheduler.add(Sequence(Request(name, prompts([length])[0], GREEDY, arrival_time=100.0)))
     assert [s.request_id for s in prefill.scheduler.in_order()] == ["short", "long"]
     budgets = {}
     for now in (100.0, 100.7):
         engine.coordinator.clock = lambda: now
-        budgets[now] = engine.coordinator.prefill_budget(prefill)
+        budgets[now] = engine.mode.placement.prefill_budget(prefill)
     assert budgets == {100.0: 2048, 100.7: 40}            # at 100.7 the packed step puts the short one past 1 s
     for name in ("short", "long"):
         prefill.scheduler.remove(prefill.scheduler.find(name))
@@ -285,7 +286,7 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
     misses = {}
     for now in (100.2, 103.5):                             # a virtual clock, as a simulator hands in
         engine.coordinator.clock = lambda: now
-        state = engine.coordinator.load(decode, decode_rows=2)
+        state = engine.mode.placement.load(decode, decode_rows=2)
         assert state.local_queue == (Waiting(40, pytest.approx(now - 100.0), 40),)
         misses[now] = planner.step_budget(state, decode.cost).chosen.ttft_misses
     assert misses == {100.2: 0, 103.5: 1}                 # past its TTFT SLO only by the later clock
@@ -331,10 +332,10 @@ def test_the_planner_reads_each_streams_decoding_so_far_off_the_coordinators_clo
     for now, tokens in ((10.0, 0), (10.3, 3)):          # first seen at 10.0; three tokens in 0.3 s since
         seq.output_token_ids += [7] * tokens
         engine.coordinator.clock = lambda: now
-        streams[now] = engine.coordinator.load(decode).streams
+        streams[now] = engine.mode.placement.load(decode).streams
     assert streams == {10.0: (Stream(0, 0.0, 48),), 10.3: (Stream(3, pytest.approx(0.3), 45),)}
     seq.done = True                                      # finished; its row still in the step in flight
-    assert engine.coordinator.load(decode).streams[0].remaining == 0
+    assert engine.mode.placement.load(decode).streams[0].remaining == 0
     seq.done = False
     decode.scheduler.remove(seq)
     engine.coordinator.finished("decoding")
@@ -343,7 +344,7 @@ def test_the_planner_reads_each_streams_decoding_so_far_off_the_coordinators_clo
 
 def test_derived_slos_are_logged_once_at_start_with_their_source(caplog):
     engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=16, max_prefill_tokens=64))
-    assert engine.slos is None and engine.coordinator.planner is None        # nothing measured before start
+    assert engine.slos is None and engine.mode.placement.planner is None        # nothing measured before start
 
     async def one():
         return await collect(engine.submit(Request("r", prompts([12])[0], GREEDY)))
@@ -355,7 +356,7 @@ def test_derived_slos_are_logged_once_at_start_with_their_source(caplog):
     assert len(logged) == 1 and logged[0] == engine.slos.describe()
     assert "decode step of" in logged[0] and "at context 64" in logged[0]       # the knee, or a full batch below it
     assert "prefill step of 64 tokens" in logged[0]
-    assert engine.coordinator.planner.slos is engine.slos
+    assert engine.mode.placement.planner.slos is engine.slos
     engine.close()
 
 
@@ -367,13 +368,13 @@ def test_lending_weighs_a_verify_steps_rows_and_drafts():
     engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", **SLOS)), speedup=2.0)
     prefill, decode = engine.actors
     planner, asked = Planner(Slos(ttft=1.0, itl=0.05), 2048), []
-    engine.coordinator.planner = planner
+    engine.mode.placement.planner = planner
     real_lend = planner.lend
     planner.lend = lambda *args: asked.append(args) or real_lend(*args)
     seq = Sequence(Request("verifying", list(range(3, 43)), GREEDY))
     seq.num_computed_tokens = 40
     batch = Batch(verify=(seq,), verify_positions=(39,), verify_drafts=((5, 6, 7),))
-    engine.coordinator.step_threads(decode, batch, 1, 2)      # one core of its own, two while the partner idles
+    engine.mode.placement.step_threads(decode, batch, 1, 2)      # one core of its own, two while the partner idles
     _, own, total, rows, tokens, context, _, drafts, pairs = asked[-1]
     assert (own, total) == (1, 2)
     assert (rows, tokens, context, drafts, pairs) == (1, 0, 40, 3, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
@@ -38,7 +38,7 @@ def decode_step(runner: ModelRunner, lengths: list[int]) -> StepInput:
         seq = Sequence(Request(str(i), prompt), output_token_ids=[7], num_computed_tokens=n + 1)
         seq.block_table = blocks.grow(seq.request_id, n + 1)
         seqs.append(seq)
-    return StepPlanner().step_input(Batch(decode=tuple(seqs)))
+    return RunnerRows().step_input(Batch(decode=tuple(seqs)))
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from pdserve.engine.worker.processes import shared_pool
 from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedFd, SharedPool, open_shared, share_pool
 from tests import fake_cuda as fake
 from tests.fake_cuda import fake_cuda
-from tests.models import demo_checkpoint, engine_config
+from tests.models import demo_checkpoint, engine_config, layout_of
 
 CUDA1 = torch.device("cuda:1")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -60,8 +60,7 @@ def test_the_wiring_shares_cpu_pools_as_memfd_and_gpu_pools_as_cuda_ipc(monkeypa
 
 
 def test_process_units_hand_cuda_ipc_handles_to_gpu_workers_and_memfds_to_cpu_workers(monkeypatch):
-    from pdserve.engine import process_units
-    from pdserve.engine.units.layout import Plan
+    from pdserve.engine.units import processes as process_units
 
     handed = []
 
@@ -75,11 +74,10 @@ def test_process_units_hand_cuda_ipc_handles_to_gpu_workers_and_memfds_to_cpu_wo
     model_config = ModelConfig.from_dir(demo_checkpoint())
     for devices, ticket in ((("cuda:0", "cuda:1"), CudaIpcHandle), (("cpu", "cpu"), SharedFd)):
         handed.clear()
-        plan = Plan("disaggregated", (torch.device(devices[0]),), (torch.device(devices[1]),), torch.float32, 256,
-                    ((),), ((),))
+        layout = layout_of(config, model_config, "disaggregated", *devices)
         with fake_cuda(monkeypatch):
-            units = process_units.load_process_units(config, model_config, plan, frozenset())
-        (decode, decode_device, own, _), (prefill, _, prefill_own, peers) = handed
+            units = process_units.load_process_units(config, model_config, layout, frozenset())
+        (prefill, _, prefill_own, peers), (decode, decode_device, own, _) = handed
         assert (decode, prefill) == ("decode", "prefill") and decode_device == devices[1]
         assert isinstance(own, ticket) and prefill_own is None and len(peers) == 1 and isinstance(peers[0], ticket)
         if ticket is CudaIpcHandle:

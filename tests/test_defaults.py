@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.units.layout import make_plan
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Machine
 from pdserve.engine.worker.startup import defaults
 from pdserve.engine.worker.startup.defaults import CpuInfo, GpuInfo, ProbeResult, choose_cpu_dtype, choose_cuda_dtype, choose_devices
-from tests.models import demo_checkpoint
 
 AVX2 = CpuInfo("AMD EPYC 7B13", "AVX2", frozenset({"avx", "avx2", "fma"}))
 AVX512_BF16 = CpuInfo("AMD EPYC 9B14", "AVX512", frozenset({"avx2", "avx512f", "avx512_bf16"}))
@@ -117,13 +116,12 @@ def test_cpuinfo_flags_are_read(tmp_path: Path):
 
 
 def test_options_override_the_defaults_and_each_default_is_logged(caplog):
-    model_config = ModelConfig.from_dir(demo_checkpoint())
     with caplog.at_level(logging.INFO, logger="pdserve.engine.units.layout"):
-        chosen = make_plan(EngineConfig(), model_config)
-    assert chosen.prefill_device == torch.device("cpu") and chosen.dtype in (torch.float32, torch.bfloat16)
+        chosen = Machine.here(EngineConfig())
+    assert chosen.prefill == (torch.device("cpu"),) and chosen.dtype in (torch.float32, torch.bfloat16)
     assert any(r.message.startswith("devices prefill cpu, decode cpu: no GPU visible") for r in caplog.records)
     assert any(r.message.startswith("dtype ") and ": CPU has " in r.message for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pdserve.engine.units.layout"):
-        forced = make_plan(EngineConfig(dtype="float16", prefill_device="cpu", decode_device="cpu"), model_config)
+        forced = Machine.here(EngineConfig(dtype="float16", prefill_device="cpu", decode_device="cpu"))
     assert forced.dtype == torch.float16 and not caplog.records

@@ -1,9 +1,7 @@
 """engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
 
-    front (engine/*.py)  ->  coordinator/  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
-
-worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
-->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
+    front (engine/*.py, ray/, sim/)  ->  modes/  ->  coordinator/  ->  actors/  ->  units/  ->  worker/
+    ->  config.py  ->  core/  ->  model/, transfer/, text/  ->  kernels/
 
 worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
 ->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
@@ -22,9 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = {"pdserve.kernels": 0, "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
-         "pdserve.engine.core": 2, "pdserve.engine.worker.sampling": 3, "pdserve.engine.worker": 4,
-         "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6, "pdserve.engine.actors": 7,
-         "pdserve.engine.modes": 7.5, "pdserve.engine.coordinator": 8, "pdserve.engine": 9}
+         "pdserve.engine.core": 2, "pdserve.engine.config": 2.5, "pdserve.engine.worker.sampling": 3,
+         "pdserve.engine.worker": 4, "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6,
+         "pdserve.engine.units": 6.5, "pdserve.engine.actors": 7, "pdserve.engine.coordinator": 8,
+         "pdserve.engine.modes": 9, "pdserve.engine": 10}
 
 
 def module_name(path: Path) -> str:

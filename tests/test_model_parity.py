@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import BlockManager
@@ -49,7 +49,7 @@ def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch
     for seq in seqs:
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
     rows: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
-    planner = StepPlanner()
+    planner = RunnerRows()
     while chunks := [ScheduledChunk(s, s.num_computed_tokens, min(chunk, s.num_tokens - s.num_computed_tokens),
                                     sample=False) for s in seqs if s.num_computed_tokens < s.num_tokens]:
         step = planner.step_input(Batch(chunks=tuple(chunks)))

@@ -9,8 +9,9 @@ import pytest
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.args import add_engine_args, engine_config_from_args
-from pdserve.engine.coordinator.planner import LoadState, Planner, Running, Stream
-from pdserve.engine.coordinator.prefill_plans import Waiting
+from pdserve.engine.modes.adaptive.decisions import LoadState, Running, Stream
+from pdserve.engine.modes.adaptive.planner import Planner
+from pdserve.engine.modes.adaptive.prefill_plans import Waiting
 from pdserve.engine.coordinator.profile import MESSAGE_TOKENS, profile_shapes
 from pdserve.engine.coordinator.slo import HEADROOM, KNEE, MeasuredUnits, Slos, derive_slos
 from pdserve.engine.core.batch import Batch, ScheduledChunk, attention_pairs

@@ -103,7 +103,7 @@ def test_the_options_are_checked_together():
 def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_http(
         cluster, engine, transformers_model):  # noqa: F811
     _, decode_node = cluster
-    prefill_unit, decode_unit = engine.units.prefill, engine.units.decode
+    prefill_unit, decode_unit = engine.units.prefills[0], engine.units.decoding[0]
     assert isinstance(prefill_unit, RayCompute) and isinstance(decode_unit, RayCompute)
     assert decode_unit.where["node_id"] == decode_node != prefill_unit.where["node_id"]
     assert {prefill_unit.where["ip"], decode_unit.where["ip"]} == {LOOPBACK}
@@ -142,13 +142,13 @@ def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_mod
             await gloo.stop()
 
     try:
-        assert gloo.units.prefill.transport.name == ray_transport.GLOO
+        assert gloo.units.prefills[0].transport.name == ray_transport.GLOO
         results = asyncio.run(scenario())
         for prompt, (tokens, _) in zip(batch, results):
             expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                                    min_new_tokens=8)[0, len(prompt):].tolist()
             assert tokens == expected
-        assert gloo.units.prefill.transport.name == ray_transport.GLOO      # no copy fell back
+        assert gloo.units.prefills[0].transport.name == ray_transport.GLOO      # no copy fell back
         assert_pools_free(gloo)
     finally:
         gloo.close()
@@ -304,7 +304,7 @@ def test_decode_steps_go_on_while_a_hand_off_into_their_pool_is_held(gate, monke
 
 def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(cluster, engine):
     _, decode_node = cluster
-    victim = engine.units.decode
+    victim = engine.units.decoding[0]
     first_pid = victim.where["pid"]
     reference = prompts([10], seed=2)[0]
 
@@ -329,7 +329,7 @@ def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(clust
     assert all(e.error.startswith("the decode actor failed: UnitLost: the decode unit's Ray actor on node 127.0.0.1")
                for e in errors)
     assert all(len(tokens) < DOOMED.max_tokens for tokens, _ in ends)
-    assert engine.units.decode.lost is None                              # the fresh actor serves
+    assert engine.units.decoding[0].lost is None                              # the fresh actor serves
     assert victim.where["pid"] != first_pid and victim.where["node_id"] == decode_node
     assert reason is FinishReason.LENGTH and after == before
     assert engine.supervisor.restarts == 1
@@ -337,7 +337,7 @@ def test_a_killed_decode_actor_errors_its_streams_then_ray_starts_it_again(clust
 
 
 def test_an_idle_decode_actor_killed_fails_the_next_hand_off_with_its_name_and_node(engine):
-    victim, prefill = engine.units.decode, engine.units.prefill
+    victim, prefill = engine.units.decoding[0], engine.units.prefills[0]
     prefill_pid = prefill.where["pid"]
 
     async def scenario():
@@ -368,7 +368,7 @@ async def collect_events(stream) -> list:
 def test_a_silent_decode_actor_loses_its_lease_and_is_started_again(cluster, monkeypatch):
     monkeypatch.setattr(ray_compute, "LEASE_S", 2.0)             # NOTE: 10 s in service
     silent = Engine(ENGINE_CONFIG)
-    frozen = silent.units.decode.where["pid"]
+    frozen = silent.units.decoding[0].where["pid"]
 
     async def scenario():
         await silent.start()
@@ -392,12 +392,12 @@ def test_a_silent_decode_actor_loses_its_lease_and_is_started_again(cluster, mon
     assert [e.finish_reason for e in lasts] == [FinishReason.ERROR] * 2
     assert all("decode unit's Ray actor on node 127.0.0.1" in e.error and "within the 2 s lease" in e.error
                for e in lasts)
-    assert len(after) == LONG.max_tokens and silent.units.decode.where["pid"] != frozen
+    assert len(after) == LONG.max_tokens and silent.units.decoding[0].where["pid"] != frozen
 
 
 def test_a_lost_decode_node_errors_its_streams_and_ray_places_the_unit_on_a_new_one(cluster, engine):
     nodes, _ = cluster
-    victim = engine.units.decode
+    victim = engine.units.decoding[0]
     lost_node = next(n for n in nodes.worker_nodes if n.node_id == victim.where["node_id"])
 
     async def scenario():
@@ -468,7 +468,7 @@ def test_prefill_and_decode_on_one_node_share_the_decode_pool_and_give_transform
             await shared.stop()
 
     try:
-        prefill, decode = shared.units.prefill, shared.units.decode
+        prefill, decode = shared.units.prefills[0], shared.units.decoding[0]
         assert prefill.where["node_id"] == decode.where["node_id"] == one_node
         assert f"KV prefill -> decode: shared memory on {prefill.node}" in caplog.text
         assert ray.get(prefill.actor.attached_peers.remote()) == [0]
@@ -485,7 +485,7 @@ def test_prefill_and_decode_on_one_node_share_the_decode_pool_and_give_transform
 
 def test_after_a_restart_on_one_node_every_copy_goes_through_the_object_store(one_node, object_store_copies):
     restarted = Engine(ENGINE_CONFIG)
-    prefill, decode = restarted.units.prefill, restarted.units.decode
+    prefill, decode = restarted.units.prefills[0], restarted.units.decoding[0]
     pids = prefill.where["pid"], decode.where["pid"]
     reference = prompts([70], seed=2)[0]                         # 3 chunks, each copied
 

@@ -195,7 +195,7 @@ async def test_engine_failure_after_streaming_began_is_an_error_event(serve, tin
     def failing_step(work):
         raise RuntimeError("decode device lost")
 
-    monkeypatch.setattr(engine.units.decode.step_runner, "run", failing_step)
+    monkeypatch.setattr(engine.units.decoding[0].step_runner, "run", failing_step)
     body = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 8, "ignore_eos": True, "stream": True,
             "logprobs": 0}                                             # every token gets a chunk
     async with aiohttp.ClientSession() as session:

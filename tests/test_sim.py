@@ -17,7 +17,7 @@ from pdserve.bench.workloads import SampleRequest
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import FittedCost, Roofline, StepShape, fit, step_shape
-from pdserve.engine.sim.engine import SimEngine, Target
+from pdserve.engine.sim.target import Target, simulated_engine
 from pdserve.engine.sim.hardware import HARDWARE
 from pdserve.engine.sim.shapes import NAMED_SHAPES
 from pdserve.engine.worker.step import ChunkInput, StepInput
@@ -82,12 +82,13 @@ def _target() -> Target:
     return Target(LLAMA_8B, Roofline(LLAMA_8B, H200), H200)
 
 
-def _chat_turns(engine: SimEngine, turns: int = 3, output_len: int = 5):
-    """One conversation of `turns` turns sent through `engine`: (prompt ids, record) per turn."""
-    ids = WordIds(engine.vocab_size, engine.units.decode.model.token_id)
+def _chat_turns(config: EngineConfig, turns: int = 3, output_len: int = 5):
+    """One conversation of `turns` turns through a simulated engine: the engine, and (prompt ids, record) per turn."""
     history, sent = [{"role": "system", "content": " ".join(f"w{i}" for i in range(100))}], []
 
     async def main():
+        engine = simulated_engine(config, _target())
+        ids = WordIds(engine.model_config.vocab_size, engine.units.decoding[0].model.token_id)
         await engine.start()
         for turn in range(1, turns + 1):
             history.append({"role": "user", "content": f"question {turn} about this"})
@@ -96,33 +97,32 @@ def _chat_turns(engine: SimEngine, turns: int = 3, output_len: int = 5):
             sent.append((ids.sample(sample), record))
             history.append({"role": "assistant", "content": answer})
         await engine.stop()
-        return sent
+        return engine, sent
 
     return run_virtual(main())
 
 
 def test_the_real_coordinator_and_actors_serve_a_chat_with_prefix_cache_hits_where_the_blocks_are():
-    engine = SimEngine(_config("disaggregated"), _target())
+    engine, sent = _chat_turns(_config("disaggregated"))
+    assert type(engine).__module__ == "pdserve.engine.engine"
     assert type(engine.coordinator).__module__ == "pdserve.engine.coordinator.coordinator"
     assert {type(a).__name__ for a in engine.coordinator.actors} == {"PrefillActor", "DecodeActor"}
-    sent = _chat_turns(engine)
     for (prompt, record), (previous, _) in zip(sent[1:], sent):
         assert record.success and record.output_tokens == 5 and len(record.itl) == 4
         assert prompt[:len(previous)] == previous        # the history, then the answer the units emitted
         # the prefill unit cached the previous prompt's full blocks (it never computes the answer's KV)
         assert record.cached_tokens == len(previous) // 16 * 16
     assert sent[0][1].cached_tokens == 0
-    prefill, decode = engine.stats()
+    prefill, decode = engine.stats().actors
     assert (prefill.routed_prefill, decode.kv_blocks_used, prefill.kv_blocks_used) == (3, 0, 0)
 
 
 def test_colocated_units_keep_a_conversation_where_its_prefix_is_cached():
-    engine = SimEngine(_config("colocated", prefill="cuda:0,cuda:1", decode=None), _target())
-    sent = _chat_turns(engine, turns=4)
+    engine, sent = _chat_turns(_config("colocated", prefill="cuda:0,cuda:1", decode=None), turns=4)
     # a colocated unit computes the answer's KV too: all but the last token of prompt + output is cached
     for (prompt, record), (previous, _) in zip(sent[1:], sent):
         assert record.cached_tokens == (len(previous) + 5 - 1) // 16 * 16
-    assert sorted(s.routed_prefill for s in engine.stats()) == [0, 4]       # every turn to the unit holding it
+    assert sorted(s.routed_prefill for s in engine.stats().actors) == [0, 4]       # every turn to the unit holding it
 
 
 def _simulate_args(*extra: str) -> argparse.Namespace:

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import torch
 
-from pdserve.engine.actors.planner import StepPlanner
+from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.messages import Request
@@ -39,7 +39,7 @@ def reference_inputs(batch: Batch) -> dict[str, list]:
 
 def test_incremental_rows_equal_a_rebuild_after_random_operations():
     rng = random.Random(0)
-    blocks, planner = BlockManager(400, BLOCK), StepPlanner()
+    blocks, planner = BlockManager(400, BLOCK), RunnerRows()
     rows, buffers = RowState(max_blocks=64, device=torch.device("cpu")), InputBuffers(512, 64, 64, torch.device("cpu"))
     live: list[Sequence] = []
     for step_index in range(120):
@@ -90,7 +90,7 @@ def test_incremental_rows_equal_a_rebuild_after_random_operations():
 
 
 def test_cu_seqlens_and_sampled_rows_of_a_mixed_step():
-    blocks, planner = BlockManager(50, BLOCK), StepPlanner()
+    blocks, planner = BlockManager(50, BLOCK), RunnerRows()
     rows, buffers = RowState(16, torch.device("cpu")), InputBuffers(64, 8, 16, torch.device("cpu"))
     seqs = [Sequence(Request(str(i), tuple(range(10 + i)))) for i in range(3)]
     for seq in seqs:

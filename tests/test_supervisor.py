@@ -124,7 +124,7 @@ def test_exit_policy_marks_the_engine_dead_and_refuses_new_requests(monkeypatch)
 
 def test_repeated_failures_give_up_after_the_restart_limit(monkeypatch):
     engine = build("colocated", monkeypatch)
-    unit = engine.units.decode
+    unit = engine.units.decoding[0]
 
     def always_failing(work):
         raise RuntimeError("broken device")

@@ -15,6 +15,7 @@ from pdserve.engine.coordinator.coordinator import Coordinator, Route
 from pdserve.engine.core.messages import Abort, FinishReason, Preempted, Request
 from pdserve.engine import supervisor
 from pdserve.engine.engine import Engine, EngineStopped
+from pdserve.engine.modes import MODES
 from pdserve.engine.worker import faults
 from pdserve.server.metrics import Metrics
 from tests.models import SLOS_SET
@@ -220,8 +221,11 @@ def fake_units(mode: str) -> Coordinator:
         return SimpleNamespace(unit_name=name, name=name[:-1], index=int(name[-1]), alive=True)
 
     if mode == "colocated":
-        return Coordinator(mode, [], [actor("colocated0"), actor("colocated1")])
-    return Coordinator(mode, [actor("prefill0"), actor("prefill1")], [actor("decode0"), actor("decode1")])
+        prefill, decoding = [], [actor("colocated0"), actor("colocated1")]
+    else:
+        prefill, decoding = [actor("prefill0"), actor("prefill1")], [actor("decode0"), actor("decode1")]
+    rules = MODES[mode]()
+    return Coordinator(prefill, decoding, rules.entry_role, rules.needs_prefill_units)
 
 
 @pytest.mark.parametrize("mode,retired,failing,alone", [
@@ -246,7 +250,7 @@ def test_a_preempted_sequence_waits_for_a_prefill_unit_and_aborts_skip_retired_u
                                send=mail.append)
 
     prefill, decode = actor("prefill", 0), [actor(f"decode{i}", i) for i in (0, 1)]
-    coordinator = Coordinator("disaggregated", [prefill], decode)
+    coordinator = Coordinator([prefill], decode, "prefill", True)
     request = Request("r", (5, 6, 7), GREEDY)
     coordinator.table["r"] = Route(decode=0)
     coordinator.fail_unit(prefill, "broken")

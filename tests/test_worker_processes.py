@@ -124,12 +124,15 @@ def test_a_worker_that_cannot_start_fails_the_engine_with_its_reason(tmp_path):
 
 def test_process_workers_refuse_cuda_without_cuda_with_a_reason(monkeypatch):
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.config import ModelConfig
     from pdserve.engine.units.processes import load_process_units
-    from pdserve.engine.units.layout import Plan
+    from tests.models import layout_of
 
     from pdserve.engine.transfer.cuda_ipc import CudaIpcUnavailable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    plan = Plan("disaggregated", (torch.device("cuda:0"),), (torch.device("cuda:1"),), torch.float16, 256, ((),), ((),))
+    config = EngineConfig(workers="process")
+    layout = layout_of(config, ModelConfig.from_dir(demo_checkpoint()), "disaggregated", "cuda:0", "cuda:1",
+                       torch.float16)
     with pytest.raises(CudaIpcUnavailable, match="cuda:0 shares its KV pools through CUDA IPC, and CUDA is not"):
-        load_process_units(EngineConfig(workers="process"), None, plan, frozenset())
+        load_process_units(config, None, layout, frozenset())

@@ -43,7 +43,7 @@ class ColocatedActor(Actor):
         self.leave(seq)
         self.prefill.add(Sequence(seq.request, list(seq.output_token_ids)))
 
-    def settle(self) -> None:
+    def clear(self) -> None:
         for seq in [*self.prefill.sequences(), *self.decode.running]:
             self.drop(seq)
         self.blocks.release_through(self.completed_step)

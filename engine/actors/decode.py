@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pdserve.engine.actors.base import Actor, Emit, first_pending
+from pdserve.engine.actors.view import Decoding
 from pdserve.engine.core.admission import cached_prefix, can_admit
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.config import SchedulerConfig
@@ -100,7 +101,7 @@ class DecodeActor(Actor):
         self.port.post(Preempted(seq.request, tuple(seq.output_token_ids)))
         self.port.blocks_freed(self)
 
-    def settle(self) -> None:
+    def clear(self) -> None:
         for seq, transfers in self.landing:
             for transfer in transfers:
                 transfer.wait()
@@ -115,3 +116,7 @@ class DecodeActor(Actor):
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.scheduler), len(self.landing)
+
+    def decoding(self) -> tuple[Decoding, ...]:
+        return tuple(Decoding(s.request_id, s.num_computed_tokens, len(s.output_token_ids), s.params.max_tokens,
+                              s.done) for s in self.scheduler.running)

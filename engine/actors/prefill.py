@@ -83,7 +83,7 @@ class PrefillActor(Actor):
 
     def prepare(self, batch: Batch) -> StepWork:
         copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)
-        return StepWork(self.plan.step_input(batch), copies)
+        return StepWork(self.rows.step_input(batch), copies)
 
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
         """The blocks this chunk completes (the partial last one too, after the last chunk) that the
@@ -109,21 +109,21 @@ class PrefillActor(Actor):
                                          tuple(out.transfers), tuple(seq.block_hashes), seq.num_cached_tokens,
                                          out.decode_unit))
                 out.handed_off = True
-            self._finish(seq)
+            self.leave(seq)
         self._retire_landed()
         return output
 
-    def _finish(self, seq: Sequence) -> None:
-        """Done on this actor; its blocks go once its copies have landed."""
+    def leave(self, seq: Sequence) -> None:
+        """Done on this actor: its row goes now, its blocks once its copies have landed."""
         self.scheduler.remove(seq)
         seq.done = True
-        self.plan.release_row(seq)
+        self.rows.release_row(seq)
         out = self.outgoing.get(seq.request_id)
         if out is not None and out.seq is seq and out not in self.retiring:
             self.retiring.append(out)
 
     def drop(self, seq: Sequence) -> None:
-        self._finish(seq)
+        self.leave(seq)
 
     def _retire_landed(self) -> None:
         still_copying = []
@@ -144,11 +144,14 @@ class PrefillActor(Actor):
     def prefill_queue(self):
         return self.scheduler.sequences()
 
+    def prefill_order(self) -> list[Sequence]:
+        return self.scheduler.in_order()
+
     def copies_to(self, decode_unit: int) -> list:
         """The copies started or landed into `decode_unit`'s pool that this actor still tracks."""
         return [t for out in self.outgoing.values() if out.decode_unit == decode_unit for t in out.transfers]
 
-    def settle(self) -> None:
+    def clear(self) -> None:
         for seq in list(self.scheduler.sequences()):
             self.drop(seq)
         for out in self.retiring:

@@ -6,11 +6,9 @@
 `D` rows decoding, `P` prompt tokens prefilled, `V` draft tokens verified, `K` KV tokens the decoding rows
 read (their contexts), `A` the query-key pairs the prompt chunks' attention reads (a chunk of n tokens after
 `start` computed ones: n x start + n(n + 1) / 2). A step that prefills also pays a price per step for its prompt
-path (its first token's logits): without that term a fit fed 64-token chunks priced each of their
-tokens at 0.7 ms and predicted a 1,024-token chunk at 1.3-1.5x its time, one fed the start-up profile's
-long chunks priced a 64-token one at 0.7x (replayed from a served trace, Xeon-167, bench/RESULTS.md). Without
-`A`, a 300-token chunk at the end of a 2,048-token prompt, priced like one at its start, ran 10-30% past the
-ITL SLO it was sized to (Xeon-167, documents load, bench/RESULTS.md "Serving modes"). One fit
+path (its first token's logits): without that term a fit fed short chunks overpriced each token and one fed
+long chunks underpriced short ones. Without `A`, a chunk at the end of a long prompt, priced like one at its
+start, ran past the ITL SLO it was sized to (bench/RESULTS.md, "Serving modes"). One fit
 per CPU thread count, so a step on borrowed cores is predicted from steps that ran on as many: core
 sharing is measured, not assumed. The adaptive actors feed it; the coordinator's planner reads it.
 """
@@ -91,7 +89,7 @@ class StepCostModel:
     def covers(self, threads: int | None, decode_rows: int, prefill_tokens: int) -> bool:
         """Whether the steps the fit at `threads` still remembers (its last `memory`) reached this many
         decode rows and prefill tokens: beyond them its prediction extrapolates coefficients no step separated
-        (one-row decode steps and prefill chunks predicted a 48-row step at 1.5x its measured time)."""
+        (one-row decode steps and prefill chunks mispredict a large batch's step)."""
         shapes = self._recent_shapes.get(threads, ())
         return (decode_rows <= max((rows for rows, _ in shapes), default=-1)
                 and prefill_tokens <= max((tokens for _, tokens in shapes), default=-1))
@@ -140,9 +138,8 @@ class StepCostModel:
     def overrun(self, threads: int | None) -> float:
         """How far past its prediction a step that decodes and prefills ran, the worst of the latest such steps
         at `threads` (measured / predicted over the fit's memory; at least 1, and 1 before any): the margin a
-        step sized to a limit no step may pass (an ITL SLO that counts every gap) keeps. Sized to the limit
-        itself, 31 of 86 such steps ran past it (the fit predicts their mean); by the 90th percentile of the
-        error, 12 of 107 still did; by the worst, 4 of 91 (Xeon-167, documents load at a 100 ms SLO)."""
+        step sized to a limit no step may pass (an ITL SLO that counts every gap) keeps: the fit predicts the
+        mean step, so a step sized to the limit itself runs past it about as often as not."""
         return max((1.0, *self._overruns.get(threads, ())))
 
     def seconds_per_prefill_token(self, threads: int | None) -> float | None:

@@ -17,7 +17,7 @@ class UnitFaults:
     """Mixed into the Coordinator: what a unit's failure, restart and retirement change in its state (it
     calls the coordinator's `abort`, `_prefill_again` and `cores_returned`)."""
 
-    mode: str
+    needs_prefill_units: bool        # the mode serves only while a prefill unit does
     prefill: list[Actor]
     decode: list[Actor]
     table: dict
@@ -112,7 +112,7 @@ class UnitFaults:
         a decode unit (disaggregated), a decode unit (adaptive: it prefills too), a colocated unit."""
         def left(actors: list[Actor]) -> bool:
             return any(a is not actor and a.unit_name not in self.retired for a in actors)
-        return left(self.decode) and (self.mode != "disaggregated" or left(self.prefill))
+        return left(self.decode) and (not self.needs_prefill_units or left(self.prefill))
 
     def units(self) -> list[tuple[str, str, str, str | None]]:
         """(unit name, role, state, why it is down or None) of every unit; the state is `up`, `restarting`

@@ -8,12 +8,14 @@ built kernels).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
-from pdserve.engine.coordinator.slo import prefill_step_tokens, profile_context
+from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, profile_context
+from pdserve.engine.units.spec import Layout
+from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import Compute
 from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
@@ -96,3 +98,29 @@ async def run_shape(unit: Compute, shape: StepShape, threads: int | None, vocab_
     outcome = await unit.submit(StepWork(step, threads=threads))
     await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows))))
     return outcome
+
+
+async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vocab_size: int,
+                        decode_units_prefill: bool) -> MeasuredUnits | None:
+    """Profile the first unit that decodes and the first prefill unit; None with `startup_profile` off (both SLOs
+    are then set). Each runs on its own threads and, where cores are lent, on both units' threads too; a unit that
+    decodes is profiled prefilling too where it does (its own steps' prefill priced from decode steps alone is
+    far off). The units' cost models (routing, the planner) start from it and learn from serving steps on."""
+    if not sched.startup_profile:
+        return None
+    share = layout.lending
+    decode_unit = units.decoding[0]
+    prefill_unit = units.prefills[0] if units.prefills else None
+    decode = UnitProfile(decode_unit, StepCostModel(), True, decode_units_prefill or prefill_unit is None,
+                         share and (share.decode_own,) or (None,))
+    prefill = decode if prefill_unit is None else UnitProfile(prefill_unit, StepCostModel(), False, True,
+                                                              share and (share.prefill_own,) or (None,))
+    profiles = [decode] if prefill is decode else [decode, prefill]
+    if share is not None:            # lent cores: each unit as it steps on both units' threads
+        profiles += [replace(decode, prefills=True, thread_counts=(share.total,)),
+                     replace(prefill, thread_counts=(share.total,))]
+    for profile in profiles:
+        await profile_unit(profile, sched, layout.max_model_len, vocab_size)
+    return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
+                         decode.own_timing(one_row_shape(sched, layout.max_model_len)),
+                         prefill.own_timing(full_prefill_shape(sched, layout.max_model_len)))

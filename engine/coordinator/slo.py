@@ -1,24 +1,14 @@
 """The service-level objectives the planner serves and goodput counts: TTFT and ITL, in seconds.
 
-Each is the user's (`--ttft-slo-ms`, `--itl-slo-ms`) or derived once at start-up from the step times
-measured on this machine (`pdserve.engine.coordinator.profile`):
-
-- ITL: twice the decode-only step of the batch at the roofline knee, on the decode unit's own cores: the
-  batch whose step costs twice one row's (each row at a context of one full prefill step; a full batch
-  of `--max-num-seqs` rows where that is smaller). Below the
-  knee a row rides almost free on the weight reads; past it each row pays its own compute, so that is
-  the batch a decode unit runs at its best ITL, and the SLO leaves as much time again for prefill riding
-  along in its step (Sarathi-Serve's stall-free chunk budget). A larger batch's decode-only step past
-  the SLO is not a miss the planner could avoid: it counts only what prefill adds (planner.py).
-  The one-row step is the profile's, as timed (`MeasuredUnits.one_row_step`; the prefill step below too),
-  not the cost model's prediction of it: fit to the profile's seven steps, five coefficients predicted that
-  timed 15 ms step at 8.8 ms, and once at 1.8 ms (an ITL SLO of 7 ms, below every decode step, which shut
-  speculation's drafts for the whole run; Xeon-167, SmolLM2).
-  (Derived at a full batch instead, as before, it came to 3.3 s on a 2-core CPU, where the per-context
-  cost dominates: looser than any step the engine ran, so prefill rode in every decode step.)
-- TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the
-  colocated unit in that mode): a prompt as long as one prefill step gets its first token in time
-  even when it queues behind one other such prompt.
+Each is the user's (`--ttft-slo-ms`, `--itl-slo-ms`) or derived once at start-up from the steps the start-up
+profile timed on this machine (`profile.py`; docs/adaptive.md says why each):
+- ITL: twice the decode-only step of the batch at the roofline knee (the batch whose step costs twice one
+  row's; a full batch where that is smaller): below the knee a row rides almost free on the weight reads,
+  past it each row pays its own compute; the SLO leaves as much time again for prefill riding along
+  (Sarathi-Serve's stall-free chunk budget). The one-row step is the one timed, not the cost model's
+  prediction of it, which a fit to a few profile steps can get far wrong.
+- TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the colocated
+  unit in that mode): a prompt as long as one prefill step is in time even behind one other such prompt.
 """
 from __future__ import annotations
 

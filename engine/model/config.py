@@ -52,6 +52,29 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype
 
+    @property
+    def name(self) -> str:
+        return self.model_dir.name
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer: q, k, v, o projections and the gated MLP (norms left out)."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q_out + 2 * kv_out) + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def weight_params(self) -> int:
+        """Every weight a step reads: the layers and the LM head (the embedding lookup reads a row per token)."""
+        return self.num_layers * self.layer_params + self.lm_head_params
+
+    def kv_elements_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """Parse `config.json` of a Hugging Face style directory; raises ConfigError naming the file."""

@@ -17,7 +17,8 @@ import ray
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.units.processes import started, worker_pools, worker_spec
-from pdserve.engine.units.layout import Plan, Units, unit_names
+from pdserve.engine.units.spec import Layout, UnitSpec
+from pdserve.engine.units.units import Units
 from pdserve.engine.worker.processes.shared_pool import PoolSpec
 from pdserve.engine.ray.compute import START_TIMEOUT_S, RayCompute, first_line
 from pdserve.engine.ray.shared import PoolAddress
@@ -44,11 +45,11 @@ class RayConnection:
             ray.shutdown()
 
 
-def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int]) -> Units:
+def load_ray_units(config: EngineConfig, model_config: ModelConfig, layout: Layout, eos: frozenset[int]) -> Units:
     connection = RayConnection(config.ray_address)
     try:
         transport = KVTransport(config.ray_kv_transport)
-        units = started(_units(config, model_config, plan, eos, connection, transport))
+        units = started(_units(config, model_config, layout, eos, connection, transport))
         transport.connect([unit.actor for unit in units.all()])
         share_same_node_pools(units)
         return replace(units, shared=(connection,))
@@ -57,37 +58,30 @@ def load_ray_units(config: EngineConfig, model_config: ModelConfig, plan: Plan, 
         raise
 
 
-def _units(config: EngineConfig, model_config: ModelConfig, plan: Plan, eos: frozenset[int],
+def _units(config: EngineConfig, model_config: ModelConfig, layout: Layout, eos: frozenset[int],
            connection: RayConnection, transport: KVTransport) -> Units:
-    pools = worker_pools(config, model_config, plan)
-    base = worker_spec(config, model_config, plan, eos, pools.colocated or pools.decode, "cpu", (),
-                       config.cpu_kernels)
+    pools = worker_pools(config, model_config, layout)
 
-    def unit(role: str, name: str, device, cores, pool_: PoolSpec, warmup: str, peers=()) -> RayCompute:
-        threads = max(len(cores), 1)
-        spec = replace(base, name=name, device="cuda:0" if device.type == "cuda" else "cpu", pool=pool_,
-                       warmup_role=warmup, thread_counts=(threads,))
-        return RayCompute(spec, threads, actor_options(role, device.type, threads, connection.resources),
-                          peers, transport, shares_pool=role == "decode" and device.type == "cpu")
+    def unit(spec: UnitSpec, pool: PoolSpec, peers=()) -> RayCompute:
+        threads = layout.own_threads(spec)
+        worker = replace(worker_spec(config, model_config, layout, eos, spec, pool, config.cpu_kernels), cores=(),
+                         device="cuda:0" if spec.device.type == "cuda" else "cpu", thread_counts=(threads,))
+        return RayCompute(worker, threads, actor_options(spec.role, spec.device.type, threads, connection.resources),
+                          peers, transport, shares_pool=spec.role == "decode" and spec.device.type == "cpu")
 
-    if plan.mode == "colocated":
-        n = len(plan.prefill_devices)
-        return Units(tuple(unit("colocated", name, d, c, pools.colocated, "colocated") for name, d, c in
-                           zip(unit_names("colocated", n), plan.prefill_devices, plan.prefill_unit_cores)))
-    n_prefill, n_decode = len(plan.prefill_devices), len(plan.decode_devices)
-    decodes = tuple(unit("decode", name, d, c, pools.decode, pools.decode_warmup_role) for name, d, c in
-                    zip(unit_names("decode", n_decode), plan.decode_devices, plan.decode_unit_cores))
-    prefills = tuple(unit("prefill", name, d, c, pools.prefill, "prefill", decodes) for name, d, c in
-                     zip(unit_names("prefill", n_prefill), plan.prefill_devices, plan.prefill_unit_cores))
-    return Units(decodes, prefills)
+    decoding = {i: unit(spec, pool) for i, (spec, pool) in enumerate(zip(layout.units, pools)) if spec.decodes}
+    peers = tuple(decoding.values())
+    computes = tuple(decoding[i] if i in decoding else unit(spec, pool, peers)
+                     for i, (spec, pool) in enumerate(zip(layout.units, pools)))
+    return Units(layout.units, computes)
 
 
 def share_same_node_pools(units: Units) -> None:
     """Each prefill unit's actor maps the shared pool of every decode unit on its node; logs, once, how KV
     goes between each pair (an attempt that fails with a warning: that pair uses the transport)."""
-    addresses = [_pool_address(decode) for decode in units.decodes]
+    addresses = [_pool_address(decode) for decode in units.decoding]
     for prefill in units.prefills:
-        for index, (decode, address) in enumerate(zip(units.decodes, addresses)):
+        for index, (decode, address) in enumerate(zip(units.decoding, addresses)):
             _pair(prefill, index, decode, address)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.sim.hardware import Hardware
-from pdserve.engine.sim.shapes import ModelShape
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.worker.step import StepInput
 
 DEFAULT_STEP_OVERHEAD_S = 1e-3   # host work and launches a step cannot hide; an assumption (--step-overhead-ms)
@@ -47,7 +47,7 @@ class Roofline:
     """max(FLOPs / peak, bytes / bandwidth) + a fixed overhead per step: the weights are read once per step,
     each decode row reads its context's KV, a chunk reads its prefix's KV and every new token writes its own."""
 
-    shape: ModelShape
+    shape: ModelConfig
     hardware: Hardware
     dtype_bytes: int = 2
     overhead: float = DEFAULT_STEP_OVERHEAD_S

@@ -11,14 +11,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.engine import on_single_threaded_loader
-from pdserve.engine.model.resolve import ResolvedModel, resolve_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Machine
+from pdserve.engine.modes import choose_mode
+from pdserve.engine.served import ServedModel
 from pdserve.engine.sim.cost import FittedCost, StepShape, fit, step_shape
-from pdserve.engine.sim.engine import Target
-from pdserve.engine.sim.shapes import ModelShape
-from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.units.layout import Plan, Units, load_units, make_plan, step_thread_counts, unit_cores
+from pdserve.engine.sim.target import Target
+from pdserve.engine.units.layout import make_layout
+from pdserve.engine.units.spec import Layout
+from pdserve.engine.units.threads import load_thread_units
+from pdserve.engine.units.units import Units
+from pdserve.engine.worker.openmp import on_single_threaded_loader
 from pdserve.engine.worker.startup.warmup import StepShape as Synthetic
 from pdserve.engine.worker.startup.warmup import synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
@@ -34,71 +37,57 @@ def measured_target(config: EngineConfig, profile_json: str | None = None, overh
     if config.workers != "thread":
         raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
                          "steps the same model runner; its pipe adds a little per step)")
-    model, model_config, eos, plan = served_setup(config)
-    shape = replace(ModelShape.from_model_config(model_config), eos_token_ids=tuple(sorted(eos)))
+    served, machine = ServedModel.load(config.model), Machine.here(config)
+    layout = make_layout(config, served.config, choose_mode(config.mode, machine.prefill[0], machine.decode[0]),
+                         machine.prefill, machine.decode, machine.dtype, machine.cores)
     path = Path(profile_json) if profile_json else None
     if path is not None and path.is_file():
         data = json.loads(path.read_text())
-        if data.get("setup") != setup(config, model.path, plan):
+        if data.get("setup") != setup(config, served.model_dir, layout):
             raise ValueError(f"--profile-json {path} was measured for another setup ({data.get('setup')}); "
                              "delete it to measure again")
     else:
-        units = on_single_threaded_loader(load_units, config, model_config, plan, eos)
+        units = on_single_threaded_loader(load_thread_units, config, served.config, layout, served.eos_token_ids)
         try:
-            data = {"setup": setup(config, model.path, plan), "units": profile_units(config, plan, units)}
+            data = {"setup": setup(config, served.model_dir, layout), "units": profile_units(config, layout, units)}
         finally:
             units.close()
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(data, indent=1) + "\n")
     costs = tuple(replace(FittedCost.from_json(unit["cost"]), overhead=overhead) for unit in data["units"])
-    return Target(shape, costs, plan=plan, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
-                  dtype_bytes=plan.dtype.itemsize)
+    shape = replace(served.config, eos_token_ids=tuple(sorted(served.eos_token_ids)))
+    return Target(shape, costs, machine=machine, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
+                  dtype_bytes=layout.dtype.itemsize)
 
 
-def served_setup(config: EngineConfig) -> tuple[ResolvedModel, ModelConfig, frozenset[int], Plan]:
-    """What `pdserve serve` would load for `config`: the model, its config, its end-of-sequence tokens, the plan."""
-    model = resolve_model(config.model)
-    model_config = ModelConfig.from_dir(model.path)
-    eos = Tokenizer.from_dir(model.path).eos_token_ids | frozenset(model_config.eos_token_ids)
-    return model, model_config, eos, make_plan(config, model_config)
-
-
-def setup(config: EngineConfig, model_dir: Path, plan) -> str:
-    """What a profile's figures depend on: the model, mode, devices, cores, dtype and weight quantization."""
-    devices = ",".join(map(str, plan.prefill_devices)) + "/" + ",".join(map(str, plan.decode_devices))
-    cores = f"{plan.prefill_unit_cores}/{plan.decode_unit_cores}"
-    return (f"{model_dir} {plan.mode} {devices} cores {cores} {str(plan.dtype).removeprefix('torch.')} "
+def setup(config: EngineConfig, model_dir: Path, layout: Layout) -> str:
+    """What a profile's figures depend on: the model, the units (role, device, cores), dtype and quantization."""
+    units = " ".join(f"{spec.name}:{spec.device}:{','.join(map(str, spec.cores))}" for spec in layout.units)
+    return (f"{model_dir} {units} {str(layout.dtype).removeprefix('torch.')} "
             f"quantization {config.quantization} kernels {config.cpu_kernels}")
 
 
-def profile_units(config: EngineConfig, plan, units: Units) -> list[dict]:
+def profile_units(config: EngineConfig, layout: Layout, units: Units) -> list[dict]:
     """Each unit (prefill units first): its pool's blocks and its fitted cost, one fit per thread count."""
-    if plan.mode == "colocated":
-        cores, roles = plan.prefill_unit_cores, ["colocated"] * len(units.decodes)
-    else:
-        prefill_cores, decode_cores = unit_cores(plan)
-        cores = (*prefill_cores, *decode_cores)
-        roles = ["prefill"] * len(units.prefills) + ["decode" if plan.mode == "disaggregated" else "colocated"] * \
-            len(units.decodes)
     bandwidth = copy_bandwidth(units)
     measured = []
-    for unit, role, own in zip(units.all(), roles, cores):
-        counts = step_thread_counts(plan, own) if unit.device.type == "cpu" else (0,)
+    for spec, unit in zip(units.specs, units.computes):
+        counts = spec.thread_counts if unit.device.type == "cpu" else (0,)
         fits = {}
         for threads in counts:
-            samples = asyncio.run(_time_grid(unit, config, plan.max_model_len, role, threads or None))
+            samples = asyncio.run(_time_grid(unit, config, layout.max_model_len, spec.warmup_role, threads or None))
             fits[threads] = fit(samples)
             logger.info("measured %s at %s threads: %s", unit.device, threads, fits[threads])
         cost = FittedCost(fits, bandwidth, synchronous_copies=unit.device.type == "cpu")
-        measured.append({"role": role, "num_blocks": unit.num_blocks, "cost": cost.to_json()})
+        measured.append({"role": spec.warmup_role, "num_blocks": unit.num_blocks, "cost": cost.to_json()})
     return measured
 
 
 def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int) -> list[Synthetic]:
     """The steps timed: prefill chunks of growing size with and without a prefix, a full step of short prompts
     (its attention pairs few: it separates a token's cost from a pair's, which single prompts of growing size do
-    not: fitted without it, 16 prompts of 128 tokens were priced at 0.3x their time), decode batches of growing
+    not: fitted without it, many short prompts in one step were priced far below their time), decode batches of growing
     size at a short and a long context, and (colocated) decode rows with a chunk."""
     budget = min(max_prefill_tokens, max_model_len // 2)
     long_context = min(1024, max_model_len // 2)
@@ -142,9 +131,10 @@ def copy_bandwidth(units: Units) -> float:
     transfer backend, 64 blocks or the pool); a colocated engine copies nothing (any positive figure)."""
     if not units.prefills:
         return 1e12
-    source = units.prefill.step_runner
+    prefill, decode = units.prefills[0], units.decoding[0]
+    source = prefill.step_runner
     transfer, pool = source.peers[0]
-    n = min(64, units.prefill.num_blocks, units.decode.num_blocks)
+    n = min(64, prefill.num_blocks, decode.num_blocks)
     blocks = tuple(range(n))
     seconds = []
     for _ in range(REPEATS):

@@ -5,7 +5,8 @@ from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
-from pdserve.engine.units.layout import Plan, Units
+from pdserve.engine.units.spec import Layout
+from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import ThreadCompute
 from pdserve.engine.worker.draft_model import draft_config, draft_proposers
 
@@ -22,7 +23,7 @@ def check_draft_model(config: EngineConfig, model_config: ModelConfig) -> None:
     draft_config(spec.model, model_config)
 
 
-def with_draft_models(units: Units, config: EngineConfig, model_config: ModelConfig, plan: Plan) -> Units:
+def with_draft_models(units: Units, config: EngineConfig, model_config: ModelConfig, layout: Layout) -> Units:
     """`units` with a draft model per decode (or colocated) unit where the method is draft_model: on the unit's
     device, in this process (beside the unit's speculator), run on the unit's compute thread where it has one
     here, its pool as many blocks as the unit's and room for every row's drafts."""
@@ -31,7 +32,8 @@ def with_draft_models(units: Units, config: EngineConfig, model_config: ModelCon
         return units
     size = config.cache.block_size
     room = config.scheduler.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, size)
-    runs = tuple(u.call if isinstance(u, ThreadCompute) else None for u in units.decodes)
+    decoding = units.decoding
+    runs = tuple(u.call if isinstance(u, ThreadCompute) else None for u in decoding)
     return replace(units, drafters=draft_proposers(
-        spec.model, model_config, plan.dtype, tuple(u.device for u in units.decodes),
-        tuple(u.num_blocks + room for u in units.decodes), runs, size, plan.max_model_len))
+        spec.model, model_config, layout.dtype, tuple(u.device for u in decoding),
+        tuple(u.num_blocks + room for u in decoding), runs, size, layout.max_model_len))

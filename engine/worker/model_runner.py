@@ -50,11 +50,11 @@ class ModelRunner:
     """Runs StepInputs on one device against one KV pool, keeping per-row state between steps."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
-                 graph_max_batch: int = 0, max_blocks_per_seq: int = 0, max_tokens: int = 256,
-                 max_seqs: int = 32, kv_pool: torch.Tensor | None = None) -> None:
+                 graph_max_batch: int = 0, max_blocks_per_seq: int = 0, buffer_tokens: int = 256,
+                 buffer_seqs: int = 32, kv_pool: torch.Tensor | None = None) -> None:
         """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only).
 
-        `max_tokens` and `max_seqs` size the step buffers (they grow if a step needs more); `kv_pool`
+        `buffer_tokens` and `buffer_seqs` size the step buffers (they grow if a step needs more); `kv_pool`
         is a pool allocated elsewhere (shared memory), else one is allocated here."""
         c = model.config
         self.model = model
@@ -74,7 +74,7 @@ class ModelRunner:
         self.constraints = RowConstraints(c.model_dir, c.vocab_size, eos_token_ids)
         self.mask_seconds = 0.0          # host time of the newest step's token masks (0 without any)
         self.faults: list[tuple[int, str]] = []     # rows of the step being launched whose own data failed
-        self.buffers = InputBuffers(max_tokens, max_seqs, self.max_blocks_per_seq, self.device)
+        self.buffers = InputBuffers(buffer_tokens, buffer_seqs, self.max_blocks_per_seq, self.device)
         self._unsettled: deque[PendingStep] = deque()   # launched, their host bookkeeping not done yet
         self.graphs = None
         if graph_max_batch and self.device.type == "cuda":

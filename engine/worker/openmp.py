@@ -50,3 +50,13 @@ def release_thread_pool() -> bool:
     False where the OpenMP runtime cannot (not libgomp, or one older than GCC 9): nothing is done."""
     pause = _pause_resource_all()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+def on_single_threaded_loader(fn, *args):
+    """Run `fn(*args)` on a short-lived thread limited to one intra-op thread: a thread that ran multi-threaded
+    CPU ops keeps its OpenMP team alive, and one left behind by loading slows every CPU step after."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as loader:
+        return loader.submit(fn, *args).result()

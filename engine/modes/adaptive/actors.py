@@ -1,19 +1,11 @@
-"""`--mode adaptive`: one engine whose coordinator places each prefill and lends idle compute.
-
-The decode actor also prefills, in its own steps and in chunks of the size the coordinator's SLO
-planner (`pdserve.engine.coordinator.planner`) picks, the prompts the planner keeps here; the
-coordinator decides when the actor takes a prompt and sends the others to a prefill unit. On CPU
-the two actors' cores are one pool of threads: a side whose partner has nothing to do may step on
-both sides' cores, when the planner predicts that faster (each unit's cost model keeps one fit per
-thread count); it gives them back at the launch after the partner has work again (switching thread
-counts per step costs nothing: measured with 5507e67, which added lending), and the partner launches
-nothing until the lent step has ended (the coordinator's `cores_lent`). The partner's idle
-OpenMP workers are given back when its cores are borrowed (`pdserve.engine.worker.openmp`: left
-alone they slowed every lent step).
+"""The adaptive mode's actors. A decode unit also prefills, in its own steps and in chunks the mode's placement
+(`placement.py`) sizes, the prompts it keeps there, and sends the others to a prefill unit. On CPU the two
+units' cores are one pool of threads: a side whose partner idles may step on both sides' cores when the
+planner predicts that faster; it gives them back at the launch after the partner has work again, and the
+partner launches nothing until the lent step has ended. The partner's idle OpenMP workers are given back
+when its cores are borrowed (`pdserve.engine.worker.openmp`).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pdserve.engine.actors.decode import DecodeActor
 from pdserve.engine.actors.step_cost import StepCostModel
@@ -22,26 +14,15 @@ from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.messages import Abort, Request
 from pdserve.engine.core.scheduler import PrefillScheduler, mixed_batch
 from pdserve.engine.core.sequence import Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class CoreShare:
-    """The CPU threads of the two actors; None on GPUs (nothing to lend by thread count)."""
-
-    prefill_own: int
-    decode_own: int
-
-    @property
-    def total(self) -> int:
-        return self.prefill_own + self.decode_own
+from pdserve.engine.units.spec import CoreShare
 
 
 def step_threads(actor: PrefillActor | DecodeActor, batch: Batch, own: int | None) -> int | None:
-    """Threads for `actor`'s next step, as the coordinator's planner decides (a step on more than its own is
+    """Threads for `actor`'s next step, as the placement's planner decides (a step on more than its own is
     counted as a lent step); None on GPUs (`own` None: nothing is lent by thread count)."""
     if own is None:
         return None
-    threads = actor.port.step_threads(actor, batch, own, actor.share.total)
+    threads = actor.placement.step_threads(actor, batch, own, actor.share.total)
     actor.lent_steps += threads > own
     return threads
 
@@ -49,18 +30,24 @@ def step_threads(actor: PrefillActor | DecodeActor, batch: Batch, own: int | Non
 def returned_cores(actor: PrefillActor | DecodeActor, threads: int | None, own: int | None) -> None:
     """After a finished step: one on more than `own` threads ran on the partner's cores, which it gets back."""
     if own is not None and threads is not None and threads > own:
-        actor.port.cores_returned(actor)
+        actor.placement.cores_returned(actor)
 
 
 class LendingPrefillActor(PrefillActor):
     """The prefill actor of adaptive mode: borrows the decode actor's cores while that one is idle."""
 
-    def __init__(self, *args, cost: StepCostModel, share: CoreShare | None, **kwargs) -> None:
+    def __init__(self, *args, cost: StepCostModel, share: CoreShare | None, placement, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.cost, self.share = cost, share
+        self.cost, self.share, self.placement = cost, share, placement
+
+    def priced(self) -> tuple[StepCostModel, int | None]:
+        return self.cost, self.share and self.share.prefill_own
+
+    def waits_for_cores(self) -> bool:
+        return self.placement.cores_lent(self)
 
     def step_budget(self) -> int | None:
-        return self.port.prefill_budget(self)
+        return self.placement.prefill_budget(self)
 
     def step_threads(self, batch: Batch) -> int | None:
         return step_threads(self, batch, self.share and self.share.prefill_own)
@@ -70,15 +57,16 @@ class LendingPrefillActor(PrefillActor):
         returned_cores(self, threads, self.share and self.share.prefill_own)
 
     def role(self) -> str:
-        return "prefill" if self.busy else "lent" if self.port.partner_busy(self) else "idle"
+        return "prefill" if self.busy else "lent" if self.placement.partner_busy(self) else "idle"
 
 
 class AdaptiveDecodeActor(DecodeActor):
     """Decodes, and prefills the prompts the coordinator's planner keeps here; borrows idle prefill cores."""
 
-    def __init__(self, unit, config, *args, cost: StepCostModel, share: CoreShare | None, **kwargs) -> None:
+    def __init__(self, unit, config, *args, cost: StepCostModel, share: CoreShare | None, placement,
+                 **kwargs) -> None:
         super().__init__(unit, config, *args, **kwargs)
-        self.cost, self.share = cost, share
+        self.cost, self.share, self.placement = cost, share, placement
         self.local = PrefillScheduler(self.blocks, config.max_prefill_tokens, self.max_num_seqs,
                                       pool_max_seqs=self.max_num_seqs, watermark=self.kv_watermark)
 
@@ -95,7 +83,7 @@ class AdaptiveDecodeActor(DecodeActor):
             super().handle(message)
 
     def _take(self, seq: Sequence) -> None:
-        if self.port.place(self, seq):
+        if self.placement.place(self, seq):
             self.local_prefills += 1
             self.local.add(seq)
         else:
@@ -104,7 +92,7 @@ class AdaptiveDecodeActor(DecodeActor):
     # stepping
     def schedule(self) -> Batch | None:
         self._admit_landed()
-        return mixed_batch(self.scheduler, self.local, lambda rows: self.port.step_budget(self, rows))
+        return mixed_batch(self.scheduler, self.local, lambda rows: self.placement.step_budget(self, rows))
 
     def step_threads(self, batch: Batch) -> int | None:
         return step_threads(self, batch, self.share and self.share.decode_own)
@@ -130,13 +118,19 @@ class AdaptiveDecodeActor(DecodeActor):
     def prefill_queue(self):
         return self.local.sequences()
 
-    def settle(self) -> None:
+    def priced(self) -> tuple[StepCostModel, int | None]:
+        return self.cost, self.share and self.share.decode_own
+
+    def waits_for_cores(self) -> bool:
+        return self.placement.cores_lent(self)
+
+    def clear(self) -> None:
         for seq in list(self.local.sequences()):
             self.drop(seq)
-        super().settle()
+        super().clear()
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.scheduler) + len(self.landing), len(self.local)
 
     def role(self) -> str:
-        return "decode" if self.busy else "lent" if self.port.partner_busy(self) else "idle"
+        return "decode" if self.busy else "lent" if self.placement.partner_busy(self) else "idle"

@@ -25,8 +25,8 @@ rest (DistServe's TPOT, the mean goodput counts). A stream with slack absorbs a 
 the SLO on decode-only steps misses it whatever the action, so only what prefill adds counts against it (the
 planner keeps its steps as short as decoding alone). With `--itl-slo-kind max` any one gap counts instead: a
 stream misses when a step of the action it waits for is predicted past the SLO (and past its decode-only step),
-which bounds the tail ITL the mean lets a long chunk through (one 600 ms chunk in a 64-token stream of 15 ms
-steps adds 9 ms to its mean). A prompt misses the TTFT SLO when its first token is
+which bounds the tail ITL the mean lets a long chunk through (one long chunk in a long stream of short steps
+moves its mean little). A prompt misses the TTFT SLO when its first token is
 predicted past it, counted from its arrival. Tokens per second are the tokens decoded and the prompt tokens
 served (cached ones too, and the prefill unit's backlog) until the last of that prefill is done, on either
 unit. Nothing here reads a clock: the coordinator hands in how long each prompt has waited.
@@ -36,97 +36,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
-from pdserve.engine.coordinator.prefill_plans import PrefillPlan, StepsUpTo, Waiting, chunk_plan, fitting_plan
+from pdserve.engine.modes.adaptive.decisions import Decision, LoadState, Prediction, Stream, best
+from pdserve.engine.modes.adaptive.prefill_plans import PrefillPlan, StepsUpTo, Waiting, chunk_plan, fitting_plan
 from pdserve.engine.coordinator.slo import Slos
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """A sequence decoding: what its mean time between tokens has used and what it still takes."""
-
-    gaps: int = 0                    # tokens it decoded since it was first seen decoding
-    spent: float = 0.0               # seconds those took
-    remaining: int | None = None     # the most tokens it may still take (None: unknown, counted as one;
-                                     # 0: it ends with the step in flight, and nothing it waits for is missed)
-
-
-@dataclass(frozen=True, slots=True)
-class Running:
-    """A prefill step in flight on the prefill unit (running, or launched behind the one that runs)."""
-
-    tokens: int                      # prompt tokens it prefills
-    pairs: int                       # the attention pairs its chunks read
-    threads: int | None              # the threads it runs on
-
-
-@dataclass(frozen=True, slots=True)
-class LoadState:
-    """What a decision reads off a decode unit and the prefill unit it would hand a prompt to."""
-
-    decode_rows: int                         # sequences decoding on the decode unit
-    local_queue: tuple[Waiting, ...] = ()    # prompts queued there for a local prefill, in order
-    remote_backlog_tokens: int = 0           # prompt tokens queued on the prefill unit, beyond its steps in flight
-    decode_threads: int | None = None        # threads of a decode step while the prefill unit works
-    decode_threads_alone: int | None = None  # ... while it idles (its cores lent; the same off CPU)
-    prefill_threads: int | None = None       # threads of a prefill step while the decode unit works
-    prefill_busy: bool = False
-    decode_context: int = 0                  # KV tokens the decoding rows read per step
-    decode_remaining: int = 0                # the most tokens a decoding row may still take (0: unknown)
-    streams: tuple[Stream, ...] = ()         # the decoding rows (fewer than `decode_rows`: the rest fresh)
-    remote_running: tuple[Running, ...] = () # the prefill unit's steps in flight (2,048 tokens: 0.7 s on a core)
-    remote_running_for: float = 0.0          # seconds since the oldest of them was launched
-
-    @property
-    def local_threads(self) -> int | None:
-        return self.decode_threads if self.prefill_busy else self.decode_threads_alone
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """One candidate action and what the cost models predict it causes."""
-
-    action: str                      # a decode unit's "local", "wait" or "remote"; a prefill unit's "prefill" (a
-                                     # full step) or "first prompts" (a step of its first prompts only)
-    chunk: int                       # prefill tokens per decode step (local) or in the prefill unit's step, else 0
-    ttft_misses: int
-    itl_misses: int
-    tokens_per_second: float
-    first_token: float               # seconds until the last first token it decides
-    step: float                      # the decode step meanwhile (seconds)
-
-    @property
-    def misses(self) -> int:
-        return self.ttft_misses + self.itl_misses
-
-    def describe(self) -> str:
-        what = (f"local chunks of {self.chunk}" if self.action == "local" else
-                f"{self.action} in a step of {self.chunk} tokens" if self.action in ("prefill", "first prompts") else
-                self.action)
-        return (f"{what}: {self.ttft_misses} TTFT + {self.itl_misses} ITL misses, first token in "
-                f"{self.first_token:.3f}s, steps of {self.step * 1e3:.1f} ms, {self.tokens_per_second:.0f} tok/s")
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    chosen: Prediction
-    candidates: tuple[Prediction, ...] = ()
-
-    @property
-    def local(self) -> bool:
-        return self.chosen.action != "remote"
-
-    @property
-    def reason(self) -> str:
-        others = "; ".join(p.describe() for p in self.candidates if p is not self.chosen)
-        return self.chosen.describe() + (f" (over {others})" if others else "")
-
-
-def best(candidates: Sequence[Prediction]) -> Prediction:
-    """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
-    return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
 
 
 class Planner:
@@ -167,7 +82,7 @@ class Planner:
         """How many prompt tokens a prefill unit's next step carries for its `queue` (in the order it takes them):
         its whole step, which packs a chunk of the next prompt behind those it finishes, or only its first `k`
         prompts, whose first tokens then do not wait for what follows them (a prompt's 60-token tail packed
-        with the next document's 1,988 tokens got its first token a 0.8 s step later, Xeon-167)."""
+        with the next document's step-sized remainder gets its first token a whole step later)."""
         full = self.max_prefill_tokens
         candidates = [self._prefill_only(queue, chunk_plan(queue, full, 0, 0, cost, threads))]
         for k, end in _halving_prefixes(queue, full):
@@ -331,7 +246,7 @@ class Planner:
 def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, int]]:
     """(k, tokens) of the first k prompts of `queue` taken whole in a step of under `most` tokens (the rest
     left behind): the most such prompts, then each prefix of at most half the tokens of the last one kept. A
-    candidate per prompt cost O(queue) each: 200 queued 16-token prompts took 28 ms a decision."""
+    candidate per prompt, each O(queue), made a decision over a long queue of short prompts slow."""
     ends = list(itertools.takewhile(lambda item: item[1] < most,
                                     enumerate(itertools.accumulate(max(1, w.tokens) for w in queue[:-1]), 1)))
     kept = []

@@ -6,7 +6,7 @@ from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput, VerifyInput
 
 
-class StepPlanner:
+class RunnerRows:
     """Owns one runner's row numbers; tells the runner only what changed since the last step.
 
     A row freed here is reported in the next StepInput, which the runner applies before that

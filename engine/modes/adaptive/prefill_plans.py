@@ -97,8 +97,8 @@ def fitting_plan(queue: Sequence[Waiting], rows: int, context: int, decode: Step
     step's offset into its prompt, up to `most` tokens. A queue's prompt work (tokens and attention pairs) is the
     same however it is chunked and each step carries up to the room the limit leaves it, so the queue takes
     ceil(work / room) steps of the limit's length, the last shorter (whole tokens leave under a token's work a
-    step unused). One prediction however many steps: walked step by step, a plan of 3-token chunks took 10-27 ms
-    a decision. None without rows to keep it for, or where not one token fits a step (at the queue's deepest
+    step unused). One prediction however many steps: walking a plan of tiny chunks step by step made a decision
+    slow. None without rows to keep it for, or where not one token fits a step (at the queue's deepest
     offset)."""
     if not rows or not decode.seconds_per_prefill_token(threads):
         return None
