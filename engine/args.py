@@ -39,11 +39,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "stream's mean time between tokens past --itl-slo-ms, so a stream with slack absorbs a "
                         "long prefill step) or max (any one gap past it: no step a stream waits for is longer, "
                         "which holds the tail ITL, not only its mean)")
-    g.add_argument("--startup-profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="time a few synthetic steps on the units at start-up (a few seconds): the cost models "
-                        "that route requests and drive adaptive mode's planner start from them, and an SLO not "
-                        "set is derived from them. --no-startup-profile starts faster, needs both SLOs set, and "
-                        "the first decisions rest on no measured step")
+    g.add_argument("--startup-profile", nargs="?", const="on", choices=("on", "refresh", "off"), default="on",
+                   help="time a few synthetic steps on the units at start-up: the cost models that route requests "
+                        "and drive adaptive mode's planner start from them, and an SLO not set is derived from them. "
+                        "on (default): measured once per machine, model and layout, and kept in the cache folder "
+                        "for the next start (measured again when a probe step drifts); refresh: measure again; "
+                        "off (also --no-startup-profile): none, which needs both SLOs set")
+    g.add_argument("--no-startup-profile", dest="startup_profile", action="store_const", const="off",
+                   help=argparse.SUPPRESS)
     g.add_argument("--prefill-device", default=None,
                    help="cpu, cuda:0, ...; a comma-separated list runs one prefill unit per entry (cuda:0,cuda:1; "
                         "cpu,cpu splits the prefill cores between two units; colocated mode: one colocated unit "
@@ -134,7 +137,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     for name in ("ttft_slo_ms", "itl_slo_ms"):
         if getattr(args, name) is not None:
             _positive(args, name)
-    if not args.startup_profile and None in (args.ttft_slo_ms, args.itl_slo_ms):
+    if args.startup_profile == "off" and None in (args.ttft_slo_ms, args.itl_slo_ms):
         raise ValueError("--no-startup-profile needs --ttft-slo-ms and --itl-slo-ms (nothing to derive them from)")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 disables it)")
@@ -157,7 +160,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
                                   ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
-                                  itl_slo_kind=args.itl_slo_kind, startup_profile=args.startup_profile),
+                                  itl_slo_kind=args.itl_slo_kind, startup_profile=args.startup_profile != "off",
+                                  refresh_profile=args.startup_profile == "refresh"),
     )
 
 

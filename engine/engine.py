@@ -17,6 +17,7 @@ from pdserve.engine.actors.base import Actor
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
 from pdserve.engine.coordinator.profile import measure_units
+from pdserve.engine.coordinator.profile_store import ProfileStore, profile_key
 from pdserve.engine.coordinator.slo import Slos, derive_slos
 from pdserve.engine.core.context_window import check_context
 from pdserve.engine.core.messages import ActorStats, EngineStats, FinishReason, Request
@@ -141,7 +142,8 @@ class Engine(Recovery):
     async def start(self) -> None:
         if self._slos is None:
             measured = await measure_units(self.config.scheduler, self.layout, self.units,
-                                           self.served.config.vocab_size, self.mode.decode_units_prefill)
+                                           self.served.config.vocab_size, self.mode.decode_units_prefill,
+                                           self._profile_store())
             self._slos = derive_slos(self.config.scheduler, self.layout.max_model_len, measured)
             logger.info("%s", self._slos.describe())
             self.mode.serve(self.coordinator, self._slos, measured)
@@ -149,6 +151,12 @@ class Engine(Recovery):
             self._start_actor(actor)
         self.supervisor.start()
         self._running = True
+
+    def _profile_store(self) -> ProfileStore:
+        key = profile_key(self.served.model_dir, self.layout, self.config.quantization, self.config.cpu_kernels,
+                          self.config.scheduler)
+        return ProfileStore(key | {"units run as": sorted({type(u).__name__ for u in self.units.computes}),
+                                   "mode": self.mode.name})
 
     def _start_actor(self, actor: Actor) -> None:
         """Start `actor`, its speculator bounded by the engine's ITL SLO (a derived one exists only now)."""

@@ -7,12 +7,14 @@ built kernels).
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.coordinator.profile_store import ProfileStore, drifted
 from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, profile_context
 from pdserve.engine.units.spec import Layout
 from pdserve.engine.units.units import Units
@@ -20,6 +22,8 @@ from pdserve.engine.worker.compute import Compute
 from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
+
+logger = logging.getLogger(__name__)
 
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
@@ -73,23 +77,29 @@ def full_prefill_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
 
 
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
-                       seed: int = 0) -> int:
-    """Run and observe the profile steps of one unit; returns the steps observed."""
-    rng, observed = random.Random(seed), 0
+                       seed: int = 0) -> list[list]:
+    """Run and observe the profile steps of one unit; returns what it observed (`observe`'s arguments per step)."""
+    rng, observed = random.Random(seed), []
     shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
     for threads in profile.thread_counts:
         await run_shape(profile.unit, shapes[0], threads, vocab_size, rng)     # untimed: one-time costs
         for shape in shapes:
             outcome = await run_shape(profile.unit, shape, threads, vocab_size, rng)
-            profile.timed[shape, threads] = outcome.seconds
-            decoding = shape.kind == "decode"
-            profile.cost.observe(outcome.threads, shape.num_seqs if decoding else 0,
-                                 0 if decoding else shape.num_seqs * shape.new_tokens, outcome.seconds,
-                                 context=shape.num_seqs * shape.context if decoding else 0,
-                                 pairs=0 if decoding else shape.num_seqs * attention_pairs(shape.context,
-                                                                                           shape.new_tokens))
-            observed += 1
+            observed.append([shape.kind, shape.num_seqs, shape.new_tokens, shape.context, threads, outcome.threads,
+                             outcome.seconds])
+            observe(profile, *observed[-1])
     return observed
+
+
+def observe(profile: UnitProfile, kind: str, num_seqs: int, new_tokens: int, context: int, threads: int | None,
+            ran_threads: int, seconds: float) -> None:
+    """One profile step of `profile`'s unit, timed (now, or at an earlier start): its cost model learns it."""
+    shape = StepShape(kind, num_seqs, new_tokens, context)
+    profile.timed[shape, threads] = seconds
+    decoding = kind == "decode"
+    profile.cost.observe(ran_threads, num_seqs if decoding else 0, 0 if decoding else num_seqs * new_tokens,
+                         seconds, context=num_seqs * context if decoding else 0,
+                         pairs=0 if decoding else num_seqs * attention_pairs(context, new_tokens))
 
 
 async def run_shape(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
@@ -101,11 +111,12 @@ async def run_shape(unit: Compute, shape: StepShape, threads: int | None, vocab_
 
 
 async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vocab_size: int,
-                        decode_units_prefill: bool) -> MeasuredUnits | None:
+                        decode_units_prefill: bool, store: ProfileStore | None = None) -> MeasuredUnits | None:
     """Profile the first unit that decodes and the first prefill unit; None with `startup_profile` off (both SLOs
     are then set). Each runs on its own threads and, where cores are lent, on both units' threads too; a unit that
     decodes is profiled prefilling too where it does (its own steps' prefill priced from decode steps alone is
-    far off). The units' cost models (routing, the planner) start from it and learn from serving steps on."""
+    far off). The units' cost models (routing, the planner) start from it and learn from serving steps on.
+    With a `store`, a profile kept from an earlier start is replayed instead, unless one probe step has drifted."""
     if not sched.startup_profile:
         return None
     share = layout.lending
@@ -119,8 +130,30 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
     if share is not None:            # lent cores: each unit as it steps on both units' threads
         profiles += [replace(decode, prefills=True, thread_counts=(share.total,)),
                      replace(prefill, thread_counts=(share.total,))]
-    for profile in profiles:
-        await profile_unit(profile, sched, layout.max_model_len, vocab_size)
+    kept = store.load() if store is not None and not sched.refresh_profile else None
+    if kept is not None and len(kept) == len(profiles) and not await _drifted(decode, kept[0], vocab_size):
+        for profile, observed in zip(profiles, kept):
+            for entry in observed:
+                observe(profile, *entry)
+        logger.info("start-up profile: kept from an earlier start (%s)", store.path)
+    else:
+        kept = [await profile_unit(profile, sched, layout.max_model_len, vocab_size) for profile in profiles]
+        if store is not None:
+            store.save(kept)
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
                          decode.own_timing(one_row_shape(sched, layout.max_model_len)),
                          prefill.own_timing(full_prefill_shape(sched, layout.max_model_len)))
+
+
+async def _drifted(profile: UnitProfile, kept: list[list], vocab_size: int) -> bool:
+    """Run the kept profile's first step once more (after one untimed step): whether it now takes far longer
+    or shorter than it did (the machine or its load changed; the profile is measured again)."""
+    kind, num_seqs, new_tokens, context, threads, _, seconds = kept[0]
+    shape, rng = StepShape(kind, num_seqs, new_tokens, context), random.Random(1)
+    await run_shape(profile.unit, shape, threads, vocab_size, rng)
+    now = (await run_shape(profile.unit, shape, threads, vocab_size, rng)).seconds
+    if drifted(seconds, now):
+        logger.info("start-up profile: measured again (a probe step took %.1f ms, %.1f ms when kept)",
+                    now * 1e3, seconds * 1e3)
+        return True
+    return False

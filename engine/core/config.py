@@ -30,3 +30,4 @@ class SchedulerConfig:
     #                                      or "max" (any one gap: every step a stream waits for)
     startup_profile: bool = True         # time a few steps on the units at start: the cost models (routing, the
     #                                      planner) start from them, and an SLO not set is derived from them
+    refresh_profile: bool = False        # measure the start-up profile again, not the one kept from a start before
