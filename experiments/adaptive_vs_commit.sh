@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # 1P1D adaptive at this checkout vs an older commit (OLD_TREE: a worktree of it) on the three adaptive loads, three
-# alternating runs, SmolLM2: OLD_TREE=/path/to/worktree OUT=bench/out/m22 bash bench/adaptive_vs_commit.sh
+# alternating runs, SmolLM2: OLD_TREE=/path/to/worktree OUT=experiments/out/m22 bash experiments/adaptive_vs_commit.sh
 set -uo pipefail
-O=${OUT:-$PWD/bench/out/m22}; mkdir -p $O; OLD=${OLD_TREE:?a worktree of the older commit}
+O=${OUT:-$PWD/experiments/out/m22}; mkdir -p $O; OLD=${OLD_TREE:?a worktree of the older commit}
 cd /tmp    # NOTE: not the checkout: an old commit's top-level packages must not shadow its own tree
 PORT=8124
 TOKENIZER=$(python -c "from pdserve.engine.model.resolve import resolve_model; print(resolve_model('smollm2').path)")

@@ -1,7 +1,7 @@
 """CPU paged attention, SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16):
 the native kernel that reads K/V in place against the reference that gathers them for SDPA.
 
-    python -m pdserve.bench.cpu_attention --threads 2
+    python experiments/cpu_attention.py --threads 2
 
 Decode: one query per sequence, (batch, context) pairs; prints time and the K/V bandwidth achieved.
 Prefill: one causal prompt (context = chunk) and a chunk after cached context, the reference against

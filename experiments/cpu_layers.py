@@ -1,6 +1,6 @@
 """The dense part of a decoder layer on CPU three ways: eager torch, torch.compile, the native kernels.
 
-    python -m pdserve.bench.cpu_layers --model HF_DIR --dtype float32 --rows 1,8,32,512 --threads 2
+    python experiments/cpu_layers.py --model HF_DIR --dtype float32 --rows 1,8,32,512 --threads 2
 
 For every layer of the model, in order (so the weights stream from memory as in a real step):
 residual add + RMSNorm, the QKV projection, rotary of q and k, the output projection (of q, to

@@ -1,6 +1,6 @@
 """How many tokens a verify step could keep at best: plain greedy output replayed through the n-gram proposer.
 
-    python -m pdserve.bench.draft_ceiling --model DIR/hf --dtype float32 --max-tokens 256
+    python experiments/draft_ceiling.py --model DIR/hf --dtype float32 --max-tokens 256
 
 For the prompts of `speculative_bench` (an edit prompt over a code passage, a prose passage to repeat, an
 open-ended story), the engine
@@ -16,11 +16,12 @@ import argparse
 
 import numpy as np
 
-from pdserve.bench.speculative_bench import DEFAULT_PASSAGE_FILE, DEFAULT_QUOTE_FILE, prompts
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.speculative import propose_ngram
 from pdserve.engine.llm import LLM
+
+from speculative_bench import DEFAULT_PASSAGE_FILE, DEFAULT_QUOTE_FILE, prompts
 
 LOOKUPS = ((1, 4), (2, 4), (3, 5))
 

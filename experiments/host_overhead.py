@@ -1,6 +1,6 @@
 """Host time per decode step with a null model: schedule + prepare + sample + post-process + detokenize.
 
-    python -m pdserve.bench.host_overhead --num-seqs 1,32,128,256
+    python experiments/host_overhead.py --num-seqs 1,32,128,256
 
 The model's forward is replaced by a no-op of the right shapes (hidden states of zeros, logits
 from a table of random rows), so what is left of a step is the engine's own host work. Runs the

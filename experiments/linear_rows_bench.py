@@ -1,6 +1,6 @@
 """The native linear (kernels/csrc/linear.cpp) at a few rows of x: does M rows cost what one row costs?
 
-    python -m pdserve.bench.linear_rows_bench [--baseline ca0b5f4] [--threads 1,2] [--out DIR]
+    python experiments/linear_rows_bench.py [--baseline ca0b5f4] [--threads 1,2] [--out DIR]
 
 A speculative verify step runs 2..6 rows per sequence through every projection; the weights are
 read once either way, so time(M rows) / time(1 row) near 1.0 is the target. For each weight shape
@@ -9,7 +9,7 @@ rows counts are timed interleaved (median of --repeats), each sample one pass ov
 the weight to exceed twice the CPU's largest cache, so the weights stream from memory as in a real step. With
 --baseline REV, linear.cpp (and common.h) of that commit is built as a second library and timed in
 the same loop. Prints one line per case (ratio to one row, GB/s of weight read, next to the machine's
-read bandwidth) and writes DIR/linear_rows_bench.json (DIR: --out, else $OUT, else bench/out).
+read bandwidth) and writes DIR/linear_rows_bench.json (DIR: --out, else $OUT, else experiments/out).
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.documents import machine_description, write_json
-from pdserve.bench.memory_bandwidth import measure as measure_bandwidth
 from pdserve.engine.model.quant_probe import probe_bytes
 from pdserve.kernels import native
 from pdserve.kernels.native import INT, INT64, POINTER, SUFFIXES
+
+from memory_bandwidth import measure as measure_bandwidth
 
 SHAPES = {  # name: (N, K)
     "135m.qkv": (960, 576), "135m.o": (576, 576), "135m.gate_up": (3072, 576), "135m.down": (576, 1536),
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,2,3,4,5,6,8,16")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--baseline", default=None, help="a git revision whose linear.cpp is timed alongside")
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench/out")
+    p.add_argument("--out", default=os.environ.get("OUT") or "experiments/out")
     args = p.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     row_counts = sorted(map(int, args.rows.split(",")))

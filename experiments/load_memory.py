@@ -1,6 +1,6 @@
 """Peak resident memory while loading a checkpoint, against its weight bytes plus the KV budget.
 
-    python -m pdserve.bench.load_memory --model demo:base --dtype bfloat16 --kv-cache-memory 256MiB
+    python experiments/load_memory.py --model demo:base --dtype bfloat16 --kv-cache-memory 256MiB
 
 The engine is built in a fresh subprocess (so nothing else is resident) and reports its peak RSS.
 Target: peak <= 1.3 x (weights + KV) + the interpreter's own baseline (torch imported, nothing loaded).
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     if args.child:
         _child(args.model, args.dtype, args.kv_cache_memory, args.mode)
         return 0
-    out = subprocess.run([sys.executable, "-m", "pdserve.bench.load_memory", "--child", "--model", args.model,
+    out = subprocess.run([sys.executable, __file__, "--child", "--model", args.model,
                           "--dtype", args.dtype, "--mode", args.mode, "--kv-cache-memory", args.kv_cache_memory],
                          check=True, capture_output=True, text=True).stdout
     r = json.loads(out.strip().splitlines()[-1])

@@ -3,7 +3,7 @@ JSON-schema matcher as `structured_bench` (SmolLM2's tokenizer by default), for 
 fill (llguidance, `RowConstraints.constraints`) -> apply (`StepConstraints.to` + `.apply`: the bitmask
 onto fp32 logits) -> greedy argmax -> advance (the matchers consume the tokens).
 
-    python -m pdserve.bench.mask_bench --rows 32 --steps 128
+    python experiments/mask_bench.py --rows 32 --steps 128
 
 Logits are seeded random numbers, so every run walks the same paths through the grammar. Each phase is
 timed by `time.process_time` (CPU time of the whole process, every thread: what the phase takes from the
@@ -19,13 +19,14 @@ import time
 import orjson
 import torch
 
-from pdserve.bench.structured_bench import ENDLESS
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.resolve import resolve_model
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.text.grammar import json_schema_grammar
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.engine.worker.sampling.constraints import RowConstraints
+
+from structured_bench import ENDLESS
 
 
 def measure(args: argparse.Namespace) -> dict:

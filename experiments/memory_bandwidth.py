@@ -1,6 +1,6 @@
 """STREAM-like memory bandwidth of this machine: the ceiling a decode step is compared against.
 
-    python -m pdserve.bench.memory_bandwidth --threads 2
+    python experiments/memory_bandwidth.py --threads 2
 
 Arrays of 256 MiB each (far beyond any L3) through torch's own parallel kernels: copy (a = b,
 counted as read + write like STREAM), triad (a = b + s*c, 2 reads + 1 write) and read (sum(b), the

@@ -1,14 +1,14 @@
 """Offline throughput: pdserve's engine against transformers' `generate` and llama.cpp on the same prompts.
 
-    python -m pdserve.bench.offline_throughput --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
-    python -m pdserve.bench.offline_throughput --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
+    python experiments/offline_throughput.py --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
+    python experiments/offline_throughput.py --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
         --batches 1,8,32 --prefill-len 1024          # llama.cpp too when llama-server is on PATH
 
 For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the rest; decode
 tokens/s is batch * (output_len - 1) over the difference, and a decode step's time follows. With
 --prefill-len, one prompt of that length is prefilled alone (tokens/s). Each engine runs in its own
 fresh subprocess, one after the other in the same run (a CPU thread team one engine leaves behind
-slows the other: commit 823867d). The machine's memory bandwidth (bench.memory_bandwidth) is
+slows the other: commit 823867d). The machine's memory bandwidth (experiments/memory_bandwidth.py) is
 measured in the same run, and every decode figure is printed with the bandwidth it achieved: the
 weights plus the K/V read per step, over the step time. Writes the full result as JSON.
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 import orjson
 import torch
 
-from pdserve.bench import memory_bandwidth
 from pdserve.bench.documents import machine_description, write_json
 from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.llama_cpp import find_llama_server
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.topology import resolve_model_dir
 from pdserve.kernels.timing import best_seconds
+
+import memory_bandwidth
 
 RESULT_PREFIX = "offline-throughput-result: "
 ENGINES = ("pdserve", "transformers", "llama.cpp")
@@ -225,7 +226,7 @@ def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
     child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
              if value is not None and name not in skip]
     child.append("--batches=" + ",".join(map(str, args.batches)))
-    done = subprocess.run([sys.executable, "-m", "pdserve.bench.offline_throughput", *child, f"--engine={engine}"],
+    done = subprocess.run([sys.executable, __file__, *child, f"--engine={engine}"],
                           check=True, capture_output=True, text=True)
     for decision in (line for line in done.stderr.splitlines() if "cpu-kernels" in line or "quantization " in line):
         print(decision, file=sys.stderr)                  # NOTE: what the engine chose at start-up

@@ -1,13 +1,13 @@
 """What an idle OpenMP pool on another thread costs a step, and what giving it back recovers.
 
-    python -m pdserve.bench.openmp_pools_bench [--threads 2] [--rounds 5] [--out DIR]
+    python experiments/openmp_pools_bench.py [--threads 2] [--rounds 5] [--out DIR]
 
 A "step" thread runs small element-wise ops (a decode layer's norms and activations: 1 MB of float32) and a
 bf16 GEMV (a projection of one decode row) on `--threads` threads, in three conditions interleaved round by
 round: alone; with a second thread's idle pool of as many threads (what an adaptive unit's partner kept after
 stepping on lent cores); and after that thread gave its pool back (`pdserve.engine.worker.openmp`). Prints the
 median time of each op per condition and its ratio to "alone", and writes DIR/openmp_pools_bench.json (DIR:
---out, else $OUT, else bench/out).
+--out, else $OUT, else experiments/out).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = [f"{name} {result['median_seconds'][condition][name] * 1e6:.0f} us "
                  f"({result['ratio_to_alone'][condition][name]:.2f}x)" for name in result["median_seconds"][condition]]
         print(f"  {condition:20s} " + "; ".join(cells))
-    out = Path(args.out or os.environ.get("OUT") or "bench/out")
+    out = Path(args.out or os.environ.get("OUT") or "experiments/out")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "openmp_pools_bench.json", {"machine": machine_description(), **result})
 

@@ -1,6 +1,6 @@
 """What the process boundary of `--workers process` costs per step: encode + send + receive + decode.
 
-    python -m pdserve.bench.process_boundary --num-seqs 1,32,128
+    python experiments/process_boundary.py --num-seqs 1,32,128
 
 For N decode rows (and, separately, N new rows of a 64-token prompt each, the heaviest message), a
 step message goes to an echo worker process over the same pipe and wire format the engine uses,

@@ -1,7 +1,7 @@
 """`--distributed-executor-backend ray` against `--workers process`: step round trip, KV bytes/s between
 two nodes, and one serving run of each with the same units.
 
-    python -m pdserve.bench.ray_bench [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
+    python experiments/ray_bench.py [--model demo:tiny] [--ray-address HOST:PORT] [--threads 1]
                                       [--requests 16] [--prompt-tokens 256] [--max-tokens 64] [--out DIR]
                                       [--kv-transport object-store|gloo] [--compiled-graph] [--one-node]
 
@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--frame-bytes", type=int, default=2048, help="the frame --compiled-graph sends")
     parser.add_argument("--one-node", action="store_true",
                         help="one Ray node for both units (they share the decode pool), not two")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/out"))
     args = parser.parse_args()
     results = run(args)
     process, ray_ = results["process"], results["ray"]

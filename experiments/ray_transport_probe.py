@@ -1,6 +1,6 @@
 """Does Ray Direct Transport over gloo move KV blocks between two actors on two Ray nodes of this machine?
 
-    python -m pdserve.bench.ray_transport_probe [--case NAME ...] [--blocks 16] [--timeout 30]
+    python experiments/ray_transport_probe.py [--case NAME ...] [--blocks 16] [--timeout 30]
 
 Starts a two-node Ray cluster on 127.0.0.1 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, `GLOO_SOCKET_IFNAME=lo`),
 one actor on each node joined in a `torch_gloo` collective group, and runs each case: a producer method

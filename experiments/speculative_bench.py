@@ -2,7 +2,7 @@
 whose answer overlaps them (an edit of a code passage; a prose passage quoted) and on one whose answer does
 not, in one process: tok/s of each and the ratios.
 
-    python -m pdserve.bench.speculative_bench --model smollm2 --max-tokens 256 --repeats 3 \
+    python experiments/speculative_bench.py --model smollm2 --max-tokens 256 --repeats 3 \
         --variant 'ngram={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                           "prompt_lookup_max": 4}' \
         --variant 'suffix={"method": "suffix", "num_speculative_tokens": 16}'
@@ -27,7 +27,7 @@ import time
 
 import orjson
 
-from pdserve.bench.edit_workload import REPO, edit_prompts, quote_prompt
+from pdserve.bench.edit_workload import DEFAULT_QUOTE_FILE, REPO, edit_prompts, quote_prompt
 from pdserve.bench.llama_cpp import find_llama_server, llama_server, timed_completions
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.core.messages import Request
@@ -43,7 +43,6 @@ OPEN_ENDED = "Write a long story about a lighthouse keeper who finds a map in a 
 
 DEFAULT_PASSAGE_FILE = REPO / "engine" / "core" / "block_manager.py"   # NOTE: one file, so that new files elsewhere
 #                                                                   do not change which passage a seed picks
-DEFAULT_QUOTE_FILE = REPO / "docs" / "architecture.md"                  # prose, as a RAG answer quotes its source
 
 
 def prompts(llm: LLM, passage_tokens: int, seed: int, path: str, quote_path: str | None = None

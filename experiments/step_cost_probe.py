@@ -1,6 +1,6 @@
 """How well the start-up profile's step cost models predict steps it did not run.
 
-    python -m pdserve.bench.step_cost_probe --model smollm2 --mode adaptive
+    python experiments/step_cost_probe.py --model smollm2 --mode adaptive
 
 Loads the engine's units as `pdserve serve` would, runs the start-up profile (the fits the router and the SLO
 planner start from), then times probe prefill steps of one and several prompts on each unit at each thread count

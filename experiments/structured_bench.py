@@ -1,7 +1,7 @@
 """Structured outputs' cost: decode tok/s of JSON-schema-constrained vs unconstrained requests at batch 1 and
 32, and the first-token delay of a schema seen for the first time vs a cached one, in one process.
 
-    python -m pdserve.bench.structured_bench --batches 1,32 --max-tokens 128 --mode colocated
+    python experiments/structured_bench.py --batches 1,32 --max-tokens 128 --mode colocated
 
 Both request kinds produce exactly `--max-tokens` tokens: unconstrained ones ignore EOS, constrained ones
 follow a schema (an array of at least 1000 objects) that cannot end sooner, so tok/s compare like for

@@ -1,5 +1,5 @@
-"""bench/draft_ceiling.py's replay: verify steps an ungated n-gram proposer needs for a known output."""
-from pdserve.bench.draft_ceiling import replay
+"""experiments/draft_ceiling.py's replay: verify steps an ungated n-gram proposer needs for a known output."""
+from draft_ceiling import replay
 
 
 def test_an_output_that_copies_its_prompt_takes_one_step_per_k_plus_one_tokens():

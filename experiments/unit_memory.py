@@ -1,7 +1,7 @@
 """Peak resident memory of an engine with four CPU thread units against one unit: the units of one
 process share one copy of the weights, so four should cost little more than one (target: at most 1.3x).
 
-    python -m pdserve.bench.unit_memory --model demo:base --dtype bfloat16 --kv-cache-memory 64MiB
+    python experiments/unit_memory.py --model demo:base --dtype bfloat16 --kv-cache-memory 64MiB
 
 Each engine is built and serves one short request in a fresh subprocess (nothing else resident);
 one unit is `--mode colocated --prefill-device cpu`, four are `--mode disaggregated --prefill-device
@@ -50,7 +50,7 @@ def _child(model: str, dtype: str, kv: str, layout: str) -> None:
 
 
 def _measure(args, layout: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pdserve.bench.unit_memory", "--child", layout, "--model", args.model,
+    out = subprocess.run([sys.executable, __file__, "--child", layout, "--model", args.model,
                           "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Where a one-row verify step's time goes on this machine: a plain decode step against a verification of
 K drafts (K + 1 positions) of one row at a given context, phase by phase, in one process.
 
-    python -m pdserve.bench.verify_phases --model DIR/hf --dtype float32 --context 400 --drafts 0,4,8,16
+    python experiments/verify_phases.py --model DIR/hf --dtype float32 --context 400 --drafts 0,4,8,16
 
 Phases (median over --repeats, milliseconds): `prepare` (the step's inputs: row tables, uploads), `forward`
 (every layer: projections and attention), `logits` (the final norm's rows through the vocabulary projection),

@@ -99,3 +99,20 @@ def test_no_modules_import_each_other_in_a_circle():
 def test_the_rule_itself(source, target, ok):
     upward = RANKS[group_of(target)] >= RANKS[group_of(source)] and group_of(target) != group_of(source)
     assert upward is not ok
+
+
+def test_nothing_in_the_package_imports_or_runs_the_experiments():
+    """experiments/ (one-off probes, run as scripts) may import anything; nothing shipped depends on them."""
+    names = {"experiments", *(p.stem for p in (ROOT / "experiments").glob("*.py"))}
+    found = []
+    for folder in ("engine", "server", "kernels", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                imported = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                            else [])
+                found += [f"{path.relative_to(ROOT)} imports {m}" for m in imported if m.split(".")[0] in names]
+        for path in (ROOT / folder).rglob("*.sh"):
+            if "experiments/" in path.read_text():
+                found.append(f"{path.relative_to(ROOT)} runs a script of experiments/")
+    assert not found, "\n".join(found)
