@@ -29,7 +29,7 @@ from pdserve.engine.model.quant_probe import probe_bytes
 from pdserve.kernels import native
 from pdserve.kernels.native import INT, INT64, POINTER, SUFFIXES
 
-from memory_bandwidth import measure as measure_bandwidth
+from cpu_kernels import measure as measure_bandwidth
 
 SHAPES = {  # name: (N, K)
     "135m.qkv": (960, 576), "135m.o": (576, 576), "135m.gate_up": (3072, 576), "135m.down": (576, 1536),

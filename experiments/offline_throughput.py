@@ -8,7 +8,7 @@ For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the
 tokens/s is batch * (output_len - 1) over the difference, and a decode step's time follows. With
 --prefill-len, one prompt of that length is prefilled alone (tokens/s). Each engine runs in its own
 fresh subprocess, one after the other in the same run (a CPU thread team one engine leaves behind
-slows the other: commit 823867d). The machine's memory bandwidth (experiments/memory_bandwidth.py) is
+slows the other: commit 823867d). The machine's memory bandwidth (experiments/cpu_kernels.py bandwidth) is
 measured in the same run, and every decode figure is printed with the bandwidth it achieved: the
 weights plus the K/V read per step, over the step time. Writes the full result as JSON.
 """
@@ -31,7 +31,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.topology import resolve_model_dir
 from pdserve.kernels.timing import best_seconds
 
-import memory_bandwidth
+from cpu_kernels import measure as measure_bandwidth
 
 RESULT_PREFIX = "offline-throughput-result: "
 ENGINES = ("pdserve", "transformers", "llama.cpp")
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     engines = (["pdserve"] + (["transformers"] if args.compare_transformers else [])
                + (["llama.cpp"] if args.llama_server else []))
     results = [_in_subprocess(args, engine) for engine in engines]
-    bandwidth = memory_bandwidth.measure(args.threads)
+    bandwidth = measure_bandwidth(args.threads)
     report(args, results, bandwidth)
     record = {"args": vars(args), "machine": {"description": machine_description(), "capability": torch.backends.cpu.get_cpu_capability()}, "memory_bandwidth": bandwidth, "results": results}
     if args.result_json:

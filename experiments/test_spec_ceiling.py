@@ -1,5 +1,5 @@
-"""experiments/draft_ceiling.py's replay: verify steps an ungated n-gram proposer needs for a known output."""
-from draft_ceiling import replay
+"""experiments/spec_ceiling.py's replay: verify steps an ungated n-gram proposer needs for a known output."""
+from spec_ceiling import replay
 
 
 def test_an_output_that_copies_its_prompt_takes_one_step_per_k_plus_one_tokens():
