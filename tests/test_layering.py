@@ -1,6 +1,7 @@
 """engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
 
     front (engine/*.py)  ->  coordinator/  ->  actors/  ->  worker/  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+    ->  env.py (the PDSERVE_* variables: imports nothing of pdserve)
 
 worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
 ->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RANKS = {"pdserve.kernels": 0, "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
+PROJECT = (["pdserve", "engine"], ["pdserve", "kernels"], ["pdserve", "env"])     # the modules the layers are made of
+RANKS = {"pdserve.env": -1, "pdserve.kernels": 0,
+         "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
          "pdserve.engine.core": 2, "pdserve.engine.worker.sampling": 3, "pdserve.engine.worker": 4,
          "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6, "pdserve.engine.actors": 7,
          "pdserve.engine.coordinator": 8, "pdserve.engine": 9}
@@ -45,11 +48,11 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules.add(node.module)
             modules.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {m for m in modules if m.split(".")[:2] in (["pdserve", "engine"], ["pdserve", "kernels"])}
+    return {m for m in modules if m.split(".")[:2] in PROJECT}
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py")]
+    files = [*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py"), ROOT / "env.py"]
     return {module_name(f): f for f in files}
 
 
@@ -95,6 +98,7 @@ def test_no_modules_import_each_other_in_a_circle():
     ("pdserve.engine.worker.model_runner", "pdserve.engine.actors.base", False),
     ("pdserve.engine.model.llama", "pdserve.engine.text.tokenizer", False),
     ("pdserve.kernels.store_kv", "pdserve.engine.core.batch", False),
+    ("pdserve.env", "pdserve.kernels.native", False),
 ])
 def test_the_rule_itself(source, target, ok):
     upward = RANKS[group_of(target)] >= RANKS[group_of(source)] and group_of(target) != group_of(source)

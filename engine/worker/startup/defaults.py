@@ -25,7 +25,7 @@ import torch
 MIN_SPEEDUP = 1.1                  # a narrower dtype must beat float32 by this much to be chosen
 SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, ~1 ms where a dtype is emulated
 PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP, well under 1 ms with hardware
-PROBE_BUDGET_S = 0.005             # all candidates together, once the slow ones have dropped out
+PROBE_BUDGET_S = 0.05              # all candidates together; see probe()
 PROBE_MAX_TURNS = 20
 CLEARLY_SLOWER = 10.0              # after three turns, a candidate this much slower than the best drops out
 HALF_UNITS = {"bfloat16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16")),
@@ -155,8 +155,10 @@ def choose_dtype(devices: Sequence[torch.device]) -> Choice:
 def probe(candidates: Mapping[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter,
           budget_s: float = PROBE_BUDGET_S, max_turns: int = PROBE_MAX_TURNS) -> ProbeResult:
     """Best time of one call of each candidate, called in turns (so noise hits all alike) until
-    `budget_s` is spent; after three turns (the first pays warm-up costs) a candidate clearly slower than
-    the best drops out (after two, one interrupted call beside the warm-up dropped bfloat16 at a start)."""
+    `budget_s` is spent or `max_turns` are done; after three turns (the first pays warm-up costs) a candidate
+    clearly slower than the best drops out (after two, one interrupted call beside the warm-up dropped bfloat16
+    at a start). The budget spans several of the scheduler's time slices, so that one preemption on a shared
+    core cannot slow every call of a candidate; `max_turns` ends a probe of short calls sooner."""
     best = dict.fromkeys(candidates, float("inf"))
     live, started = list(candidates), clock()
     for turn in range(max_turns):
