@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 MIN_SPEEDUP = 1.1                  # a narrower dtype must beat float32 by this much to be chosen
-SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, ~1 ms where a dtype is emulated
-PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP, well under 1 ms with hardware
+SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, cheap even where a dtype is emulated
+PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP: quick where the CPU computes the dtype, long enough to time
 PROBE_BUDGET_S = 0.05              # all candidates together; see probe()
 PROBE_MAX_TURNS = 20
 CLEARLY_SLOWER = 10.0              # after three turns, a candidate this much slower than the best drops out
@@ -34,7 +34,7 @@ HALF_UNITS = {"bfloat16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16")),
 
 @dataclass(frozen=True, slots=True)
 class CpuInfo:
-    model: str                     # "AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+"
+    model: str                     # the model name /proc/cpuinfo reports
     isa: str                       # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     flags: frozenset[str]          # /proc/cpuinfo flags
 
@@ -181,7 +181,7 @@ def _time_call(call: Callable[[], object], clock: Callable[[], float]) -> float:
 def probe_matmul(dtypes: tuple[str, ...]) -> ProbeResult:
     """`probe` of one linear layer per dtype, on one thread of a short-lived thread, once per process.
 
-    A tiny layer first screens out emulated dtypes (~100x slower) in about a millisecond; the rest
+    A tiny layer first screens out emulated dtypes (orders of magnitude slower) at little cost; the rest
     are timed on `PROBE_SHAPE`. A screened-out dtype keeps its tiny-layer ratio to float32.
     """
     with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as pool:
