@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_QUOTE_FILE = REPO / "docs" / "architecture.md"     # prose, as a RAG answer quotes its source
 SOURCE_GLOBS = ("engine/**/*.py", "server/**/*.py", "bench/*.py", "kernels/*.py")
 TEXT_SUFFIXES = (".py", ".md", ".txt", ".rst", ".c", ".cpp", ".h", ".js", ".ts", ".rs", ".go", ".java", ".json")
 CHARS_PER_TOKEN = 4          # what bench.workloads.approx_tokens assumes

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from pdserve import env
 from pdserve.kernels.native import cpu_kernels_enabled
 from pdserve.kernels._triton import HAS_TRITON, INTERPRETED
 from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -52,7 +52,7 @@ _INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext(
 
 def use_triton(x: torch.Tensor) -> bool:
     """True when the Triton path serves tensors like x (CUDA, or forced by PDSERVE_KERNELS)."""
-    mode = os.environ.get("PDSERVE_KERNELS", "")
+    mode = env.kernels_override()
     if mode == "torch":
         return False
     if not HAS_TRITON:
@@ -65,7 +65,7 @@ def use_triton(x: torch.Tensor) -> bool:
 def use_native(x: torch.Tensor) -> bool:
     """True when the native C++ path serves tensors like x (CPU, float32/bfloat16, built, switched on,
     PDSERVE_KERNELS unset)."""
-    return (x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and not os.environ.get("PDSERVE_KERNELS")
+    return (x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and not env.kernels_override()
             and cpu_kernels_enabled())
 
 

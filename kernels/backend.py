@@ -6,10 +6,10 @@ when Triton cannot run there); unset, CUDA tensors use Triton and everything els
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from pdserve import env
 from pdserve.kernels._triton import HAS_TRITON, IMPORT_ERROR, INTERPRETED
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class KernelBackendError(ValueError):
 
 def forced_mode() -> str:
     """'' (automatic), 'torch' or 'triton'; KernelBackendError for anything else."""
-    mode = os.environ.get("PDSERVE_KERNELS", "")
+    mode = env.kernels_override()
     if mode not in MODES:
         raise KernelBackendError(f"PDSERVE_KERNELS must be torch or triton (or unset), got {mode!r}")
     return mode

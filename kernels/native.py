@@ -26,6 +26,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pdserve import env
+
 logger = logging.getLogger(__name__)
 
 BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
@@ -37,8 +39,7 @@ _cpu_state: dict[str, object] = {"enabled": True}
 
 
 def cache_dir() -> Path:
-    # NOTE: engine.model.cache.cache_root's rule; kernels/ sits below engine/ and cannot import it
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve") / "kernels"
+    return env.cache_dir() / "kernels"
 
 
 def load_native(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:

@@ -89,8 +89,8 @@ def warm_prefer_native(weights: list[torch.Tensor], thread_counts: tuple[int, ..
 
     One race per dtype, bucket and thread count, over the weights themselves in model order up to
     `stream_bytes` (every one where the model has less), so that they come from memory as in a step: timed
-    on one weight, which then sits in cache, BLAS won the one- and two-row buckets of every SmolLM2 shape
-    in float32 on a Xeon with 480 MiB of L3, and those steps left the one-call native step (28 vs 23.7 ms).
+    on one weight, which then sits in cache, the race picked BLAS where a step streaming its weights runs
+    faster natively, and those steps left the one-call native step (bench/RESULTS.md, "Measured once").
     A step runs every projection, so every shape of the dtype takes the race's winner."""
     groups: dict[torch.dtype, dict[int, torch.Tensor]] = {}
     for w in weights:

@@ -3,8 +3,8 @@
 `quant_linear_native` runs the C kernel in quant_linear.c (built for the running CPU by
 kernels.native; fp32 or bf16 activations, fp32 arithmetic, OpenMP over the output features) on a
 `KernelWeight`: the weight's rows interleaved by tiles of TILE_ROWS, block by block, so a tile's
-bytes (and its scales) are read as one stream (measured 2.5x faster than row-major for int8
-blocks: commit 442aa63). `quant_linear_ref` is the plain-torch reference: F.linear of the fp32
+bytes (and its scales) are read as one stream (much faster than row-major: bench/RESULTS.md,
+"Measured once"). `quant_linear_ref` is the plain-torch reference: F.linear of the fp32
 activations against the dequantized fp32 weight, rounded to the activations' dtype.
 """
 from __future__ import annotations

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve import env
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.worker.memory import parse_memory
 from pdserve.server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
@@ -32,7 +32,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
                    help="model name(s) the API accepts; the first is the one reported (default: the "
                         "model's own name, e.g. smollm2, and the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+    g.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
     g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
                    help="largest request body, e.g. 8MiB (413 above)")

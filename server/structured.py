@@ -145,7 +145,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_source: Callable[[], LLTokenizer], observe_seconds: Callable[[float], None],
                  capacity: int = 512) -> None:
-        self._tokenizer_source = tokenizer_source          # built once (~1 s), in the first compile's thread
+        self._tokenizer_source = tokenizer_source          # built once (slow), in the first compile's thread
         self._observe_seconds = observe_seconds
         self._cache: OrderedDict[tuple[str, str], tuple[str | None, str | None]] = OrderedDict()
         self.capacity = capacity

@@ -46,8 +46,7 @@ def test_a_given_folder_is_used_and_an_empty_one_refused(tmp_path):
 def test_a_quote_prompt_asks_for_a_prose_passage_of_the_file_verbatim():
     import random
 
-    from pdserve.bench.edit_workload import INSTRUCTIONS, quote_prompt
-    from pdserve.bench.speculative_bench import DEFAULT_QUOTE_FILE
+    from pdserve.bench.edit_workload import DEFAULT_QUOTE_FILE, INSTRUCTIONS, quote_prompt
 
     prompt = quote_prompt(random.Random(0), 300, str(DEFAULT_QUOTE_FILE))
     assert prompt == quote_prompt(random.Random(0), 300, str(DEFAULT_QUOTE_FILE))

@@ -1,7 +1,8 @@
 """engine/ is layered by role: a group imports only groups below it, and no modules import in a circle.
 
     front (engine/*.py, ray/, sim/)  ->  modes/  ->  coordinator/  ->  actors/  ->  units/  ->  worker/
-    ->  config.py  ->  core/  ->  model/, transfer/, text/  ->  kernels/
+    ->  config.py  ->  core/  ->  model/, transfer/, text/  ->  kernels/  ->  env.py (the PDSERVE_* variables:
+    imports nothing of pdserve)
 
 worker/ itself: processes/ (the spawned worker, its wire format)  ->  startup/ (probes, sizing, warm-up)
 ->  the step (worker/*.py: model runner, inputs, compute units)  ->  sampling/.
@@ -19,7 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RANKS = {"pdserve.kernels": 0, "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
+PROJECT = (["pdserve", "engine"], ["pdserve", "kernels"], ["pdserve", "env"])     # the modules the layers are made of
+RANKS = {"pdserve.env": -1, "pdserve.kernels": 0,
+         "pdserve.engine.model": 1, "pdserve.engine.transfer": 1, "pdserve.engine.text": 1,
          "pdserve.engine.core": 2, "pdserve.engine.config": 2.5, "pdserve.engine.worker.sampling": 3,
          "pdserve.engine.worker": 4, "pdserve.engine.worker.startup": 5, "pdserve.engine.worker.processes": 6,
          "pdserve.engine.units": 6.5, "pdserve.engine.actors": 7, "pdserve.engine.coordinator": 8,
@@ -44,11 +47,11 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules.add(node.module)
             modules.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {m for m in modules if m.split(".")[:2] in (["pdserve", "engine"], ["pdserve", "kernels"])}
+    return {m for m in modules if m.split(".")[:2] in PROJECT}
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py")]
+    files = [*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py"), ROOT / "env.py"]
     return {module_name(f): f for f in files}
 
 
@@ -94,7 +97,25 @@ def test_no_modules_import_each_other_in_a_circle():
     ("pdserve.engine.worker.model_runner", "pdserve.engine.actors.base", False),
     ("pdserve.engine.model.llama", "pdserve.engine.text.tokenizer", False),
     ("pdserve.kernels.store_kv", "pdserve.engine.core.batch", False),
+    ("pdserve.env", "pdserve.kernels.native", False),
 ])
 def test_the_rule_itself(source, target, ok):
     upward = RANKS[group_of(target)] >= RANKS[group_of(source)] and group_of(target) != group_of(source)
     assert upward is not ok
+
+
+def test_nothing_in_the_package_imports_or_runs_the_experiments():
+    """experiments/ (one-off probes, run as scripts) may import anything; nothing shipped depends on them."""
+    names = {"experiments", *(p.stem for p in (ROOT / "experiments").glob("*.py"))}
+    found = []
+    for folder in ("engine", "server", "kernels", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                imported = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                            else [])
+                found += [f"{path.relative_to(ROOT)} imports {m}" for m in imported if m.split(".")[0] in names]
+        for path in (ROOT / folder).rglob("*.sh"):
+            if "experiments/" in path.read_text():
+                found.append(f"{path.relative_to(ROOT)} runs a script of experiments/")
+    assert not found, "\n".join(found)

@@ -5,7 +5,8 @@ import asyncio
 
 import orjson
 
-from pdserve.engine.actors.step_trace import ENVIRONMENT, StepTrace
+from pdserve import env
+from pdserve.engine.actors.step_trace import StepTrace
 from pdserve.engine.core.messages import Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
@@ -21,7 +22,7 @@ async def serve(engine: Engine, requests: list[Request]) -> list[list[int]]:
 
 def test_the_trace_holds_every_step_and_the_work_it_did(tmp_path, monkeypatch):
     path = tmp_path / "steps.jsonl"
-    monkeypatch.setenv(ENVIRONMENT, str(path))
+    monkeypatch.setenv(env.STEP_TRACE, str(path))
     lengths = [40, 7, 23]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     requests = [Request(f"t{i}", p, params) for i, p in enumerate(prompts(lengths))]
@@ -41,5 +42,5 @@ def test_the_trace_holds_every_step_and_the_work_it_did(tmp_path, monkeypatch):
 
 
 def test_without_the_variable_nothing_is_traced(monkeypatch):
-    monkeypatch.delenv(ENVIRONMENT, raising=False)
+    monkeypatch.delenv(env.STEP_TRACE, raising=False)
     assert StepTrace.from_environment() is None

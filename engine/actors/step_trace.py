@@ -9,13 +9,12 @@ Unset (the default), nothing is written and a step pays one attribute test.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import orjson
 
-ENVIRONMENT = "PDSERVE_STEP_TRACE"
+from pdserve import env
 
 
 class StepTrace:
@@ -29,8 +28,8 @@ class StepTrace:
 
     @classmethod
     def from_environment(cls) -> "StepTrace | None":
-        path = os.environ.get(ENVIRONMENT)
-        if not path:
+        path = env.step_trace_path()
+        if path is None:
             return None
         with cls._lock:
             if path not in cls._opened:

@@ -61,7 +61,7 @@ class TokenEvent(NamedTuple):
     `finish_reason` set; `error` explains FinishReason.ERROR.
 
     NOTE: a NamedTuple, not a frozen dataclass: one is built per token per request on the
-    event loop, and this is 3.5x cheaper to construct (commit 440d921; bench/RESULTS.md, "Host work per step").
+    event loop, and a NamedTuple is much cheaper to construct (bench/RESULTS.md, "Measured once").
     """
 
     request_id: str

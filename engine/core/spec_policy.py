@@ -1,42 +1,10 @@
 """Where drafts pay: per step, from the measured cost of verifying them and the ITL SLO; per row, from its
 acceptance.
 
-A step of D decode rows yields D tokens in T0 seconds (its predicted time without drafts). Verifying one
-more draft token adds c seconds (a lone row's first one more: `DecodeStepFit`) and yields, at draft
-position j of a row that accepts each draft with probability a, a^j expected tokens. Candidates are
-taken best first (largest a^j: the rows with the lowest acceptance lose their drafts first) while each
-one raises the step's expected tokens per second, i.e. while a^j > c * Y / T (Y tokens expected of the T seconds taken so far), and while the step's
-predicted time stays within its limit; they are kept if together they beat the step without drafts:
-
-- the rate rule gives the streams the most tokens per second of step time; none draft once D * c >= T0;
-- the ITL rule bounds what a stream waits for its next token. A row that rejects its drafts, and every
-  row of the step that drafts nothing, gets one token after the whole step, so drafts may make a step
-  only as long as the ITL SLO allows (adaptive mode's planner holds prefill riding along in a decode step
-  to the same bound), and at most HEADROOM times a lone row's plain step T1: the ITL SLO is derived as
-  HEADROOM times a decode step, "the step, and as much again" for what rides along
-  (engine.coordinator.slo), and that share, applied to a lone row's step, keeps a verify step within
-  what a lone stream waits for its own drafts even where the SLO is far above this step (a one-row step,
-  say, under an SLO derived at the knee batch's step). Measured from T1, not from this step's T0: a
-  stream sharing its step with others waits no longer for the step's drafts than it would alone (from
-  T0, a chat load's three-row verify steps ran to twice their 23 ms plain time, past the 33 ms p99 ITL
-  that load had without drafts). So the step may take max(T0, min(ITL SLO, HEADROOM * T1)); one
-  already past the SLO without drafts gets none.
-
-Where a step of as many positions (rows plus drafts) ran lately, its measured time stands in for the
-linear prediction (`ShapeTimes`): the CPU kernels change path at row counts the linear fit cannot see (a
-quantized model's blocks serve up to the probe's row count, the few-row tiles up to six rows), and on this
-machine a two-row step verifying 6 drafts took 44 ms where 4 took 21 (SmolLM2 as served, Xeon-167), so a
-draft that crosses such a step is priced at what crossing it cost.
-
-T0 and c come from this unit's own fit of its decode-only steps (`DecodeStepFit`: seconds over rows and
-draft tokens, so c is what verifying costs here, not a prefill token's price); until it has measured
-three steps, or while no recent step carried a draft, from the unit's step cost model; before either,
-a step drafts when it has at most FLAT_STEP_TOKENS // (1 + K) rows (a roofline guess), no time bound.
-A step that carries prefill chunks drafts nothing: it is already the long step whose wait sets the short
-streams' tail ITL.
-`disable_by_batch_size` stays a hard limit. A draft model's own forwards run before the step, so each draft
-token is also priced at one measured draft forward (`draft_forward`; a forward serves every drafting row,
-so for several rows this overprices them).
+A step takes candidate drafts best first (largest a^j: a row's acceptance a to the power of the draft's
+position j) while each raises the step's expected tokens per second and the step's predicted time stays within
+max(T0, min(ITL SLO, HEADROOM * T1)), T0 the step without drafts and T1 a lone row's plain step; a step carrying
+prefill chunks drafts nothing. docs/speculative.md ("When a step drafts, and how long") gives the reasons.
 """
 from __future__ import annotations
 
@@ -51,9 +19,9 @@ import numpy as np
 from pdserve.engine.core.config import SLO_HEADROOM as HEADROOM
 from pdserve.engine.core.weighted_fit import WeightedFit
 
-# NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under the
-# CPU's flop/byte ridge (~32 tokens for bf16 matmuls on AVX-512 cores at ~20 GB/s) a verification
-# costs about one plain step. Used only until a step cost is measured.
+# NOTE: a decode step reads every weight once whatever its tokens; while rows * (1 + K) stay under a
+# CPU's flop/byte ridge (a few dozen tokens for bf16 matmuls streaming their weights from memory) a
+# verification costs about one plain step. Used only until a step cost is measured.
 FLAT_STEP_TOKENS = 32
 ACCEPTANCE_DECAY = 0.8       # weight of a row's older verifications in its acceptance estimate
 FIT_DECAY = 0.97             # DecodeStepFit: as the step cost model (engine.actors.step_cost)

@@ -1,21 +1,8 @@
 """Suffix decoding drafts (Snowflake's SuffixDecoding, vLLM's "suffix" method) in numpy.
 
-What Arctic Inference's depth-bounded suffix trees count, read off the token arrays directly: the
-count of a string s (|s| <= max depth) is the number of places it occurs in a source, a source
-being one request's prompt and output so far, or the outputs of earlier requests (`SuffixCache`).
-For every match length m (1 <= m < the pattern's length, the pattern being the context's last
-max-depth tokens) whose last m tokens occur earlier, a draft walks from that match to its most
-frequent continuation token by token, each token's probability being count(s + c) / count(s) times
-the previous one, while that stays >= min_token_prob and for at most
-min(k, floor(m * max_spec_factor + offset), max_depth - m) tokens: speculation is longer where the
-match is long and its continuation frequent. The draft of highest score (the sum of its
-probabilities, the expected accepted tokens) wins; ties go to the longer match, between the
-request's own text and the cache to the request's own. Ties between equally frequent continuations
-go to the newest occurrence.
-
-Every occurrence's match length comes from one gather; match lengths whose occurrences are the same set
-(a longer match that excludes nothing) share one walk; longer matches go first, and a set whose longest
-draft could not beat the best so far is skipped.
+What Arctic Inference's depth-bounded suffix trees count, read off the token arrays directly, over one request's
+prompt and output and over earlier requests' outputs (`SuffixCache`); the draft of highest expected accepted
+tokens wins. docs/speculative.md ("The suffix method") gives the walk, its limits and the ties.
 """
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ class WeightedFit:
 
     def coefficients(self) -> np.ndarray:
         """The best fit with no coefficient below 0 (a non-negative least-squares solve, not a clipped
-        unconstrained one: clipping a negative per-row cost to 0 once predicted a 48-row decode step at 2x
-        the 65-90 ms the fit had observed, and cost adaptive mode its lent cores for the rest of a run).
+        unconstrained one: clipping a negative per-row cost to 0 once predicted a large decode step far above
+        every step the fit had observed, and cost adaptive mode its lent cores for the rest of a run).
         Solved once per observation (the planner reads them several times a step); read-only."""
         if self._solved is None:
             self._solved = non_negative_solve(self._a + self.ridge * np.eye(self.width), self._b, self._support)

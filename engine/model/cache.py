@@ -13,10 +13,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve import env
+
 
 def cache_root() -> Path:
     """$PDSERVE_CACHE, or ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+    return env.cache_dir()
 
 
 def build_once(final: Path, build: Callable[[Path], None]) -> Path:

@@ -1,8 +1,8 @@
 """A GGUF's quantized projections kept in $PDSERVE_CACHE, so a second start skips the GGUF parse.
 
-gguf's reader parses every metadata field first (SmolLM2's 49152-token vocabulary: 2.9 s here, ten
-times the dense load), so the projections are saved once as safetensors, keyed by the file's real
-path, size and modification time, written under a temporary name and renamed.
+gguf's reader parses every metadata field first, which for a large vocabulary takes several times the
+dense load (bench/RESULTS.md, "Measured once"), so the projections are saved once as safetensors, keyed
+by the file's real path, size and modification time, written under a temporary name and renamed.
 """
 from __future__ import annotations
 

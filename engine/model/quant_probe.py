@@ -27,7 +27,7 @@ SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 def probe_bytes(caches: Path = CPU_CACHES) -> int:
     """Dense bytes one probe pass streams: twice the largest cache the CPU reports, so that the weights come
     from memory as in a decode step over a whole model (a pass that fits the cache measures compute alone and
-    favours the dense matmul: 48 MiB did on a Xeon reporting 480 MiB of L3, bench/RESULTS.md)."""
+    favours the dense matmul: bench/RESULTS.md, "What the quantization probe streams")."""
     return max(MIN_PROBE_BYTES, 2 * last_level_cache_bytes(caches))
 
 

@@ -15,7 +15,7 @@ JSON_DEFAULTS = {"whitespace_flexible": False}     # compact JSON: a small model
 
 @functools.lru_cache(maxsize=4)
 def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> LLTokenizer:
-    """llguidance's view of `model_dir`'s tokenizer.json over the model's `vocab_size` (built once: ~1 s)."""
+    """llguidance's view of `model_dir`'s tokenizer.json over the model's `vocab_size` (built once: slow)."""
     text = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
     return LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 

@@ -1,11 +1,12 @@
-"""What every KV transfer backend shares: the copy handle, the protocol, coalesced runs, checks.
+"""What every KV transfer backend shares: the copy handle, the `copy_blocks` template, coalesced runs, checks.
 
 Pools are laid out as `pdserve.kernels.kv_layout.KVLayout` says: a run of consecutive block ids is one
 contiguous memory range and moves in one copy.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from abc import ABC, abstractmethod
+from typing import Sequence
 
 import torch
 
@@ -53,11 +54,11 @@ class TransferHandle:
         return self._seconds
 
 
-class KVTransfer(Protocol):
-    """Copies blocks of one KV pool into another; returns at once with a handle on the copy.
+class KVTransfer(ABC):
+    """Copies blocks of one KV pool into another; `copy_blocks` returns at once with a handle on the copy.
 
-    `copy_blocks` raises ValueError when the pools' geometry or the block ids do not fit.
-    """
+    `copy_blocks` checks the pools and the ids (ValueError when the geometry or the ids do not fit), coalesces
+    the block runs and hands them to `_copy_runs`, the one part each backend writes."""
 
     name: str
 
@@ -67,7 +68,26 @@ class KVTransfer(Protocol):
         dst_pool: torch.Tensor,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
-    ) -> TransferHandle: ...
+    ) -> TransferHandle:
+        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
+        self._check_pools(src_pool, dst_pool)
+        runs = coalesce_runs(src_block_ids, dst_block_ids)
+        if not runs:
+            return TransferHandle.finished(0, 0.0)
+        return self._copy_runs(src_pool, dst_pool, runs, block_nbytes(src_pool))
+
+    def _check_pools(self, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
+        """Raise ValueError where this backend cannot copy between these two pools (any two, by default)."""
+
+    @abstractmethod
+    def _copy_runs(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[int, int, int]],
+                   block_bytes: int) -> TransferHandle:
+        """Start copying the (src_start, dst_start, length) runs, `block_bytes` a block; the handle on it."""
+
+
+def run_bytes(runs: list[tuple[int, int, int]], block_bytes: int) -> int:
+    """The bytes `runs` move."""
+    return sum(length for _, _, length in runs) * block_bytes
 
 
 def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -6,18 +6,10 @@ copies through pinned host memory (`pdserve.engine.transfer.staged`) from then o
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 import torch
 
-from pdserve.engine.transfer.base import (
-    TransferHandle,
-    TransferUnavailable,
-    block_nbytes,
-    check_copy,
-    coalesce_runs,
-    timing_events,
-)
+from pdserve.engine.transfer.base import KVTransfer, TransferHandle, TransferUnavailable, run_bytes, timing_events
 from pdserve.engine.transfer.staged import StagedTransfer
 
 logger = logging.getLogger(__name__)
@@ -28,7 +20,7 @@ class PeerAccessUnavailable(TransferUnavailable):
     """CuPy and CUDA work, but the two devices cannot (or may not) access each other's memory."""
 
 
-class CupyP2PTransfer:
+class CupyP2PTransfer(KVTransfer):
     """Copies block runs with `cupy.cuda.runtime.memcpyPeerAsync` on a transfer stream of the source device.
 
     The stream first waits on the caller's current stream of the source device; completion and
@@ -44,31 +36,19 @@ class CupyP2PTransfer:
         self._stream = torch.cuda.Stream(device=src_device)
         self._fallback: StagedTransfer | None = None
 
-    def copy_blocks(
-        self,
-        src_pool: torch.Tensor,
-        dst_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> TransferHandle:
-        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
-        self._check_pools(src_pool, dst_pool)
+    def _copy_runs(self, src_pool, dst_pool, runs, block_bytes) -> TransferHandle:
         if self._fallback is not None:
-            return self._fallback.copy_blocks(src_pool, dst_pool, src_block_ids, dst_block_ids)
-        runs = coalesce_runs(src_block_ids, dst_block_ids)
-        nbytes = len(src_block_ids) * block_nbytes(src_pool)
-        if not runs:
-            return TransferHandle.finished(0, 0.0)
+            return self._fallback._copy_runs(src_pool, dst_pool, runs, block_bytes)
         self._stream.wait_stream(torch.cuda.current_stream(self._src))
         start, end = timing_events()
         try:
             with torch.cuda.device(self._src):
                 start.record(self._stream)
-                self._memcpy_runs(src_pool, dst_pool, runs)
+                self._memcpy_runs(src_pool, dst_pool, runs, block_bytes)
                 end.record(self._stream)
         except self._runtime.CUDARuntimeError as exc:
-            return self._fall_back(exc).copy_blocks(src_pool, dst_pool, src_block_ids, dst_block_ids)
-        return TransferHandle.pending(nbytes, start, end)
+            return self._fall_back(exc)._copy_runs(src_pool, dst_pool, runs, block_bytes)
+        return TransferHandle.pending(run_bytes(runs, block_bytes), start, end)
 
     def _fall_back(self, exc: BaseException) -> StagedTransfer:
         logger.warning("cupy-p2p %s -> %s failed (%s); copying KV blocks through pinned host memory from now on",
@@ -78,9 +58,8 @@ class CupyP2PTransfer:
         self._fallback = StagedTransfer(self._src, self._dst)
         return self._fallback
 
-    def _memcpy_runs(self, src_pool, dst_pool, runs) -> None:
-        stride = block_nbytes(src_pool)   # bytes per block, both pools (same geometry, contiguous)
-        src_ptr, dst_ptr = src_pool.data_ptr(), dst_pool.data_ptr()
+    def _memcpy_runs(self, src_pool, dst_pool, runs, stride: int) -> None:
+        src_ptr, dst_ptr = src_pool.data_ptr(), dst_pool.data_ptr()     # stride: a block's bytes, both pools
         for src, dst, length in runs:
             self._runtime.memcpyPeerAsync(
                 dst_ptr + dst * stride, self._dst.index,

@@ -6,18 +6,9 @@ is done; the other slot fills meanwhile, and a slot is refilled only after its l
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from pdserve.engine.transfer.base import (
-    TransferHandle,
-    TransferUnavailable,
-    block_nbytes,
-    check_copy,
-    coalesce_runs,
-    timing_events,
-)
+from pdserve.engine.transfer.base import KVTransfer, TransferHandle, TransferUnavailable, run_bytes, timing_events
 from pdserve.kernels.kv_layout import KVLayout
 
 SLOT_BYTES = 32 << 20
@@ -38,7 +29,7 @@ def block_bytes_view(pool: torch.Tensor, first: int, count: int) -> torch.Tensor
     return KVLayout.block_view(pool, first, count).reshape(-1).view(torch.uint8)
 
 
-class StagedTransfer:
+class StagedTransfer(KVTransfer):
     """Copies blocks between any two CUDA devices through two pinned host slots; never needs peer access.
 
     The source stream first waits on the caller's current stream of the source device. The handle's
@@ -54,22 +45,13 @@ class StagedTransfer:
         self._filled: list = [None] * NUM_SLOTS     # event on the source stream: the slot holds a piece
         self._drained: list = [None] * NUM_SLOTS    # event on the destination stream: the piece has left
 
-    def copy_blocks(
-        self,
-        src_pool: torch.Tensor,
-        dst_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> TransferHandle:
-        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
+    def _check_pools(self, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
         if src_pool.device != self._src or dst_pool.device != self._dst or not (
                 src_pool.is_contiguous() and dst_pool.is_contiguous()):
             raise ValueError(f"staged copies need contiguous pools on {self._src} -> {self._dst}, got "
                              f"{src_pool.device} -> {dst_pool.device}")
-        runs = coalesce_runs(src_block_ids, dst_block_ids)
-        if not runs:
-            return TransferHandle.finished(0, 0.0)
-        block_bytes = block_nbytes(src_pool)
+
+    def _copy_runs(self, src_pool, dst_pool, runs, block_bytes) -> TransferHandle:
         self._fit(block_bytes)
         start, end = self._begin()
         pieces = staging_pieces(runs, self._slots[0].numel() // block_bytes)
@@ -78,7 +60,7 @@ class StagedTransfer:
             self._to_host(block_bytes_view(src_pool, src, count), slot)
             self._to_device(slot, block_bytes_view(dst_pool, dst, count))
         end.record(self._dst_stream)
-        return TransferHandle.pending(len(src_block_ids) * block_bytes, start, end)
+        return TransferHandle.pending(run_bytes(runs, block_bytes), start, end)
 
     def _fit(self, block_bytes: int) -> None:
         if self._slots[0].numel() < block_bytes:        # NOTE: only for blocks larger than SLOT_BYTES

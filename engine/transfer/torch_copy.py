@@ -2,17 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
-
 import torch
 
-from pdserve.engine.transfer.base import (
-    TransferHandle,
-    block_nbytes,
-    check_copy,
-    coalesce_runs,
-    timing_events,
-)
+from pdserve.engine.transfer.base import KVTransfer, TransferHandle, run_bytes, timing_events
 from pdserve.kernels.kv_layout import KVLayout
 
 
@@ -22,7 +14,7 @@ def copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, runs: list[tuple[i
                                                           non_blocking=True)
 
 
-class TorchTransfer:
+class TorchTransfer(KVTransfer):
     """`copy_` per coalesced run; on CUDA on a transfer stream per device that waits on the caller's stream."""
 
     name = "torch"
@@ -30,18 +22,10 @@ class TorchTransfer:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy_blocks(
-        self,
-        src_pool: torch.Tensor,
-        dst_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-    ) -> TransferHandle:
-        check_copy(src_pool, dst_pool, src_block_ids, dst_block_ids)
-        runs = coalesce_runs(src_block_ids, dst_block_ids)
-        nbytes = len(src_block_ids) * block_nbytes(src_pool)
+    def _copy_runs(self, src_pool, dst_pool, runs, block_bytes) -> TransferHandle:
+        nbytes = run_bytes(runs, block_bytes)
         device = _stream_device(src_pool.device, dst_pool.device)
-        if device is None or not runs:
+        if device is None:
             return _copy_now(src_pool, dst_pool, runs, nbytes)
         stream = self._stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))

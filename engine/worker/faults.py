@@ -12,7 +12,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-ENV = "PDSERVE_FAULT"
+from pdserve import env
+
+ENV = env.FAULT                      # the variable, as messages and tests name it
 KINDS = ("raise", "hang", "exit")
 RELEASE = threading.Event()          # a hung step of this process returns once this is set (tests clean up)
 
@@ -29,8 +31,8 @@ class Fault:
     steps_seen: int = 0
 
     @classmethod
-    def from_env(cls, unit: str, env: Mapping[str, str] = os.environ) -> Fault | None:
-        spec = env.get(ENV)
+    def from_env(cls, unit: str, environ: Mapping[str, str] | None = None) -> Fault | None:
+        spec = env.fault_spec(environ)
         if not spec:
             return None
         try:

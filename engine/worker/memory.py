@@ -71,7 +71,7 @@ def keep_freed_memory_in_process() -> bool:
 
     A decode step allocates and frees dozens of megabyte-sized tensors. With glibc's
     defaults each one is a fresh mmap whose pages fault in again on every step, which
-    cost a third of a CPU decode step (91 -> 56 ms: commit 9737f12). Returns False where not glibc.
+    cost a large share of a CPU decode step (bench/RESULTS.md, "Measured once"). Returns False where not glibc.
     """
     import ctypes
     import ctypes.util

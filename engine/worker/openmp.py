@@ -2,13 +2,11 @@
 
 libgomp (torch's OpenMP runtime, and the native kernels') keeps one pool of worker threads per thread that
 ever ran a parallel region on more than one thread. While the workers of all pools together are fewer than
-the cores it spin-waits between parallel regions; past that it puts them to sleep after every region and
-wakes them through the kernel for the next. A step is hundreds of small regions, so one idle pool left on
-another thread slows every multi-threaded step: on a 2-core EPYC a 1 MB element-wise op on two threads took
-5x as long, a 2048x2048 bf16 GEMV 1.8x, and adaptive mode's lent steps 1.1-1.5x (bench/RESULTS.md, "OpenMP
-pools"). So the idle partner of a unit that borrows its cores gives its pool back (`release_thread_pool`, called
-by `ThreadCompute.release_idle_pool`). The start-up loading thread needs nothing: it exits, and its pool with it.
-Where two libgomp copies are loaded, only one (the first of their paths in sorted order) is asked.
+the cores it spin-waits between parallel regions; past that it wakes them through the kernel for every
+region, and a step is hundreds of small regions, so one idle pool left on another thread slows every
+multi-threaded step (bench/RESULTS.md, "OpenMP pools"). So the idle partner of a unit that borrows its cores
+gives its pool back (`release_thread_pool`, called by `ThreadCompute.release_idle_pool`). Where two libgomp
+copies are loaded, only one (the first of their paths in sorted order) is asked.
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ constexpr int TILE_M = 8;
 constexpr int64_t PREFETCH_AHEAD = 1024;  // elements ahead on the one-row stream
 constexpr int64_t TILE_AHEAD_BYTES = 4096;  // bytes ahead on each row stream of a tile
 
-// Prefetches go to L2 (prefetcht1): into L1 (prefetcht0) a tile's streams ran at 0.55-0.7x the
-// bytes per second of the one-row stream, into L2 at 1.0-1.3x (EPYC Zen 4, 1-2 threads). The
-// one-row stream of bfloat16 measured no better in L2 and keeps L1.
+// Prefetches go to L2 (prefetcht1): into L1 (prefetcht0) a tile's streams ran slower than the one-row
+// stream, into L2 as fast or faster (bench/RESULTS.md, "Measured once"). The one-row stream of bfloat16
+// measured no better in L2 and keeps L1.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline void prefetch_row(const float* p) { prefetch_l2(p); }
 inline void prefetch_row(const bf16* p) { __builtin_prefetch(p, 0, 3); }
@@ -68,8 +68,8 @@ template <> struct Step<bf16> {  // lane i += w[2i] x[2i] + w[2i+1] x[2i+1], exa
 
 // Whether one row of x goes through the tiles rather than the one-row stream: bfloat16 with vdpbf16ps, which
 // multiplies without widening and sums four weight rows' lanes at once; the one-row stream widens every
-// load and sums each row's lanes alone, and on a Xeon with AMX (2 threads) it ran at 0.55-0.7x the tiles'
-// bytes per second, below BLAS (bench/RESULTS.md, "One-row bfloat16 linear").
+// load and sums each row's lanes alone, and it ran slower than the tiles and than BLAS (bench/RESULTS.md,
+// "Linear: few rows, and one bfloat16 row").
 template <typename T> constexpr bool ONE_ROW_TILES = false;
 #ifdef __AVX512BF16__
 template <> constexpr bool ONE_ROW_TILES<bf16> = true;

@@ -1,8 +1,8 @@
 """One draw per row from a batch of categorical distributions, by inverse CDF (the CPU sampler).
 
 The exponential race (argmax of p / q, q ~ Exp(1) per column) needs one random number and one
-logarithm per vocabulary column: on CPU that is ~1 ms a row for a 49k vocabulary, as much as a
-batch-1 decode step (commit 4715702; bench/RESULTS.md, "CPU decode vs llama.cpp", sampled decode).
+logarithm per vocabulary column: on CPU, for a large vocabulary, as much as a batch-1 decode step
+(bench/RESULTS.md, "Sampled decode").
 Inverse CDF needs one uniform per row and two passes over the probabilities, in blocks of columns:
 the blocks' sums (fp32, summed pairwise) and their running sum (float64) pick a block, and only
 that block is summed column by column (float64). The draw is the exact inverse CDF to within ~1e-7

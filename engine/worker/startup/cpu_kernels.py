@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 CPU_KERNELS = ("auto", "native", "torch")
 PROBE_SEQS, PROBE_CONTEXT, PROBE_BLOCK = 8, 512, 16    # a decode step of 8 sequences, 512 tokens each
-PROBE_BUDGET_S = 0.05
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -79,7 +78,7 @@ def probe_layer_ops(model: ModelConfig, dtype: torch.dtype, threads: int) -> Pro
     torch.set_num_threads(threads)
     try:
         return probe({"native": lambda: _layer_ops(inputs, native=True),
-                      "torch": lambda: _layer_ops(inputs, native=False)}, budget_s=PROBE_BUDGET_S)
+                      "torch": lambda: _layer_ops(inputs, native=False)})
     finally:
         torch.set_num_threads(previous)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 MIN_SPEEDUP = 1.1                  # a narrower dtype must beat float32 by this much to be chosen
-SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, ~1 ms where a dtype is emulated
-PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP, well under 1 ms with hardware
-PROBE_BUDGET_S = 0.005             # all candidates together, once the slow ones have dropped out
+SCREEN_SHAPE = (8, 128, 128)       # tokens, in, out: 0.26 MFLOP, cheap even where a dtype is emulated
+PROBE_SHAPE = (128, 256, 512)      # 34 MFLOP: quick where the CPU computes the dtype, long enough to time
+PROBE_BUDGET_S = 0.05              # all candidates together; see probe()
 PROBE_MAX_TURNS = 20
 CLEARLY_SLOWER = 10.0              # after three turns, a candidate this much slower than the best drops out
 HALF_UNITS = {"bfloat16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16")),
@@ -34,7 +34,7 @@ HALF_UNITS = {"bfloat16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16")),
 
 @dataclass(frozen=True, slots=True)
 class CpuInfo:
-    model: str                     # "AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+"
+    model: str                     # the model name /proc/cpuinfo reports
     isa: str                       # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     flags: frozenset[str]          # /proc/cpuinfo flags
 
@@ -155,8 +155,10 @@ def choose_dtype(devices: Sequence[torch.device]) -> Choice:
 def probe(candidates: Mapping[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter,
           budget_s: float = PROBE_BUDGET_S, max_turns: int = PROBE_MAX_TURNS) -> ProbeResult:
     """Best time of one call of each candidate, called in turns (so noise hits all alike) until
-    `budget_s` is spent; after three turns (the first pays warm-up costs) a candidate clearly slower than
-    the best drops out (after two, one interrupted call beside the warm-up dropped bfloat16 at a start)."""
+    `budget_s` is spent or `max_turns` are done; after three turns (the first pays warm-up costs) a candidate
+    clearly slower than the best drops out (after two, one interrupted call beside the warm-up dropped bfloat16
+    at a start). The budget spans several of the scheduler's time slices, so that one preemption on a shared
+    core cannot slow every call of a candidate; `max_turns` ends a probe of short calls sooner."""
     best = dict.fromkeys(candidates, float("inf"))
     live, started = list(candidates), clock()
     for turn in range(max_turns):
@@ -179,7 +181,7 @@ def _time_call(call: Callable[[], object], clock: Callable[[], float]) -> float:
 def probe_matmul(dtypes: tuple[str, ...]) -> ProbeResult:
     """`probe` of one linear layer per dtype, on one thread of a short-lived thread, once per process.
 
-    A tiny layer first screens out emulated dtypes (~100x slower) in about a millisecond; the rest
+    A tiny layer first screens out emulated dtypes (orders of magnitude slower) at little cost; the rest
     are timed on `PROBE_SHAPE`. A screened-out dtype keeps its tiny-layer ratio to float32.
     """
     with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as pool:

@@ -1,6 +1,6 @@
 """Run every kernel variant serving can hit before the server reports ready.
 
-A Triton kernel compiles on its first launch with each new specialization (1-2 s that stall every
+A Triton kernel compiles on its first launch with each new specialization (seconds that stall every
 stream); the kernels mark their runtime sizes `do_not_specialize`, so what is left to specialize on
 is the shape class of a step. `warmup_shapes` lists those classes from what the schedulers can build
 (decode at every batch bucket, prefill from one token up to the prefill budget, a chunk after a
@@ -102,9 +102,9 @@ def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> 
 def time_one_call_steps(runner: ModelRunner, thread_counts: tuple[int, ...], seed: int = 0) -> int:
     """For each row bucket up to ONE_CALL_TIMED_ROWS and each thread count, time a decode step through the
     one-call native step and through the per-op path and keep the faster (`DecodeLayers.decide`); returns the
-    decisions made. Per kernel, BLAS beat the native linear at one row of float32 SmolLM2 on a Xeon with AMX
-    (20.6 vs 23.4 ms over every weight), yet the per-op path's Python per op made that step 28 ms against
-    the one-call step's 23.7: only the whole step answers which is faster."""
+    decisions made. Per kernel BLAS can beat the native linear at one row while the per-op path's Python per
+    op makes the step slower than the one-call step (bench/RESULTS.md, "One-call decode step"): only the whole
+    step answers which is faster."""
     model = runner.model
     if (model.backend or kernels.choose_backend(model.embed_tokens.weight)) is not kernels.Backend.NATIVE:
         return 0
