@@ -60,6 +60,7 @@ def named_pool_blocks(config: EngineConfig, plan: Plan, target: Target) -> tuple
     roles = ["colocated" if plan.mode == "colocated" else "prefill"] * len(plan.prefill_devices)
     roles += [] if plan.mode == "colocated" else ["decode"] * len(plan.decode_devices)
     absolute, fraction = parse_memory(config.cache.kv_cache_memory or DEFAULT_KV_BUDGET["cuda"])
+    fraction = config.cache.gpu_memory_utilization or fraction          # of the device's memory, as here
     weights = target.shape.weight_params * target.dtype_bytes
     budget = absolute if absolute is not None else fraction * target.hardware.memory - weights
     block = block_bytes(target, config.cache.block_size)
