@@ -13,6 +13,7 @@ from pdserve.engine.engine import Engine
 from pdserve.server.config import ServerConfig
 from pdserve.server.errors import APIError, from_http_exception
 from pdserve.server.routes import setup_routes
+from pdserve.server.sampling_defaults import load_defaults
 from pdserve.server.state import ACCESS, STATE, AccessRecord, ServerState
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = state.engine or await asyncio.to_thread(Engine, state.config.engine)
     state.engine = engine
     state.model_names = model_names(state.config, engine)
+    _bind_model(state, engine)
     await engine.start()
     logger.info("serving %s as %s (%s mode, context window %d)", engine.model_dir, state.model_names[0],
                 engine.mode, engine.max_model_len)
@@ -48,6 +50,15 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await engine.stop()
         if owned:
             engine.close()
+
+
+def _bind_model(state: ServerState, engine: Engine) -> None:
+    """What the server takes from the model: its tokenizer (with --chat-template) and sampling defaults."""
+    config = state.config
+    template = config.chat_template
+    state.tokenizer = engine.tokenizer.with_chat_template(template) if template else engine.tokenizer
+    state.sampling_defaults = load_defaults(config.generation_config, engine.model_dir,
+                                            config.override_generation_config)
 
 
 def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:

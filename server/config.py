@@ -1,12 +1,13 @@
 """Server configuration: the HTTP side, plus the engine's own config."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
 
-
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +32,7 @@ class ServerConfig:
     retry_after: int = 1                      # seconds, on 429 and 503
     log_level: str = "info"
     tool_call_parser: str | None = None       # hermes | llama3_json; None: chosen from the chat template
+    chat_template: str | None = None          # Jinja source that replaces the model's; None: the model's own
+    generation_config: str = "auto"           # auto: the model's generation_config.json; vllm: none; or a folder
+    override_generation_config: Mapping[str, float] = field(default_factory=dict)
+    reasoning_parser: str | None = None       # deepseek_r1 | qwen3: <think> text as reasoning_content

@@ -6,7 +6,8 @@ import os
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.worker.memory import parse_memory
-from pdserve.server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
+from pdserve.server.config import RequestLimits, ServerConfig
+from pdserve.server.options_chat import add_chat_args, chat_options_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULTS = ServerConfig()
@@ -33,14 +34,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
                    help="seconds SIGTERM waits for running streams before aborting them")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how to read tool calls from the model's output with tool_choice auto (default: from "
-                        "the chat template: llama3_json for Llama 3.1 style templates, else hermes)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_server_args(parser)
+    add_chat_args(parser)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -55,7 +54,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        tool_call_parser=args.tool_call_parser)
+                        **chat_options_from_args(args))
 
 
 def _limits_from_args(args: argparse.Namespace) -> RequestLimits:
