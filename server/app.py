@@ -53,12 +53,14 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def _bind_model(state: ServerState, engine: Engine) -> None:
-    """What the server takes from the model: its tokenizer (with --chat-template) and sampling defaults."""
+    """What the server takes from the model: its tokenizer (with --chat-template), sampling defaults, the
+    name its vLLM metrics carry."""
     config = state.config
     template = config.chat_template
     state.tokenizer = engine.tokenizer.with_chat_template(template) if template else engine.tokenizer
     state.sampling_defaults = load_defaults(config.generation_config, engine.model_dir,
                                             config.override_generation_config)
+    state.metrics.bind_model(state.model_names[0], engine.max_model_len)
 
 
 def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:

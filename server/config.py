@@ -8,6 +8,7 @@ from pdserve.engine.config import EngineConfig
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+METRICS_NAMES = ("both", "vllm", "pdserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +37,4 @@ class ServerConfig:
     generation_config: str = "auto"           # auto: the model's generation_config.json; vllm: none; or a folder
     override_generation_config: Mapping[str, float] = field(default_factory=dict)
     reasoning_parser: str | None = None       # deepseek_r1 | qwen3: <think> text as reasoning_content
+    metrics_names: str = "both"               # both | vllm | pdserve: which names /metrics exports

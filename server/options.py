@@ -6,7 +6,7 @@ import os
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.worker.memory import parse_memory
-from pdserve.server.config import RequestLimits, ServerConfig
+from pdserve.server.config import METRICS_NAMES, RequestLimits, ServerConfig
 from pdserve.server.options_chat import add_chat_args, chat_options_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -34,6 +34,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
                    help="seconds SIGTERM waits for running streams before aborting them")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--metrics-names", choices=METRICS_NAMES, default="both",
+                   help="the names /metrics exports: vLLM's (vllm:*, for its Grafana dashboard and llm-d's "
+                        "endpoint picker), pdserve's (pdserve_*) or both (default)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +57,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        **chat_options_from_args(args))
+                        metrics_names=args.metrics_names, **chat_options_from_args(args))
 
 
 def _limits_from_args(args: argparse.Namespace) -> RequestLimits:

@@ -46,7 +46,7 @@ class ServerState:
         self.generations: set[Abortable] = set()
         self.idle = asyncio.Event()
         self.idle.set()
-        self.metrics = Metrics(self._stats, self._transfer_times, self._mask_times)
+        self.metrics = Metrics(self._stats, self._transfer_times, self._mask_times, config.metrics_names)
         self.grammars = GrammarCompiler(self._grammar_tokenizer, self.metrics.grammar_compile.observe)
         self.tool_call_parser: str | None = config.tool_call_parser
         self.reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None

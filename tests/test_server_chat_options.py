@@ -1,4 +1,4 @@
-"""--reasoning-parser and --generation-config, through the official openai client.
+"""--reasoning-parser, --generation-config and vLLM's metric names, through the official openai client.
 
 To make the tiny random model write `<think>...</think>`, its output is constrained by a regular expression
 (structured outputs); the same request on /v1/completions, which no reasoning parser touches, gives the raw text
@@ -9,6 +9,7 @@ import re
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.server.sampling_defaults import load_defaults
 from tests.qwen3_template import CHAT, GENERATION_DEFAULTS, engine, qwen3_dir  # noqa: F401  (fixtures)
@@ -101,3 +102,33 @@ def test_a_bad_generation_config_names_its_file_and_key(tmp_path):
     (folder / "generation_config.json").write_text('{"temperature": 0.3, "top_p": 0.9, "do_sample": true}')
     defaults = load_defaults(str(folder), tmp_path, {"temperature": 0.5, "max_new_tokens": 8})
     assert (defaults.sampling, defaults.max_tokens) == ({"temperature": 0.5, "top_p": 0.9}, 8)
+
+
+async def scrape(base: str) -> dict[tuple[str, tuple], float]:
+    async with aiohttp.ClientSession() as session, session.get(base + "/metrics") as response:
+        text = await response.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_vllm_metric_names_for_dashboards_and_gateways(engine, serve, qwen3_dir):
+    base = await serve(engine, served_model_names=("tiny-qwen3",))
+    async with client(base) as c:
+        answers = [await c.completions.create(model="tiny-qwen3", prompt=f"Sea {i}", max_tokens=4, temperature=0,
+                                              extra_body={"ignore_eos": True}) for i in range(3)]
+    labels = (("engine", "0"), ("model_name", "tiny-qwen3"))
+    samples = await scrape(base)
+    prompt_tokens = sum(a.usage.prompt_tokens for a in answers)
+    assert samples[("vllm:num_requests_running", labels)] == samples[("vllm:num_requests_waiting", labels)] == 0
+    assert 0 <= samples[("vllm:kv_cache_usage_perc", labels)] <= 1
+    assert samples[("vllm:time_to_first_token_seconds_count", labels)] == 3
+    assert samples[("vllm:inter_token_latency_seconds_count", labels)] == 3 * 3
+    assert samples[("vllm:e2e_request_latency_seconds_count", labels)] == 3
+    assert samples[("vllm:request_success_total", tuple(sorted(labels + (("finished_reason", "length"),))))] == 3
+    assert samples[("vllm:generation_tokens_total", labels)] == 12
+    assert samples[("vllm:prompt_tokens_total", labels)] == prompt_tokens
+    assert ("vllm:prefix_cache_queries_total", labels) in samples and ("pdserve_requests_running", ()) in samples
+    only_vllm = await scrape(await serve(engine, metrics_names="vllm"))
+    assert only_vllm and all(name.startswith("vllm:") for name, _ in only_vllm)
+    only_ours = await scrape(await serve(engine, metrics_names="pdserve"))
+    assert only_ours and not any(name.startswith("vllm:") for name, _ in only_ours)
