@@ -9,13 +9,16 @@ from pdserve.server.errors import APIError, bad_request
 from pdserve.server.protocol import ParsedRequest
 from pdserve.server.tool_calls import template_messages
 
+# what the template (the model's code) raises on the request's values: messages and chat_template_kwargs
+TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, ArithmeticError, LookupError)
+
 
 def render_chat(tokenizer: Tokenizer, parsed: ParsedRequest, parser: str, options: ChatOptions) -> str:
     """The prompt text; APIError(400) when the template rejects the conversation or its options."""
     messages, tools = template_messages(parsed.messages, parsed.tools, tokenizer.chat_template, parser)
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, **options.render_kwargs())
-    except Exception as e:      # NOTE: the template is the model's code run on the request's values
+    except TEMPLATE_ERRORS as e:
         raise _template_error(e) from None
 
 
@@ -24,7 +27,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, parsed: ParsedRequest, parser: str, op
     messages, tools = template_messages(parsed.messages, parsed.tools, tokenizer.chat_template, parser)
     try:
         return tuple(tokenizer.encode_chat(messages, tools=tools, **options.render_kwargs()))
-    except Exception as e:      # NOTE: the template is the model's code run on the request's values
+    except TEMPLATE_ERRORS as e:
         raise _template_error(e) from None
 
 

@@ -26,8 +26,9 @@ async def raw_output(base: str, model: str, extra: dict) -> str:
         async with session.post(base + "/tokenize", json=body) as response:
             ids = (await response.json())["tokens"]
     async with client(base) as c:
+        constraint = {k: v for k, v in extra.items() if k == "structured_outputs"}
         completion = await c.completions.create(model=model, prompt=ids, max_tokens=60, temperature=0,
-                                                extra_body={k: v for k, v in extra.items() if k == "structured_outputs"})
+                                                extra_body=constraint)
     return completion.choices[0].text
 
 

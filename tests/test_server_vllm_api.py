@@ -111,7 +111,8 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param", HOSTILE, ids=[f"{p}-{param}-{i}" for i, (p, _, param) in enumerate(HOSTILE)])
+@pytest.mark.parametrize("path,body,param", HOSTILE,
+                         ids=[f"{p}-{param}-{i}" for i, (p, _, param) in enumerate(HOSTILE)])
 async def test_every_new_field_is_checked(engine, serve, path, body, param):
     base = await serve(engine, reasoning_parser="qwen3")
     status, answer = await post(base, path, {"max_tokens": 2, **body} if path.startswith("/v1") else body)
