@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pdserve.engine.engine import Engine
 from pdserve.server.config import ServerConfig
+from pdserve.server.cors import setup_cors
 from pdserve.server.errors import APIError, from_http_exception
 from pdserve.server.routes import setup_routes
 from pdserve.server.sampling_defaults import load_defaults
@@ -31,6 +32,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> web.Applic
     app[STATE] = ServerState(config, engine)
     app.cleanup_ctx.append(engine_lifecycle)
     setup_routes(app)
+    if config.cors is not None:
+        setup_cors(app, config.cors)
     return app
 
 
@@ -81,10 +84,11 @@ async def access_log_middleware(request: web.Request, handler) -> web.StreamResp
         return response
     finally:
         ttft = f"{record.ttft:.3f}s" if record.ttft is not None else "-"
-        access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s',
-                           request.remote, request.method, request.path, status, record.request_id,
-                           record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start,
-                           record.finish_reasons)
+        if request.app[STATE].config.access_log:
+            access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s',
+                               request.remote, request.method, request.path, status, record.request_id,
+                               record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start,
+                               record.finish_reasons)
 
 
 @web.middleware

@@ -23,9 +23,11 @@ class Command:
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.server.serve import run
 
+    config = server_config_from_args(args)                # NOTE: a ValueError here exits 2, naming the option
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("aiohttp", "pdserve.server.access"):
+        logging.getLogger(name).setLevel((config.http_log_level or config.log_level).upper())
     try:
-        config = server_config_from_args(args)
         return run(config)
     except (ValueError, FileNotFoundError, OSError) as e:
         logging.getLogger("server").error("cannot serve: %s", e)
@@ -45,10 +47,10 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
     add_serve_arguments(serve_parser)
     serve_args = serve_parser.parse_args(args.passthrough)
     server_config_from_args(serve_args)
+    ray = serve_args.distributed_executor_backend == "ray"
     if "--api-key" in args.passthrough:
         print("note: the API key is written into the unit; prefer PDSERVE_API_KEY in /etc/pdserve/env",
               file=sys.stderr)
-    ray = serve_args.distributed_executor_backend == "ray"
     if ray and args.unit_user is None:
         print("note: the Ray node's session belongs to the user that ran `ray start`; pass --unit-user NAME",
               file=sys.stderr)

@@ -21,6 +21,24 @@ class RequestLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """Cross-origin access for browser apps on other origins (vLLM's --allowed-* options)."""
+
+    allowed_origins: tuple[str, ...]          # "*": any origin
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    certfile: str
+    keyfile: str | None = None                # None: the key is in certfile
+    ca_certs: str | None = None               # client certificates are checked against these
+    cert_reqs: int = 0                        # ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -38,3 +56,7 @@ class ServerConfig:
     override_generation_config: Mapping[str, float] = field(default_factory=dict)
     reasoning_parser: str | None = None       # deepseek_r1 | qwen3: <think> text as reasoning_content
     metrics_names: str = "both"               # both | vllm | pdserve: which names /metrics exports
+    cors: CorsConfig | None = None
+    tls: TlsConfig | None = None
+    access_log: bool = True
+    http_log_level: str | None = None         # the HTTP server's and access log's level; None: log_level

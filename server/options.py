@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.worker.memory import parse_memory
 from pdserve.server.config import METRICS_NAMES, RequestLimits, ServerConfig
 from pdserve.server.options_chat import add_chat_args, chat_options_from_args
+from pdserve.server.options_http import add_http_args, http_options_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULTS = ServerConfig()
@@ -21,8 +23,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
                    help="model name(s) the API accepts; the first is the one reported (default: the "
                         "model's own name, e.g. smollm2, and the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY, else $VLLM_API_KEY)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the random generator that requests without a seed sample from (vLLM's default 0)")
     g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
                    help="largest request body, e.g. 8MiB (413 above)")
     g.add_argument("--max-n", type=int, default=LIMITS.max_n, help="largest `n` a request may ask for")
@@ -40,9 +44,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_args(parser)
     add_server_args(parser)
     add_chat_args(parser)
+    add_http_args(parser)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -53,11 +60,19 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--max-n, --max-body-bytes and --max-total-tokens-per-request must be positive")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be non-negative")
-    return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
+    engine = replace(engine_config_from_args(args), model=_model(args), seed=args.seed)
+    return ServerConfig(engine=engine, host=args.host, port=args.port,
                         served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
                         max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        metrics_names=args.metrics_names, **chat_options_from_args(args))
+                        metrics_names=args.metrics_names, **chat_options_from_args(args),
+                        **http_options_from_args(args))
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}; give one")
+    return args.model_tag or args.model
 
 
 def _limits_from_args(args: argparse.Namespace) -> RequestLimits:
