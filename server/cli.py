@@ -1,4 +1,4 @@
-"""`pdserve`: serve (the default), systemd-unit, generate, make-model, bench, simulate, plan."""
+"""`pdserve`: serve (the default), systemd-unit, generate, chat, make-model, bench, simulate, plan."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +70,12 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     _engine_cli().add_generate_arguments(parser)
 
 
+def _chat_repl():
+    from pdserve.server import chat_repl
+
+    return chat_repl
+
+
 def _loadtest():
     from pdserve.bench import loadtest
 
@@ -95,6 +101,8 @@ COMMANDS = {
                             passthrough=True),
     "generate": Command("offline generation for prompts given or read from stdin", _add_generate_arguments,
                         lambda a: _engine_cli().run_generate(a)),
+    "chat": Command("chat with a running server in the terminal, answers streamed",
+                    lambda p: _chat_repl().add_arguments(p), lambda a: _chat_repl().run(a)),
     "make-model": Command("write the demo checkpoint into a directory",
                           lambda p: _engine_cli().add_make_model_arguments(p),
                           lambda a: _engine_cli().run_make_model(a)),

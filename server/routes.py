@@ -12,6 +12,7 @@ from aiohttp import web
 
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.server.chat_options import ChatOptions, parse_chat_options
+from pdserve.server.chat_page import chat_page
 from pdserve.server.chat_prompt import chat_prompt_ids
 from pdserve.server.errors import APIError
 from pdserve.server.generation import Generation
@@ -40,6 +41,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", chat_page)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
