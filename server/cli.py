@@ -42,12 +42,17 @@ def add_unit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_systemd_unit(args: argparse.Namespace) -> int:
     from pdserve.server.systemd import render_unit
+    from pdserve.server.systemd_paths import service_paths, unreadable
 
     serve_parser = argparse.ArgumentParser(prog="pdserve systemd-unit")
     add_serve_arguments(serve_parser)
     serve_args = serve_parser.parse_args(args.passthrough)
-    server_config_from_args(serve_args)
+    config = server_config_from_args(serve_args)
     ray = serve_args.distributed_executor_backend == "ray"
+    problem = unreadable(service_paths(config.engine.model), args.unit_user, private_tmp=not ray)
+    if problem is not None:
+        print(f"pdserve systemd-unit: the unit could not start: {problem}", file=sys.stderr)
+        return 2
     if "--api-key" in args.passthrough:
         print("note: the API key is written into the unit; prefer PDSERVE_API_KEY in /etc/pdserve/env",
               file=sys.stderr)
