@@ -63,7 +63,11 @@ def _bind_model(state: ServerState, engine: Engine) -> None:
     state.tokenizer = engine.tokenizer.with_chat_template(template) if template else engine.tokenizer
     state.sampling_defaults = load_defaults(config.generation_config, engine.model_dir,
                                             config.override_generation_config)
-    state.metrics.bind_model(state.model_names[0], engine.max_model_len)
+    cache = engine.config.cache
+    state.metrics.bind_model(state.model_names[0], engine.max_model_len, {
+        "block_size": str(cache.block_size), "cache_dtype": "auto",
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization or "")})
 
 
 def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:

@@ -156,9 +156,10 @@ class Metrics:
             self.slo_met.labels(slo)
         r.register(EngineCollector(stats))
 
-    def bind_model(self, model_name: str, max_model_len: int) -> None:
-        """The served name the vLLM series carry (their model_name label) and its context window."""
-        self.vllm.bind(model_name, max_model_len)
+    def bind_model(self, model_name: str, max_model_len: int, cache_info: dict[str, str]) -> None:
+        """The served name the vLLM series carry (their model_name label), its context window and vLLM's
+        cache_config_info labels."""
+        self.vllm.bind(model_name, max_model_len, cache_info)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)

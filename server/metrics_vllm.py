@@ -33,8 +33,9 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 class VllmCollector(Collector):
     """vLLM's scheduler gauges and prefix-cache counters, read from the engine's stats at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], labels: Callable[[], list[str] | None]) -> None:
-        self._stats, self._labels = stats, labels
+    def __init__(self, stats: Callable[[], EngineStats | None], labels: Callable[[], list[str] | None],
+                 cache_info: Callable[[], dict[str, str]]) -> None:
+        self._stats, self._labels, self._cache_info = stats, labels, cache_info
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats, labels = self._stats(), self._labels()
@@ -58,6 +59,11 @@ class VllmCollector(Collector):
                 ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
                 ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens")):
             yield _family(CounterMetricFamily, name, text, labels, sum(getattr(a, field) for a in stats.actors))
+        info = {**self._cache_info(), "engine": "0", "num_gpu_blocks": str(total)}
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=sorted(info))
+        family.add_metric([info[k] for k in sorted(info)], 1.0)
+        yield family
 
 
 def _family(kind, name: str, text: str, labels: list[str], value: float):
@@ -72,13 +78,15 @@ class VllmMetrics:
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         self._labels: list[str] | None = None
+        self._cache_info: dict[str, str] = {}
         self._series: dict[str, Counter | Histogram] = {}
-        self.registry.register(VllmCollector(stats, lambda: self._labels))
+        self.registry.register(VllmCollector(stats, lambda: self._labels, lambda: self._cache_info))
 
-    def bind(self, model_name: str, max_model_len: int) -> None:
+    def bind(self, model_name: str, max_model_len: int, cache_info: dict[str, str]) -> None:
+        """`cache_info`: vllm:cache_config_info's labels but num_gpu_blocks (the decode-side pools', at scrape)."""
         if self._labels is not None:
             return
-        self._labels = [model_name, "0"]
+        self._labels, self._cache_info = [model_name, "0"], cache_info
         r, tokens = self.registry, token_buckets(max_model_len)
         for name, text, buckets in (
                 ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),

@@ -95,7 +95,7 @@ async def test_generation_config_defaults_fill_the_fields_a_request_leaves_out(e
 
 def test_a_bad_generation_config_names_its_file_and_key(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": -1, "top_p": 0.9}')
-    with pytest.raises(ValueError, match=r"generation_config.json: temperature must be non-negative"):
+    with pytest.raises(ValueError, match=r"generation_config.json: temperature must be "):
         load_defaults("auto", tmp_path, {})
     assert load_defaults("vllm", tmp_path, {"top_p": 0.5}).sampling == {"top_p": 0.5}
     folder = tmp_path / "folder"
@@ -129,6 +129,10 @@ async def test_vllm_metric_names_for_dashboards_and_gateways(engine, serve, qwen
     assert samples[("vllm:generation_tokens_total", labels)] == 12
     assert samples[("vllm:prompt_tokens_total", labels)] == prompt_tokens
     assert ("vllm:prefix_cache_queries_total", labels) in samples and ("pdserve_requests_running", ()) in samples
+    [(info, value)] = [(dict(k[1]), v) for k, v in samples.items() if k[0] == "vllm:cache_config_info"]
+    pool = [a for a in engine.stats().actors if a.name != "prefill"]
+    assert value == 1 and info["block_size"] == str(engine.config.cache.block_size)
+    assert info["num_gpu_blocks"] == str(sum(a.kv_blocks_total for a in pool))
     only_vllm = await scrape(await serve(engine, metrics_names="vllm"))
     assert only_vllm and all(name.startswith("vllm:") for name, _ in only_vllm)
     only_ours = await scrape(await serve(engine, metrics_names="pdserve"))
