@@ -74,10 +74,10 @@ class Chat:
 
     async def _first_model(self) -> str:
         async with self.session.get(f"{self.url}/v1/models") as response:
-            body = await _json(response)
-        if not body.get("data"):
+            models = await _json(response)
+        if not models.get("data"):
             raise ChatError(f"{self.url} serves no model")
-        return body["data"][0]["id"]
+        return models["data"][0]["id"]
 
     async def _turn(self, model: str, text: str) -> None:
         self.history.append({"role": "user", "content": text})
@@ -138,8 +138,8 @@ async def _deltas(response: aiohttp.ClientResponse):
 
 
 async def _json(response: aiohttp.ClientResponse) -> dict:
-    body = await response.json(content_type=None)
+    answer = await response.json(content_type=None)
     if response.status != 200:
-        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
         raise ChatError(f"{response.status}: {message or response.reason}")
-    return body
+    return answer
