@@ -14,6 +14,7 @@ KERNELS = "PDSERVE_KERNELS"
 API_KEY = "PDSERVE_API_KEY"
 STEP_TRACE = "PDSERVE_STEP_TRACE"
 FAULT = "PDSERVE_FAULT"
+VLLM_API_KEY = "VLLM_API_KEY"           # read as vLLM reads it, for a pasted vLLM command line
 NAMES = (CACHE, KERNELS, API_KEY, STEP_TRACE, FAULT)
 
 
@@ -30,8 +31,9 @@ def kernels_override() -> str:
 
 
 def api_key() -> str | None:
-    """$PDSERVE_API_KEY: the default of `--api-key` (the bearer token /v1 requires); None when unset."""
-    return os.environ.get(API_KEY)
+    """$PDSERVE_API_KEY, else vLLM's $VLLM_API_KEY: the default of `--api-key` (the bearer token /v1 requires);
+    None when neither is set."""
+    return os.environ.get(API_KEY) or os.environ.get(VLLM_API_KEY) or None
 
 
 def step_trace_path() -> str | None:

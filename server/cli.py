@@ -1,4 +1,4 @@
-"""`pdserve`: serve (the default), systemd-unit, generate, make-model, bench, simulate, plan."""
+"""`pdserve`: serve (the default), systemd-unit, generate, chat, make-model, bench, simulate, plan."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +7,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve import env
-from pdserve.engine.args import add_engine_args, engine_config_from_args
-from pdserve.engine.worker.memory import parse_memory
-from pdserve.server.config import TOOL_CALL_PARSERS, RequestLimits, ServerConfig
+from pdserve.server.options import add_serve_arguments, server_config_from_args
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULTS = ServerConfig()
-LIMITS = RequestLimits()
+__all__ = ["COMMANDS", "add_serve_arguments", "main", "server_config_from_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,62 +20,14 @@ class Command:
     passthrough: bool = False        # unknown options are kept in `args.passthrough`, not rejected
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
-                   help="model name(s) the API accepts; the first is the one reported (default: the "
-                        "model's own name, e.g. smollm2, and the --model value)")
-    g.add_argument("--api-key", default=env.api_key(),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
-    g.add_argument("--max-body-bytes", type=_bytes, default=DEFAULTS.max_body_bytes,
-                   help="largest request body, e.g. 8MiB (413 above)")
-    g.add_argument("--max-n", type=int, default=LIMITS.max_n, help="largest `n` a request may ask for")
-    g.add_argument("--max-total-tokens-per-request", type=int, default=LIMITS.max_total_tokens, metavar="N",
-                   help="largest n x max_tokens (over every prompt) of one request; 400 above it, and the cap "
-                        "on a request without max_tokens")
-    g.add_argument("--allow-client-priority", action="store_true",
-                   help="honour the `priority` field of requests (default: validated, then ignored)")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout,
-                   help="seconds SIGTERM waits for running streams before aborting them")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how to read tool calls from the model's output with tool_choice auto (default: from "
-                        "the chat template: llama3_json for Llama 3.1 style templates, else hermes)")
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_args(parser)
-    add_server_args(parser)
-
-
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """Raises ValueError naming the option for an invalid value."""
-    if not 0 <= args.port <= 65535:
-        raise ValueError("--port must be in [0, 65535]")
-    if min(args.max_n, args.max_body_bytes, args.max_total_tokens_per_request) < 1:
-        raise ValueError("--max-n, --max-body-bytes and --max-total-tokens-per-request must be positive")
-    if args.shutdown_timeout < 0:
-        raise ValueError("--shutdown-timeout must be non-negative")
-    return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_names=tuple(args.served_model_name), api_key=args.api_key or None,
-                        max_body_bytes=args.max_body_bytes, limits=_limits_from_args(args),
-                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                        tool_call_parser=args.tool_call_parser)
-
-
-def _limits_from_args(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(max_n=args.max_n, max_total_tokens=args.max_total_tokens_per_request,
-                         allow_client_priority=args.allow_client_priority)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.server.serve import run
 
+    config = server_config_from_args(args)                # NOTE: a ValueError here exits 2, naming the option
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("aiohttp", "pdserve.server.access"):
+        logging.getLogger(name).setLevel((config.http_log_level or config.log_level).upper())
     try:
-        config = server_config_from_args(args)
         return run(config)
     except (ValueError, FileNotFoundError, OSError) as e:
         logging.getLogger("server").error("cannot serve: %s", e)
@@ -95,15 +42,20 @@ def add_unit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_systemd_unit(args: argparse.Namespace) -> int:
     from pdserve.server.systemd import render_unit
+    from pdserve.server.systemd_paths import service_paths, unreadable
 
     serve_parser = argparse.ArgumentParser(prog="pdserve systemd-unit")
     add_serve_arguments(serve_parser)
     serve_args = serve_parser.parse_args(args.passthrough)
-    server_config_from_args(serve_args)
+    config = server_config_from_args(serve_args)
+    ray = serve_args.distributed_executor_backend == "ray"
+    problem = unreadable(service_paths(config.engine.model), args.unit_user, private_tmp=not ray)
+    if problem is not None:
+        print(f"pdserve systemd-unit: the unit could not start: {problem}", file=sys.stderr)
+        return 2
     if "--api-key" in args.passthrough:
         print("note: the API key is written into the unit; prefer PDSERVE_API_KEY in /etc/pdserve/env",
               file=sys.stderr)
-    ray = serve_args.distributed_executor_backend == "ray"
     if ray and args.unit_user is None:
         print("note: the Ray node's session belongs to the user that ran `ray start`; pass --unit-user NAME",
               file=sys.stderr)
@@ -121,6 +73,12 @@ def _engine_cli():
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     _engine_cli().add_generate_arguments(parser)
+
+
+def _chat_repl():
+    from pdserve.server import chat_repl
+
+    return chat_repl
 
 
 def _loadtest():
@@ -148,6 +106,8 @@ COMMANDS = {
                             passthrough=True),
     "generate": Command("offline generation for prompts given or read from stdin", _add_generate_arguments,
                         lambda a: _engine_cli().run_generate(a)),
+    "chat": Command("chat with a running server in the terminal, answers streamed",
+                    lambda p: _chat_repl().add_arguments(p), lambda a: _chat_repl().run(a)),
     "make-model": Command("write the demo checkpoint into a directory",
                           lambda p: _engine_cli().add_make_model_arguments(p),
                           lambda a: _engine_cli().run_make_model(a)),
@@ -190,16 +150,6 @@ def _top_level_parser() -> argparse.ArgumentParser:
     for name, command in COMMANDS.items():
         commands.add_parser(name, help=command.help)
     return parser
-
-
-def _bytes(text: str) -> int:
-    try:
-        size, _ = parse_memory(text)
-    except ValueError:
-        size = None
-    if size is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in bytes, e.g. 1048576 or 8MiB")
-    return size
 
 
 if __name__ == "__main__":

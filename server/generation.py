@@ -159,18 +159,19 @@ class Generation:
     def _observe_token(self, choice: Choice, now: float) -> None:
         if choice.first_token_at is None:
             choice.first_token_at = now
-            self.metrics.ttft.observe(now - self.start)
+            self.metrics.observe_ttft(now - self.start)
             if self.access.ttft is None:
                 self.access.ttft = now - self.start
         else:
-            self.metrics.itl.observe(now - choice.last_token_at)
+            self.metrics.observe_itl(now - choice.last_token_at)
         choice.last_token_at = now
 
     def _observe_finished(self, choice: Choice, now: float) -> None:
+        ttft, mean_itl = self._latencies(choice)
         self.metrics.observe_finished(choice.finish_reason, choice.num_prompt_tokens, choice.num_output_tokens,
-                                      now - self.start)
+                                      now - self.start, mean_itl)
         if self.engine.slos is not None:
-            self.metrics.observe_slos(self.engine.slos, choice.finish_reason, *self._latencies(choice))
+            self.metrics.observe_slos(self.engine.slos, choice.finish_reason, ttft, mean_itl)
 
     def _latencies(self, choice: Choice) -> tuple[float | None, float | None]:
         """(TTFT, mean inter-token latency) of a finished choice; None where it has no such interval."""

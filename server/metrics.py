@@ -9,6 +9,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.messages import EngineStats, FinishReason
+from pdserve.server.metrics_vllm import VllmMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -119,7 +120,9 @@ class Metrics:
 
     def __init__(self, stats: Callable[[], EngineStats | None],
                  transfer_times: Callable[[], list[float]],
-                 mask_times: Callable[[], list[float]] = list) -> None:
+                 mask_times: Callable[[], list[float]] = list, names: str = "both") -> None:
+        self.names = names                   # which registries render() exports: both, vllm or pdserve
+        self.vllm = VllmMetrics(stats)
         self.registry = CollectorRegistry()
         self._transfer_times, self._mask_times = transfer_times, mask_times
         r = self.registry
@@ -153,11 +156,27 @@ class Metrics:
             self.slo_met.labels(slo)
         r.register(EngineCollector(stats))
 
-    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, e2e: float) -> None:
+    def bind_model(self, model_name: str, max_model_len: int, cache_info: dict[str, str]) -> None:
+        """The served name the vLLM series carry (their model_name label), its context window and vLLM's
+        cache_config_info labels."""
+        self.vllm.bind(model_name, max_model_len, cache_info)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm.observe("time_to_first_token_seconds", seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.vllm.observe("inter_token_latency_seconds", seconds)
+        self.vllm.observe("time_per_output_token_seconds", seconds)
+
+    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, e2e: float,
+                         mean_itl: float | None = None) -> None:
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.e2e.observe(e2e)
+        self.vllm.observe_finished(finish_reason, prompt_tokens, output_tokens, e2e, mean_itl)
 
     def observe_slos(self, slos: Slos, finish_reason: str, ttft: float | None, itl: float | None) -> None:
         """Judge one finished request (`ttft` None: no token came; `itl` None: fewer than two tokens, met)."""
@@ -181,4 +200,5 @@ class Metrics:
 
     def render(self) -> bytes:
         self.drain_transfer_times()
-        return generate_latest(self.registry)
+        ours = generate_latest(self.registry) if self.names != "vllm" else b""
+        return ours + (generate_latest(self.vllm.registry) if self.names != "pdserve" else b"")

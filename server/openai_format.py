@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.messages import TokenEvent, TokenLogprob
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.server.reasoning import ReasoningParser, ReasoningSplitter
 from pdserve.server.tool_call_stream import ToolCallStream
 from pdserve.server.tool_calls import ToolCall, Tools, forced_calls, parse_auto
 
@@ -62,6 +63,15 @@ class Choice:
         return Delta(prefix + event.text, event.logprobs, tuple(offsets))
 
 
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A chat request's --reasoning-parser split: whether its output starts inside the reasoning (the prompt
+    did not close it), and whether to send the reasoning (the request's include_reasoning)."""
+
+    at_start: bool
+    include: bool = True
+
+
 class TokenText:
     """The text of single tokens, cached (logprob entries name each token)."""
 
@@ -88,19 +98,22 @@ class ChatFormat:
     calls as `tool_calls` (streamed as `ToolCallStream` says) and `finish_reason: "tool_calls"`."""
 
     def __init__(self, request_id: str, model: str, created: int, token_text: TokenText,
-                 tools: Tools | None = None, parser: str = "hermes") -> None:
+                 tools: Tools | None = None, parser: str = "hermes", reasoning: Reasoning | None = None) -> None:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": None}
         self.token_text = token_text
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self.parser = parser
+        self.reasoning = reasoning
         self._streams: dict[int, ToolCallStream] = {}
+        self._splitters: dict[int, ReasoningSplitter] = {}
 
     def first_chunk(self, index: int) -> dict | None:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def chunk(self, index: int, delta: Delta, with_logprobs: bool, finish_reason: str | None) -> dict:
-        text, calls = delta.text, []
+        reasoning, text = self._split_delta(index, delta.text, finish_reason is not None)
+        calls = []
         if self.tools is not None:
             stream = self._streams.setdefault(index, ToolCallStream(self.tools, self.parser))
             text, calls = stream.feed(delta.text)
@@ -108,11 +121,31 @@ class ChatFormat:
                 rest, more = stream.finish()
                 text, calls = text + rest, calls + more
                 finish_reason = "tool_calls" if stream.sent and finish_reason == "stop" else finish_reason
-        message = {"content": text} if text or finish_reason is None else {}
+        message = {"content": text} if text or (finish_reason is None and not reasoning) else {}
+        if reasoning:
+            message.update(self._reasoning_fields(reasoning))
         if calls:
             message["tool_calls"] = calls
         return self._chunk(index, message, self.logprobs(delta.logprobs) if with_logprobs else None,
                            finish_reason)
+
+    def _split_delta(self, index: int, text: str, last: bool) -> tuple[str, str]:
+        """(reasoning, content) of one piece of a choice's output ("" reasoning without a reasoning parser)."""
+        if self.reasoning is None:
+            return "", text
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(self.reasoning.at_start))
+        reasoning, content = splitter.feed(text)
+        if last:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning if self.reasoning.include else "", content
+
+    def _reasoning_fields(self, reasoning: str | None) -> dict:
+        """vLLM's reasoning_content, and its newer name reasoning; nothing without a reasoning parser."""
+        if self.reasoning is None:
+            return {}
+        reasoning = reasoning if self.reasoning.include else None
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -128,14 +161,17 @@ class ChatFormat:
                 "usage": usage_}
 
     def _message(self, choice: Choice) -> dict:
-        content, calls = choice.full_text, self._calls(choice.full_text)
-        message = {"role": "assistant", "content": content, "refusal": None}
+        reasoning, content = None, choice.full_text
+        if self.reasoning is not None:
+            reasoning, content = ReasoningParser.split(content, self.reasoning.at_start)
+        calls = self._calls(content or "")
+        message = {"role": "assistant", "content": content, "refusal": None, **self._reasoning_fields(reasoning)}
         if not calls:
             return {"message": message, "finish_reason": choice.finish_reason}
         if self.tools.forced:
             content = None
         else:
-            content = parse_auto(content, self.parser, self.tools.names)[0] or None
+            content = parse_auto(content or "", self.parser, self.tools.names)[0] or None
         reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
         return {"message": {**message, "content": content, "tool_calls": [call.body() for call in calls]},
                 "finish_reason": reason}

@@ -7,23 +7,27 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-import jinja2
 import orjson
 from aiohttp import web
 
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.server.errors import APIError, bad_request
+from pdserve.server.chat_options import ChatOptions, parse_chat_options
+from pdserve.server.chat_page import chat_page
+from pdserve.server.chat_prompt import chat_prompt_ids
+from pdserve.server.errors import APIError
 from pdserve.server.generation import Generation
 from pdserve.server.metrics import CONTENT_TYPE
-from pdserve.server.openai_format import ChatFormat, CompletionFormat, TokenText
+from pdserve.server.openai_format import ChatFormat, CompletionFormat, Reasoning, TokenText
 from pdserve.server.protocol import (
     ParsedRequest,
     load_json_object,
     parse_chat,
     parse_completion,
 )
+from pdserve.server.sampling_defaults import with_defaults
 from pdserve.server.state import ACCESS, STATE, AccessRecord, ServerState
-from pdserve.server.tool_calls import choose_parser, template_messages
+from pdserve.server.tokenization import detokenize, tokenize, version
+from pdserve.server.tool_calls import choose_parser
 
 OFF_LOOP_TOKENIZE_CHARS = 64 * 1024     # longer prompts are tokenized in a worker thread
 
@@ -32,28 +36,46 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", chat_page)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    tokenizer = state.running_engine().tokenizer
-    parsed = parse_chat(load_json_object(await request.read()), state.config.limits)
+    state.running_engine()
+    tokenizer = state.tokenizer
+    body = load_json_object(await request.read())
+    parsed = with_defaults(parse_chat(body, state.config.limits), state.sampling_defaults)
+    options = parse_chat_options(body)
     model = state.check_model(parsed.model)
     parser = choose_parser(tokenizer.chat_template, state.tool_call_parser)
     size = sum(len(m["content"]) for m in parsed.messages)
-    prompt = await _off_loop_if(size, _encode_chat, tokenizer, parsed, parser)
+    prompt = await _off_loop_if(size, chat_prompt_ids, tokenizer, parsed, parser, options)
     parsed = await _with_grammar(state, parsed)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer),
-                     parsed.tools, parser)
+                     parsed.tools, parser, await _reasoning(state, tokenizer, prompt, options))
     return await _generate(request, parsed, [prompt], [""], fmt)
+
+
+async def _reasoning(state: ServerState, tokenizer: Tokenizer, prompt: tuple[int, ...],
+                     options: ChatOptions) -> Reasoning | None:
+    """How this request's output splits into reasoning and content; None without --reasoning-parser."""
+    if state.reasoning is None:
+        return None
+    text = await _off_loop_if(len(prompt), tokenizer.decode, prompt, False)
+    return Reasoning(state.reasoning.in_reasoning_at_start(text, options.template_kwargs), options.include_reasoning)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    tokenizer = state.running_engine().tokenizer
+    state.running_engine()
+    tokenizer = state.tokenizer
     parsed = parse_completion(load_json_object(await request.read()), state.config.limits)
+    parsed = with_defaults(parsed, state.sampling_defaults)
     model = state.check_model(parsed.model)
     size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
     prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)
@@ -91,14 +113,6 @@ async def _with_grammar(state: ServerState, parsed: ParsedRequest) -> ParsedRequ
         return parsed
     state.metrics.structured.labels("tools" if parsed.output.param == "tools" else parsed.output.kind).inc()
     return replace(parsed, sampling={**parsed.sampling, "grammar": grammar})
-
-
-def _encode_chat(tokenizer: Tokenizer, parsed: ParsedRequest, parser: str) -> tuple[int, ...]:
-    messages, tools = template_messages(parsed.messages, parsed.tools, tokenizer.chat_template, parser)
-    try:
-        return tuple(tokenizer.encode_chat(messages, tools=tools))
-    except (jinja2.TemplateError, ValueError) as e:
-        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
 
 def _encode_prompts(tokenizer: Tokenizer, parsed: ParsedRequest) -> list[tuple[int, ...]]:

@@ -12,6 +12,7 @@ from aiohttp import web
 from pdserve.engine.llm import new_event_loop
 from pdserve.server.app import create_app
 from pdserve.server.config import ServerConfig
+from pdserve.server.options_http import ssl_context
 from pdserve.server.state import STATE
 from pdserve.server.systemd import sd_notify, watchdog, watchdog_interval
 
@@ -53,9 +54,10 @@ async def serve(config: ServerConfig) -> int:
     try:
         sd_notify("STATUS=loading the model")
         await runner.setup()                                  # loads the model and starts the engine
-        await web.TCPSite(runner, config.host, config.port).start()
+        tls = ssl_context(config.tls) if config.tls is not None else None
+        await web.TCPSite(runner, config.host, config.port, ssl_context=tls).start()
         engine = app[STATE].engine
-        _announce_ready(runner, tasks, lambda: engine.dead is None)
+        _announce_ready(runner, tasks, lambda: engine.dead is None, "https" if tls else "http")
         dead = await _stopped_or_dead(stop, engine)
         if dead is not None:
             logger.critical("the engine is dead, exiting: %s", dead)
@@ -85,8 +87,8 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def _announce_ready(runner: web.AppRunner, tasks: set[asyncio.Task], alive) -> None:
-    where = ", ".join(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _announce_ready(runner: web.AppRunner, tasks: set[asyncio.Task], alive, scheme: str) -> None:
+    where = ", ".join(f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
                       for host, port, *_ in runner.addresses)
     logger.info("listening on %s", where)
     sd_notify(f"READY=1\nSTATUS=listening on {where}")

@@ -11,9 +11,12 @@ from llguidance import LLTokenizer
 from pdserve.engine.core.messages import EngineStats
 from pdserve.engine.engine import Engine
 from pdserve.engine.text.grammar import grammar_tokenizer
+from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.server.config import ServerConfig
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
+from pdserve.server.reasoning import ReasoningParser
+from pdserve.server.sampling_defaults import SamplingDefaults
 from pdserve.server.structured import GrammarCompiler
 
 
@@ -43,9 +46,12 @@ class ServerState:
         self.generations: set[Abortable] = set()
         self.idle = asyncio.Event()
         self.idle.set()
-        self.metrics = Metrics(self._stats, self._transfer_times, self._mask_times)
+        self.metrics = Metrics(self._stats, self._transfer_times, self._mask_times, config.metrics_names)
         self.grammars = GrammarCompiler(self._grammar_tokenizer, self.metrics.grammar_compile.observe)
         self.tool_call_parser: str | None = config.tool_call_parser
+        self.reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
+        self.tokenizer: Tokenizer | None = None          # the engine's, with --chat-template (set at start-up)
+        self.sampling_defaults = SamplingDefaults()      # --generation-config's (read at start-up)
 
     def running_engine(self) -> Engine:
         """The engine, or APIError(503) while loading or draining."""

@@ -55,9 +55,18 @@ CHAT = {**COMMON, "messages": [[{"role": "user", "content": "hi"}],
                                 {"role": "tool", "tool_call_id": "c1", "content": "x is a letter"}]],
         "max_completion_tokens": [5], "logprobs": [True], "top_logprobs": [3], "tools": [TOOLS],
         "tool_choice": ["auto", "required", "none", {"type": "function", "function": {"name": "lookup"}}],
-        "parallel_tool_calls": [False], "functions": [[{"name": "f"}]], "function_call": ["auto"]}
+        "parallel_tool_calls": [False], "functions": [[{"name": "f"}]], "function_call": ["auto"],
+        "chat_template_kwargs": [{"enable_thinking": False}, {"x": [1, {"y": "z"}]}], "add_generation_prompt": [False],
+        "continue_final_message": [True], "include_reasoning": [False], "chat_template": ["{{ messages }}"]}
 COMPLETION = {**COMMON, "prompt": ["hi", ["a", "b"], [5, 6, 7], [[5, 6], [7, 8]]], "logprobs": [2], "echo": [True],
               "suffix": ["x"], "best_of": [1]}
+TOKENIZE = {"model": ["tiny"], "prompt": ["hi", "x" * 2000], "add_special_tokens": [False], "return_token_strs": [True],
+            **{name: CHAT[name] for name in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                                             "continue_final_message", "chat_template")}}
+DETOKENIZE = {"model": ["tiny"], "tokens": [[1, 2, 3], list(range(300))]}
+ROUTES = (("/v1/chat/completions", CHAT, {"messages": CHAT["messages"][0]}),
+          ("/v1/completions", COMPLETION, {"prompt": "hi"}), ("/tokenize", TOKENIZE, {"prompt": "hi"}),
+          ("/detokenize", DETOKENIZE, {"tokens": [1, 2, 3]}))
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
@@ -68,7 +77,8 @@ def test_the_fuzz_covers_every_field_the_server_reads():
     read |= set(re.findall(r'"(guided_[a-z]+)"', source))
     sampling = re.search(r"_SAMPLING_FIELDS = \((.*?)\n\)", source, re.S).group(1)
     read |= set(re.findall(r'\("([a-z_]+)", "', sampling))
-    assert read and read - {"include_usage"} <= set(CHAT) | set(COMPLETION), read - set(CHAT) - set(COMPLETION)
+    fuzzed = set(CHAT) | set(COMPLETION) | set(TOKENIZE) | set(DETOKENIZE)
+    assert read and read - {"include_usage"} <= fuzzed, read - fuzzed
 
 
 def hostile(rng: random.Random):
@@ -88,17 +98,15 @@ def broken(value, rng: random.Random):
 
 
 def fuzzed_body(rng: random.Random) -> tuple[str, bytes]:
-    chat = rng.random() < 0.5
-    fields = CHAT if chat else COMPLETION
-    body = {"model": "tiny", "max_tokens": 4}
-    body.update({"messages": CHAT["messages"][0]} if chat else {"prompt": "hi"})
-    for name in rng.sample(sorted(fields), rng.choice([1, 1, 2, 3])):
+    route, fields, base = rng.choices(ROUTES, weights=(4, 4, 1, 1))[0]
+    body = {"model": "tiny", "max_tokens": 4, **base}
+    for name in rng.sample(sorted(fields), min(len(fields), rng.choice([1, 1, 2, 3]))):
         body[name] = rng.choice(fields[name])
         if name == "tool_choice":
             body["tools"] = TOOLS
         if rng.random() < 0.75:
             body[name] = broken(body[name], rng)
-    return ("/v1/chat/completions" if chat else "/v1/completions"), json.dumps(body).encode()
+    return route, json.dumps(body).encode()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +146,7 @@ async def assert_serving_and_clean(engine: Engine, base: str, session: aiohttp.C
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive"])
 async def test_a_seeded_fuzz_of_every_field_gets_no_5xx_and_leaves_the_engine_clean(speculating, serve, mode):
     engine = speculating(mode)
-    base = await serve(engine, served_model_names=("tiny",))
+    base = await serve(engine, served_model_names=("tiny",), reasoning_parser="deepseek_r1")
     rng = random.Random(41 + len(mode))
     bodies = [fuzzed_body(rng) for _ in range(160)]
     statuses: dict[int, int] = {}

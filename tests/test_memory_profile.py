@@ -33,8 +33,8 @@ CUDA0 = torch.device("cuda:0")
 class FakeMemory:
     """Scripted readings: `free` and `reserved` pop from their lists (the last value repeats)."""
 
-    def __init__(self, free=(80 * GiB,), allocated=10 * GiB, peak=12 * GiB, reserved=(14 * GiB,)):
-        self.free_values, self.reserved_values = list(free), list(reserved)
+    def __init__(self, free=(80 * GiB,), allocated=10 * GiB, peak=12 * GiB, reserved=(14 * GiB,), total=80 * GiB):
+        self.free_values, self.reserved_values, self.total_value = list(free), list(reserved), total
         self.allocated_value, self.peak_value = allocated, peak
         self.calls = []
 
@@ -43,6 +43,9 @@ class FakeMemory:
 
     def reserved(self):
         return self._next(self.reserved_values, "reserved")
+
+    def total(self):
+        return self.total_value
 
     def _next(self, values, name):
         self.calls.append(name)
@@ -148,6 +151,17 @@ def test_too_little_for_one_prefill_step_refuses_to_start_saying_what_took_the_m
     message = str(error.value)
     assert "cuda:0: weights and CUDA context 12.00 GiB, activations 5.00 GiB, CUDA graphs 2.00 GiB" in message
     assert "0.8 of the 24.00 GiB free at start-up" in message and "--no-cuda-graph" in message
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_whole_device_as_in_vllm(monkeypatch, config, cpu_model):
+    fixed_reserve(monkeypatch, 2 * GiB, 1 * GiB)
+    budget = DeviceBudget.at_start(CUDA0, None, FakeMemory(free=(50 * GiB,)), utilization=0.5)  # 30 GiB taken
+    assert budget.limit() == 40 * GiB                                # half of 80, not half of the 50 free
+    [blocks] = kv_blocks(budget, [demand(cpu_model)], config, 16, torch.float32, 16, 48,
+                         FakeMemory(free=(44 * GiB,)))              # 6 GiB of weights since start-up
+    assert blocks == (40 - 6 - 3) * GiB // kv_block_bytes(config, 16, torch.float32)
+    with pytest.raises(InsufficientMemory, match=r"asks for 0.7 of the device's 80.00 GiB, but only 50.00 GiB"):
+        DeviceBudget.at_start(CUDA0, None, FakeMemory(free=(50 * GiB,)), utilization=0.7)
 
 
 def test_weights_larger_than_the_budget_are_refused_before_loading(config):

@@ -12,6 +12,7 @@ from pdserve.server.cli import COMMANDS
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 MAX_ROW = 250
+OPTION = r"`(--?[a-z0-9][a-z0-9-]*)"          # --long, or vLLM's short -tp / -q
 
 
 def table_rows(markdown: str) -> list[list[str]]:
@@ -33,7 +34,7 @@ def option_rows(markdown: str) -> list[str]:
 
 
 def options_in(rows: list[str]) -> set[str]:
-    return {name for row in rows for name in re.findall(r"`(--[a-z0-9][a-z0-9-]*)", _cells(row)[0])}
+    return {name for row in rows for name in re.findall(OPTION, _cells(row)[0])}
 
 
 def serve_options() -> set[str]:
@@ -63,7 +64,7 @@ def test_every_option_in_a_readme_table_exists():
 
 
 def test_every_option_has_one_row():
-    names = [name for row in ROWS for name in re.findall(r"`(--[a-z0-9][a-z0-9-]*)", _cells(row)[0])]
+    names = [name for row in ROWS for name in re.findall(OPTION, _cells(row)[0])]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
 
 

@@ -5,11 +5,14 @@ import asyncio
 import dataclasses
 import json
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +26,7 @@ from pdserve.server.config import RequestLimits
 from pdserve.server.metrics import Metrics
 from pdserve.server.protocol import load_json_object, parse_chat, parse_completion
 from pdserve.server.systemd import render_unit, sd_notify, watchdog, watchdog_interval
+from pdserve.server.systemd_paths import service_paths, unreadable
 
 LIMITS = RequestLimits()
 
@@ -191,6 +195,63 @@ def test_systemd_unit_command(capsys):
 def test_unit_file_passes_systemd_analyze(tmp_path):
     path = tmp_path / "pdserve-test.service"
     path.write_text(render_unit(["--model", "demo:tiny", "--host", "0.0.0.0"]))
+    result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    problems = [line for line in result.stderr.splitlines() if path.name in line]
+    assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_a_unit_run_from_a_virtualenv_under_tmp_is_refused_naming_private_tmp():
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(folder / "venv")],
+                       check=True)
+        result = subprocess.run([str(folder / "venv" / "bin" / "python"), "-m", "pdserve.server.cli", "systemd-unit",
+                                 "--model", "demo:tiny", "--unit-user", "root"], capture_output=True, text=True)
+    finally:
+        shutil.rmtree(folder)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"the interpreter {folder}/venv/bin/python lies in /tmp" in result.stderr
+    assert "PrivateTmp=yes hides" in result.stderr and "/opt/pdserve" in result.stderr
+
+
+def test_the_dynamic_user_cannot_read_a_closed_home():
+    root = Path(tempfile.mkdtemp(prefix="pdserve-home-"))          # NOTE: pytest's own tmp_path is in a 0700 folder
+    try:
+        check_a_closed_home(root)
+    finally:
+        shutil.rmtree(root)
+
+
+def check_a_closed_home(root: Path) -> None:
+    home = root / "home" / "alice"
+    (home / "models").mkdir(parents=True)
+    model = home / "models" / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    for folder in (root, root / "home", home / "models"):
+        folder.chmod(0o755)
+    model.chmod(0o644)
+    home.chmod(0o700)
+    problem = unreadable({"the model": model}, None, private_tmp=False)
+    owner = pwd.getpwuid(os.getuid()).pw_name
+    assert problem == (f"the service's dynamic user (DynamicUser=yes) cannot read the model {model}: {home} is mode "
+                       f"0700 (owner {owner}); pass --unit-user {owner}, or install pdserve and the model where that "
+                       "user can read them, e.g. a virtualenv under /opt/pdserve")
+    assert unreadable({"the model": model}, owner, private_tmp=False) is None        # its owner can
+    assert "PrivateTmp=yes" in unreadable({"the model": model}, owner, private_tmp=True)
+    home.chmod(0o711)
+    assert unreadable({"the model": model}, None, private_tmp=False) is None
+    model.chmod(0o600)
+    assert "is mode 0600" in unreadable({"the model": model}, None, private_tmp=False)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_units_systemd_unit_writes_pass_systemd_analyze(tmp_path, capsys):
+    if unreadable(service_paths("demo:tiny"), "root", private_tmp=True) is not None:
+        pytest.skip("this checkout or interpreter lies in /tmp, where no unit's service could run it")
+    assert cli.main(["systemd-unit", "demo:tiny", "--host", "0.0.0.0", "--unit-user", "root",
+                     "--max-num-batched-tokens", "1024", "--enforce-eager"]) == 0
+    path = tmp_path / "pdserve-cli.service"
+    path.write_text(capsys.readouterr().out)
     result = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
     problems = [line for line in result.stderr.splitlines() if path.name in line]
     assert result.returncode == 0 and not problems, result.stderr

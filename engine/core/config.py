@@ -13,6 +13,8 @@ class CacheConfig:
     kv_cache_memory: str | None = None   # bytes ("2GiB"), or a fraction of the memory free at start-up
     #                                      (CUDA: weights, activations, graphs and KV together); None:
     #                                      2GiB per CPU, 0.8 of each GPU's
+    gpu_memory_utilization: float | None = None   # vLLM's meaning: the share of each GPU's total memory
+    #                                      pdserve may use, weights and KV together (CUDA only; None: kv_cache_memory)
     kv_watermark: float = 0.9
     enable_prefix_caching: bool = True   # share the KV of identical prompt prefixes (full blocks)
 

@@ -55,6 +55,7 @@ def named_pool_blocks(config: EngineConfig, layout: Layout, target: Target) -> t
     """Blocks per unit on a named accelerator: the KV budget (--kv-cache-memory; a fraction counts weights in, as
     on CUDA) less one copy of the weights per device, shared between the units on a device as the pool rule says."""
     absolute, fraction = parse_memory(config.cache.kv_cache_memory or DEFAULT_KV_BUDGET["cuda"])
+    fraction = config.cache.gpu_memory_utilization or fraction          # of the device's memory, as here
     weights = target.shape.weight_params * target.dtype_bytes
     budget = absolute if absolute is not None else fraction * target.hardware.memory - weights
     block = block_bytes(target, config.cache.block_size)

@@ -1,6 +1,7 @@
 """Tokenizer of a Hugging Face model directory: `tokenizers` for the text, jinja2 for chat."""
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -12,6 +13,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "      # transformers' marker for continue_final_message
 
 
 class Tokenizer:
@@ -59,14 +63,20 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **extra: Any) -> str:
-        """Render `messages` (OpenAI-style dicts) with the model's chat template.
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **extra: Any) -> str:
+        """Render `messages` (OpenAI-style dicts) with the chat template; `extra` are the template's own
+        variables (e.g. Qwen3's enable_thinking). With `continue_final_message` the text ends inside the last
+        message, for the model to continue it (as transformers cuts it).
 
-        Raises ValueError when the model directory has no chat template, and
-        jinja2.TemplateError when the template rejects the conversation.
+        Raises ValueError when the model directory has no chat template or the last message's text is not in
+        the rendering, and jinja2.TemplateError when the template rejects the conversation.
         """
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        if continue_final_message:
+            messages = _tag_final_message(messages)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools, **self._template_tokens, **extra)
+        return _cut_at_tag(text, messages[-1]["content"]) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **extra: Any) -> list[int]:
@@ -76,6 +86,18 @@ class Tokenizer:
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def with_chat_template(self, source: str) -> "Tokenizer":
+        """This tokenizer with `source` as its chat template (jinja2.TemplateSyntaxError when it does not parse)."""
+        compile_chat_template(source)
+        other = copy.copy(self)
+        other._chat_template = source
+        other.__dict__.pop("_template", None)          # NOTE: cached_property's value for the old template
+        return other
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for `token_id` (byte-level pieces as stored, e.g. 'Ġthe'), None when unknown."""
+        return self._backend.id_to_token(token_id)
 
     @property
     def chat_template(self) -> str | None:
@@ -98,13 +120,34 @@ class Tokenizer:
         if self._chat_template is None:
             raise ValueError(f"model directory {self._model_dir} has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
-        return _jinja_env().from_string(self._chat_template)
+        return compile_chat_template(self._chat_template)
 
     def _adds_bos(self) -> bool:
         # NOTE: the post-processor decides, as in transformers 5; add_bos_token only when there is none
         if self._backend.post_processor is None:
             return self._config.get("add_bos_token") is True
         return self._backend.encode("a", add_special_tokens=True).ids[:1] == [self.bos_token_id]
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """`source` in the sandbox chat templates render in; jinja2.TemplateSyntaxError when it does not parse."""
+    return _jinja_env().from_string(source)
+
+
+def _tag_final_message(messages: list[dict]) -> list[dict]:
+    """`messages` with a tag after the last one's text, where transformers' continue_final_message cuts."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    return [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
+
+
+def _cut_at_tag(text: str, tagged: str) -> str:
+    final = tagged[:-len(CONTINUE_TAG)]
+    tag = text.rfind(CONTINUE_TAG.strip())
+    if final.strip() not in text or tag < 0:
+        raise ValueError("continue_final_message: the chat template does not render the last message's text as is")
+    return text[:tag] if text.startswith(CONTINUE_TAG, tag) else text[:tag].rstrip()   # NOTE: a template may trim
 
 
 def _load_backend(path: Path) -> HFTokenizer:

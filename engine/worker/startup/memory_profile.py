@@ -44,6 +44,7 @@ class DeviceMemory(Protocol):
     """The memory readings sizing needs (torch.cuda's for one device; tests fake them)."""
 
     def free(self) -> int: ...
+    def total(self) -> int: ...
     def allocated(self) -> int: ...
     def peak_allocated(self) -> int: ...
     def reserved(self) -> int: ...
@@ -57,6 +58,9 @@ class CudaMemory:
 
     def free(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
+
+    def total(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[1]
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
@@ -110,25 +114,39 @@ def weights_bytes(config: ModelConfig, dtype: torch.dtype, max_positions: int) -
 
 @dataclass(frozen=True, slots=True)
 class DeviceBudget:
-    """A CUDA device's KV budget: `fraction` of the memory free at start-up, or `absolute` bytes."""
+    """A CUDA device's KV budget: `fraction` of the memory free at start-up (of the device's `total` when
+    given: --gpu-memory-utilization), or `absolute` bytes."""
 
     device: torch.device
     free_at_start: int
     absolute: int | None
     fraction: float | None
+    total: int | None = None
 
     @classmethod
-    def at_start(cls, device: torch.device, spec: str | None, memory: DeviceMemory) -> DeviceBudget:
+    def at_start(cls, device: torch.device, spec: str | None, memory: DeviceMemory,
+                 utilization: float | None = None) -> DeviceBudget:
+        """InsufficientMemory when `utilization` of the device is more than is free (as vLLM refuses to start)."""
+        if utilization is not None:
+            budget = cls(device, memory.free(), None, utilization, memory.total())
+            if budget.limit() > budget.free_at_start:
+                raise InsufficientMemory(f"{device}: --gpu-memory-utilization asks for {budget.describe()}, but "
+                                         f"only {budget.free_at_start / GiB:.2f} GiB are free; lower it")
+            return budget
         absolute, fraction = parse_memory(spec or DEFAULT_KV_BUDGET["cuda"])
         return cls(device, memory.free(), absolute, fraction)
 
     def limit(self) -> int:
         """Bytes pdserve may take on the device in all: weights, working memory and KV."""
-        return self.free_at_start if self.fraction is None else int(self.fraction * self.free_at_start)
+        if self.fraction is None:
+            return self.free_at_start
+        return int(self.fraction * (self.total or self.free_at_start))
 
     def describe(self) -> str:
         if self.fraction is None:
             return f"the {self.free_at_start / GiB:.2f} GiB free at start-up"
+        if self.total is not None:
+            return f"{self.fraction:g} of the device's {self.total / GiB:.2f} GiB"
         return f"{self.fraction:g} of the {self.free_at_start / GiB:.2f} GiB free at start-up"
 
     def check_weights(self, weights: int) -> None:

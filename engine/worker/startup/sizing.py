@@ -40,7 +40,8 @@ class PoolSizer:
         self.cache, self.sched, self.model_config, self.dtype = cache, sched, model_config, dtype
         self.max_model_len = max_model_len
         self.memory = {d: memory(d) for d in devices if d.type == "cuda"}
-        self.budgets = {d: DeviceBudget.at_start(d, cache.kv_cache_memory, m) for d, m in self.memory.items()}
+        self.budgets = {d: DeviceBudget.at_start(d, cache.kv_cache_memory, m, cache.gpu_memory_utilization)
+                        for d, m in self.memory.items()}
         weights = weights_bytes(model_config, dtype, max_model_len) if self.budgets else 0
         for budget in self.budgets.values():
             budget.check_weights(weights)
