@@ -5,7 +5,6 @@ naming the field in `param`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +14,10 @@ from pdserve.engine.core.context_window import ContextLengthExceeded, check_cont
 from pdserve.engine.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.server.config import RequestLimits
 from pdserve.server.errors import APIError, bad_request
+from pdserve.server.prompt_fields import Prompt, messages_of, prompts_of
 from pdserve.server.structured import OutputFormat, logit_bias, output_format
 from pdserve.server.tool_calls import Tools, forced_format, parse_tools
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
@@ -38,7 +37,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 
-Prompt = str | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +104,7 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     _check_constrained(output, sampling)
     return ParsedRequest("chat", model, n, stream, include_usage, max_tokens, max_tokens_param, sampling,
                          _max_tokens_cap(n, 1, max_tokens, max_tokens_param, limits),
-                         _priority(f, limits), _cache_salt(f), messages=_messages(body.get("messages")),
+                         _priority(f, limits), _cache_salt(f), messages=messages_of(body.get("messages")),
                          output=output, tools=tools)
 
 
@@ -119,7 +117,7 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens("max_tokens")
-    prompts = _prompts(body.get("prompt"))
+    prompts = prompts_of(body.get("prompt"))
     for name in ("tools", "tool_choice"):
         if body.get(name) is not None:
             raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
@@ -227,81 +225,3 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
 def _check_logprobs(value: int | None, name: str) -> None:
     if value is not None and not 0 <= value <= SamplingParams.MAX_LOGPROBS:
         raise bad_request(f"{name} must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {value}", name)
-
-
-def _messages(messages: Any) -> tuple[dict, ...]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array of message objects", "messages")
-    return tuple(_message(m, i) for i, m in enumerate(messages))
-
-
-def _message(message: Any, index: int) -> dict:
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise bad_request(f"{param} must be an object", param)
-    role = message.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise bad_request(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{param}.role")
-    content = _content(message.get("content"), f"{param}.content", role)
-    name = message.get("name")
-    extra = {"name": name} if isinstance(name, str) else {}
-    if role == "assistant" and message.get("tool_calls") is not None:
-        extra["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str):
-            raise bad_request(f"{param}.tool_call_id must be a string", f"{param}.tool_call_id")
-        extra["tool_call_id"] = call_id
-    return {"role": role, "content": content, **extra}
-
-
-def _tool_calls(calls: Any, param: str) -> list[dict]:
-    error = bad_request(f"{param} must be an array of {{'id', 'type': 'function', 'function': {{'name', "
-                        "'arguments': JSON text}}}}", param)
-    if not isinstance(calls, list):
-        raise error
-    checked = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
-            raise error
-        checked.append({"id": call.get("id", ""), "type": "function",
-                        "function": {"name": function["name"], "arguments": function["arguments"]}})
-    return checked
-
-
-def _content(content: Any, param: str, role: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string or an array of text parts", param)
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{param} parts must be {{'type': 'text', 'text': str}} (only text is supported)",
-                              param)
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _prompts(prompt: Any) -> tuple[Prompt, ...]:
-    error = bad_request("prompt must be a string, an array of strings, an array of token ids "
-                        "or an array of token id arrays", "prompt")
-    if isinstance(prompt, str):
-        return (prompt,)
-    if not isinstance(prompt, list) or not prompt:
-        raise error
-    if all(isinstance(p, str) for p in prompt):
-        return tuple(prompt)
-    if _is_token_list(prompt):
-        return (tuple(prompt),)
-    if all(isinstance(p, list) and p and _is_token_list(p) for p in prompt):
-        return tuple(tuple(p) for p in prompt)
-    raise error
-
-
-def _is_token_list(values: Sequence) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
