@@ -344,20 +344,21 @@ def test_slo_defaults_are_derived_from_the_measured_steps():
     for tokens in (1, 256, 512):
         prefill.observe(1, 0, tokens, 0.02 + 0.0004 * tokens)
     slos = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1))
-    one_row, ttft_step = 0.005 + 0.001 + 0.004 * 512 / 1000, 0.02 + 0.0004 * 512
+    one_row, ttft_step = 0.005 + 0.001 + 0.004 * 512 / 1000, 0.02 + 0.0004 * 128      # a typical prompt: 512 / 4
     assert slos.itl == pytest.approx(HEADROOM * KNEE * one_row, rel=0.01)      # the knee: a 2.5-row batch here
     assert slos.ttft == pytest.approx(HEADROOM * ttft_step, rel=0.01)
     assert "knee batch" in slos.itl_source and "one-row step at context 512" in slos.itl_source
-    assert "prefill step of 512 tokens" in slos.ttft_source
+    assert "first token of a typical 128-token prompt" in slos.ttft_source
     small_batch = derive_slos(SchedulerConfig(max_num_seqs=2, max_prefill_tokens=512), 4096,
                               MeasuredUnits(decode, 1, prefill, 1))
     full_batch = 0.005 + 0.002 + 0.004 * 2 * 512 / 1000                         # below the knee: all of it
     assert small_batch.itl == pytest.approx(HEADROOM * full_batch, rel=0.01)
     assert "a full batch (2 rows" in small_batch.itl_source
-    timed = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1, one_row_step=0.015, prefill_step=0.3))
+    timed = derive_slos(sched, 4096, MeasuredUnits(decode, 1, prefill, 1, one_row_step=0.015,
+                                                           typical_prompt_step=0.3))
     assert timed.itl == pytest.approx(HEADROOM * KNEE * 0.015)                  # the profile's own timings
     assert timed.ttft == pytest.approx(HEADROOM * 0.3)
-    assert "the 15.0 ms one-row step" in timed.itl_source and "the 300.0 ms prefill step" in timed.ttft_source
+    assert "the 15.0 ms one-row step" in timed.itl_source and "the 300.0 ms first token" in timed.ttft_source
     set_ = derive_slos(SchedulerConfig(ttft_slo_ms=800, itl_slo_ms=40), 4096, None)
     assert (set_.ttft, set_.itl, set_.ttft_source, set_.itl_source) == (0.8, 0.04, "set", "set")
     with pytest.raises(ValueError, match="--itl-slo-ms is not set"):
@@ -389,8 +390,8 @@ def test_the_profile_measures_a_full_batch_in_small_step_messages():
     assert all(s.num_seqs * (s.context + s.new_tokens) <= MESSAGE_TOKENS + s.num_seqs * 1 for s in shapes
                if s.kind == "decode")
     assert {(s.num_seqs, s.context) for s in shapes if s.kind == "decode"} == {(1, 1), (256, 1), (1, 4096), (256, 64)}
-    assert [(s.new_tokens, s.context) for s in shapes if s.kind == "prefill"] == [(1, 0), (2048, 0), (4096, 0),
-                                                                                  (1024, 3072)]
+    assert [(s.new_tokens, s.context) for s in shapes if s.kind == "prefill"] == [(1, 0), (1024, 0), (2048, 0),
+                                                                                  (4096, 0), (1024, 3072)]
     assert not [s for s in profile_shapes(sched, 8192, decodes=False, prefills=True) if s.kind == "decode"]
 
 
@@ -488,3 +489,30 @@ def test_a_prompts_attention_pairs_are_the_same_however_it_is_chunked():
         chunks = [ScheduledChunk(None, start, stop - start, False) for start, stop in zip([0, *cuts], [*cuts, n])]
         assert Batch(chunks=tuple(chunks)).chunk_pairs == attention_pairs(0, n)
     assert attention_pairs(3, 4) == sum(position + 1 for position in range(3, 7))    # each query and its keys
+
+
+def test_equal_misses_go_to_the_earliest_first_token_not_the_most_tokens_per_second():
+    """No candidate misses an SLO: the chat prompt starts in the decode unit's next step (a 0.4 s step the streams
+    have slack for) rather than on a slower prefill unit that keeps more tokens flowing meanwhile, which the rule
+    before took for its throughput and answered twice as late."""
+    planner = Planner(Slos(ttft=2.0, itl=0.3), 2048)
+    decode, prefill = linear_cost(0.005, 0.0005, 0.001), linear_cost(0.05, 0.0, 0.002)
+    busy = LoadState(8, (), 0, decode_remaining=8, streams=(Stream(remaining=8),) * 8)
+    decision = planner.place(400, 400, busy, decode, prefill)
+    assert all(c.misses == 0 for c in decision.candidates)
+    remote = next(c for c in decision.candidates if c.action == "remote")
+    assert remote.tokens_per_second > decision.chosen.tokens_per_second
+    assert decision.local and decision.chosen.chunk == 400
+    assert decision.chosen.first_token == pytest.approx(0.409, rel=0.05)
+    assert decision.chosen.first_token < remote.first_token / 2
+
+
+def test_a_short_prompt_starts_in_the_next_step_where_no_stream_is_pushed_past_its_slo():
+    planner = Planner(Slos(ttft=2.0, itl=0.1), 2048)
+    decode, prefill = linear_cost(0.02, 0.0005, 0.001), linear_cost(0.01, 0.0, 0.002)
+    streams = LoadState(16, (), 0, decode_remaining=8, streams=(Stream(remaining=8),) * 16)
+    decision = planner.place(100, 100, streams, decode, prefill)
+    now = next(c for c in decision.candidates if c.action == "local" and c.chunk == 100)
+    assert now.misses == 0 and decision.chosen is now                  # one 128 ms step: the 100 ms mean holds
+    assert now.first_token < min(c.first_token for c in decision.candidates if c is not now)
+    assert max(decision.candidates, key=lambda c: c.tokens_per_second).action == "remote"   # the rule before's pick

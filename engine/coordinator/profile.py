@@ -15,7 +15,7 @@ from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.coordinator.profile_store import ProfileStore, drifted
-from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, profile_context
+from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, profile_context, typical_prompt_tokens
 from pdserve.engine.units.spec import Layout
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import Compute
@@ -60,7 +60,8 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
                    StepShape("decode", rows, 1, context=max(1, min(context, MESSAGE_TOKENS // rows)))]
     if prefills:
         tokens = prefill_step_tokens(sched, max_model_len)
-        shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, max(1, tokens // 2), tokens))]
+        shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, typical_prompt_tokens(sched, max_model_len),
+                                                                      max(1, tokens // 2), tokens))]
         if tokens >= 4:
             shapes.append(StepShape("prefill", 1, tokens // 4, context=tokens - tokens // 4))
     return shapes
@@ -71,9 +72,9 @@ def one_row_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
     return StepShape("decode", 1, 1, context=profile_context(sched, max_model_len))
 
 
-def full_prefill_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
-    """The full prefill step (`slo.prefill_step_tokens`), whose timing the TTFT SLO takes."""
-    return StepShape("prefill", 1, prefill_step_tokens(sched, max_model_len))
+def typical_prompt_shape(sched: SchedulerConfig, max_model_len: int) -> StepShape:
+    """A typical prompt's prefill step (`slo.typical_prompt_tokens`), whose timing the TTFT SLO takes."""
+    return StepShape("prefill", 1, typical_prompt_tokens(sched, max_model_len))
 
 
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
@@ -142,7 +143,7 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
             store.save(kept)
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
                          decode.own_timing(one_row_shape(sched, layout.max_model_len)),
-                         prefill.own_timing(full_prefill_shape(sched, layout.max_model_len)))
+                         prefill.own_timing(typical_prompt_shape(sched, layout.max_model_len)))
 
 
 async def _drifted(profile: UnitProfile, kept: list[list], vocab_size: int) -> bool:

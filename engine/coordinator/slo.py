@@ -7,8 +7,9 @@ profile timed on this machine (`profile.py`; docs/adaptive.md says why each):
   past it each row pays its own compute; the SLO leaves as much time again for prefill riding along
   (Sarathi-Serve's stall-free chunk budget). The one-row step is the one timed, not the cost model's
   prediction of it, which a fit to a few profile steps can get far wrong.
-- TTFT: twice a prefill step of `--max-prefill-tokens` tokens on the prefill unit's own cores (the colocated
-  unit in that mode): a prompt as long as one prefill step is in time even behind one other such prompt.
+- TTFT: twice the first token of a typical chat prompt (a quarter of `--max-prefill-tokens`) on an idle prefill
+  unit's own cores (the colocated unit in that mode): the wait a chat user would notice past, not the longest
+  prompt's, under which the planner would have no reason to answer a chat sooner than a long step allows.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class MeasuredUnits:
     prefill: StepCostModel
     prefill_threads: int | None
     one_row_step: float | None = None    # the profile's one-row decode step at the SLO's context, as timed
-    prefill_step: float | None = None    # the profile's full prefill step, as timed
+    typical_prompt_step: float | None = None   # the profile's prefill step of a typical prompt, as timed
 
 
 def profile_context(sched: SchedulerConfig, max_model_len: int) -> int:
@@ -58,24 +59,29 @@ def prefill_step_tokens(sched: SchedulerConfig, max_model_len: int) -> int:
     return max(1, min(sched.max_prefill_tokens, max_model_len - 1))
 
 
+def typical_prompt_tokens(sched: SchedulerConfig, max_model_len: int) -> int:
+    """A typical chat prompt's tokens, the TTFT SLO is derived from: a quarter of a prefill step."""
+    return max(1, prefill_step_tokens(sched, max_model_len) // 4)
+
+
 def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUnits | None) -> Slos:
     """The user's SLOs where set, else derived from `measured` (see the module docstring).
 
     Raises ValueError when an SLO is not set and nothing was measured to derive it from."""
     ttft, itl = sched.ttft_slo_ms, sched.itl_slo_ms
     context = profile_context(sched, max_model_len)
-    tokens = prefill_step_tokens(sched, max_model_len)
+    tokens = typical_prompt_tokens(sched, max_model_len)
     itl_source = ttft_source = "set"
     if itl is None:
         step, why = _knee_step(measured, sched.max_num_seqs, context)
         itl = HEADROOM * step * 1e3
         itl_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms decode step of {why}"
     if ttft is None:
-        step = _measured(measured and (measured.prefill_step
+        step = _measured(measured and (measured.typical_prompt_step
                                        or measured.prefill.predict(measured.prefill_threads, 0, tokens)),
                          "--ttft-slo-ms")
         ttft = HEADROOM * step * 1e3
-        ttft_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms prefill step of {tokens} tokens"
+        ttft_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms first token of a typical {tokens}-token prompt"
     return Slos(ttft / 1e3, itl / 1e3, ttft_source, itl_source, sched.itl_slo_kind)
 
 

@@ -61,10 +61,17 @@ class Prediction:
     tokens_per_second: float
     first_token: float               # seconds until the last first token it decides
     step: float                      # the decode step meanwhile (seconds)
+    streams: int = 0                 # the decoding streams meanwhile
+    stall: float = 0.0               # seconds each of them waits for its tokens beyond decoding alone
 
     @property
     def misses(self) -> int:
         return self.ttft_misses + self.itl_misses
+
+    @property
+    def stalls(self) -> float:
+        """Seconds the decoding streams together wait for their tokens beyond what decoding alone would take."""
+        return self.streams * self.stall
 
     def describe(self) -> str:
         what = (f"local chunks of {self.chunk}" if self.action == "local" else
@@ -90,5 +97,7 @@ class Decision:
 
 
 def best(candidates: Sequence[Prediction]) -> Prediction:
-    """Fewest predicted misses, then most tokens per second; the earlier candidate on a tie."""
-    return min(candidates, key=lambda p: (p.misses, -p.tokens_per_second))
+    """Fewest predicted misses; among equals the earliest first token (what a chat user notices first), then the
+    least the streams stall (their ITL), then the most tokens per second; the earlier candidate on a tie. With the
+    misses equal no stream is pushed past its SLO, so a prompt that can start now, on idle cores, does."""
+    return min(candidates, key=lambda p: (p.misses, p.first_token, p.stalls, -p.tokens_per_second))

@@ -1,35 +1,9 @@
-"""The SLO planner of adaptive mode: one rule, from stated SLOs and measured step costs.
-
-For each candidate action the step cost models (`pdserve.engine.actors.step_cost`) predict the TTFT of
-the prompts waiting and the ITL of the streams decoding; the planner takes the action with the fewest
-predicted SLO misses and, among equals, the most tokens per second (DistServe's goodput, then throughput):
-the same work (every prompt queued on either unit, and the streams decoding) over the time until all of
-its prefill is done, so a remote prefill behind a long backlog is worth what it is.
-
-The actions, for the prompts a decode unit may prefill itself:
-
-- a local chunk of `c` tokens in each decode step, for a few `c`: the largest chunk whose step keeps
-  the ITL SLO, and the whole queue in one step (up to `--max-prefill-tokens`, the runner's step size);
-- waiting: no prefill while the streams decode, then the whole queue once the longest of them may
-  have ended (its `max_tokens`); never for a prompt already past its TTFT SLO;
-- for a new prompt, a remote prefill on a prefill unit: the rest of the step it runs and its queue there at
-  its measured rate, while the decode unit steps on its own cores meanwhile (the cores it had borrowed go back);
-- lending cores: a unit whose partner idles steps on both units' cores when that is predicted faster.
-
-A prefill unit's step carries its whole budget (`--max-prefill-tokens`), a chunk of the next prompt packed behind
-the prompts it finishes, or only its first prompts, whose first tokens then do not wait for that chunk.
-
-A stream misses the ITL SLO when its mean time between tokens, counted to its `max_tokens`, is predicted past
-it: the time it has decoded so far, the action's steps while it decodes in them, and decode-only steps for the
-rest (DistServe's TPOT, the mean goodput counts). A stream with slack absorbs a long step; one already past
-the SLO on decode-only steps misses it whatever the action, so only what prefill adds counts against it (the
-planner keeps its steps as short as decoding alone). With `--itl-slo-kind max` any one gap counts instead: a
-stream misses when a step of the action it waits for is predicted past the SLO (and past its decode-only step),
-which bounds the tail ITL the mean lets a long chunk through (one long chunk in a long stream of short steps
-moves its mean little). A prompt misses the TTFT SLO when its first token is
-predicted past it, counted from its arrival. Tokens per second are the tokens decoded and the prompt tokens
-served (cached ones too, and the prefill unit's backlog) until the last of that prefill is done, on either
-unit. Nothing here reads a clock: the coordinator hands in how long each prompt has waited.
+"""The SLO planner of adaptive mode: one rule, from stated SLOs and measured step costs (docs/adaptive.md, "The
+rule"). For each candidate action (local chunks, the whole queue local, waiting, a remote prefill, lending cores)
+the step cost models predict the waiting prompts' first tokens and the decoding streams' steps; the planner takes
+the action with the fewest predicted SLO misses (DistServe's goodput), among equals the least waiting it adds
+(`decisions.best`), then the most tokens per second. Nothing here reads a clock: the placement hands in how long
+each prompt has waited.
 """
 from __future__ import annotations
 
@@ -146,8 +120,9 @@ class Planner:
         alone = decode.predict(threads, rows, 0, context) if rows else 0.0
         decoded = rows * plan.steps + (rows * (span - horizon) / alone if alone else 0.0)
         tokens = decoded + sum(w.served for w in queue) + backlog[1]
+        stall = max(0.0, plan.seconds_until_done() - plan.steps * alone)
         return Prediction("local", plan.chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon,
-                          plan.longest)
+                          plan.longest, rows, stall)
 
     def _ttft_misses(self, queue: Sequence[Waiting], plan: PrefillPlan, delay: float = 0.0) -> int:
         """The prompts of `queue` whose first token, `plan`'s steps after `delay` seconds, comes past the SLO."""
@@ -170,7 +145,7 @@ class Planner:
         later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
         span = max(later.first_token, backlog[0])
         tokens = rows * state.decode_remaining + sum(w.served for w in queue) + backlog[1]
-        return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone)
+        return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone, rows)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
                 prefill: StepCostModel | None, waited: float) -> Prediction | None:
@@ -197,7 +172,9 @@ class Planner:
             span = max(span, meanwhile.first_token)
         rate = (served + (rows * span / step if step else 0.0)) / span if span else 0.0
         itl_misses = self._itl_misses(state, decode, ((math.ceil(first_token / step), step),) if step else ())
-        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step)
+        alone = decode.predict(state.local_threads, rows, 0, state.decode_context) if rows else 0.0
+        stall = math.ceil(first_token / step) * max(0.0, step - alone) if step else 0.0   # its own cores meanwhile
+        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step, rows, stall)
 
     def _itl_misses(self, state: LoadState, decode: StepCostModel, steps: Sequence[tuple[int, float]]) -> int:
         """The decoding streams whose mean time between tokens the action's `steps` ((how many, seconds each),
