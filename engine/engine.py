@@ -67,8 +67,11 @@ class Engine(Recovery):
     model, machine, unit loader and clock; nothing else differs."""
 
     def __init__(self, config: EngineConfig, served: ServedModel | None = None, machine: Machine | None = None,
-                 load: UnitLoader | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config, self.clock = config, clock
+                 load: UnitLoader | None = None, clock: Callable[[], float] = time.monotonic,
+                 keep_profile: bool = True) -> None:
+        """`keep_profile`: the start-up profile is kept on disk for the next start (a simulator's is not: its
+        steps cost nothing, and a probe step would move its virtual clock)."""
+        self.config, self.clock, self.keep_profile = config, clock, keep_profile
         torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
         self.served = served or ServedModel.load(config.model)
         check_draft_model(config, self.served.config)
@@ -143,7 +146,7 @@ class Engine(Recovery):
         if self._slos is None:
             measured = await measure_units(self.config.scheduler, self.layout, self.units,
                                            self.served.config.vocab_size, self.mode.decode_units_prefill,
-                                           self._profile_store())
+                                           self._profile_store() if self.keep_profile else None)
             self._slos = derive_slos(self.config.scheduler, self.layout.max_model_len, measured)
             logger.info("%s", self._slos.describe())
             self.mode.serve(self.coordinator, self._slos, measured)

@@ -83,7 +83,8 @@ def _machine(layout: Layout) -> list:
         parts.append([cpu.model, sorted(cpu.flags), len(layout.cores)])
     for device in layout.devices:
         if device.type == "cuda":
-            parts.append([torch.cuda.get_device_name(device), torch.version.cuda])
+            name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else str(device)
+            parts.append([name, torch.version.cuda])
     return parts
 
 

@@ -39,7 +39,8 @@ def simulated_engine(config: EngineConfig, target: Target) -> Engine:
     eos = frozenset(target.shape.eos_token_ids)
     served = ServedModel(target.shape.name, None, target.shape, None, eos)
     loop = asyncio.get_running_loop()
-    return Engine(config, served, target.machine or named_machine(config), _loader(target), clock=loop.time)
+    return Engine(config, served, target.machine or named_machine(config), _loader(target), clock=loop.time,
+                  keep_profile=False)
 
 
 def named_machine(config: EngineConfig) -> Machine:
