@@ -355,7 +355,7 @@ def test_derived_slos_are_logged_once_at_start_with_their_source(caplog):
     logged = [r.getMessage() for r in caplog.records if "SLO" in r.getMessage()]
     assert len(logged) == 1 and logged[0] == engine.slos.describe()
     assert "decode step of" in logged[0] and "at context 64" in logged[0]       # the knee, or a full batch below it
-    assert "prefill step of 64 tokens" in logged[0]
+    assert "first token of a typical 16-token prompt" in logged[0]             # a quarter of the prefill step
     assert engine.mode.placement.planner.slos is engine.slos
     engine.close()
 

@@ -48,10 +48,11 @@ class UnitProfile:
 
 def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, prefills: bool) -> list[StepShape]:
     """Decode-only steps of one row and of a full batch at a short context, one row at a long context and the
-    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, half and a full prefill step,
-    and the last quarter of a full step's prompt after the rest (a chunk's attention over its prompt's earlier
-    chunks): the points that separate the cost model's coefficients. A full batch at the long context is predicted
-    from them, not run: each step's message stays small (its rows' tokens travel to a worker process)."""
+    full batch at as long a one as MESSAGE_TOKENS allows; prefill steps of one token, a typical prompt and half a
+    prefill step, and the last quarter of a full step's prompt after the rest (a chunk's attention over its
+    prompt's earlier chunks): the points that separate the cost model's coefficients. A full prefill step and a
+    full batch at the long context are predicted from them, not run: the full step is the profile's longest by
+    far (seconds on one core), and each step's message stays small (its rows' tokens travel to a worker)."""
     rows, context = sched.max_num_seqs, profile_context(sched, max_model_len)
     shapes = []
     if decodes:
@@ -61,7 +62,7 @@ def profile_shapes(sched: SchedulerConfig, max_model_len: int, decodes: bool, pr
     if prefills:
         tokens = prefill_step_tokens(sched, max_model_len)
         shapes += [StepShape("prefill", 1, n) for n in dict.fromkeys((1, typical_prompt_tokens(sched, max_model_len),
-                                                                      max(1, tokens // 2), tokens))]
+                                                                      max(1, tokens // 2)))]
         if tokens >= 4:
             shapes.append(StepShape("prefill", 1, tokens // 4, context=tokens - tokens // 4))
     return shapes

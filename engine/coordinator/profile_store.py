@@ -20,7 +20,7 @@ from pdserve.engine.worker.startup.defaults import detect_cpu
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2                   # the profile's steps changed: a profile kept before is measured again
+FORMAT = 3                   # the profile's steps changed: a profile kept before is measured again
 DRIFT = 2.0                  # a probe step this many times slower or faster than stored: the machine changed
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 
