@@ -15,7 +15,11 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from pdserve.engine.worker.prompt_logprobs import SLICE_POSITIONS
+from pdserve.engine.worker.startup.memory_profile import Demand, measure_reserve
+from pdserve.engine.worker.startup.sizing import largest_steps
 from pdserve.engine.worker.step import ChunkInput, NewRow, StepInput
 from tests.fake_cuda import fake_cuda
 from tests.models import SLOS_SET, demo_checkpoint, engine_config, hf_checkpoint
@@ -115,6 +119,31 @@ def test_worker_processes_return_the_thread_workers_prompt_logprobs():
     for prompt, output in zip(batch, outputs["process"]):
         assert output.prompt_logprobs.token_ids == tuple(prompt[1:])
         assert_prompt_logprobs_match(prompt, list(output.prompt_logprobs.logprobs))
+
+
+def test_the_memory_profile_runs_a_full_slice_of_prompt_logprobs(monkeypatch):
+    model = load_model(ModelConfig.from_dir(demo_checkpoint()), torch.float32, torch.device("cpu"), 256)
+    rows_seen: list[int] = []
+    compute_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: rows_seen.append(hidden.shape[0])
+                        or compute_logits(hidden))
+    steps, rows = largest_steps("prefill", SchedulerConfig(max_num_seqs=2, max_prefill_tokens=32), 256)
+    measure_reserve(Demand(model, 1.0, 10**9, steps, rows), 16, 16, NoMemory())
+    assert SLICE_POSITIONS in rows_seen
+
+
+class NoMemory:
+    """Readings of a device with nothing measured (the profile's steps run all the same)."""
+
+    def allocated(self) -> int:
+        return 0
+
+    peak_allocated = allocated
+
+    def reset_peak(self) -> None:
+        pass
+
+    release_cached = reset_peak
 
 
 @pytest.mark.parametrize("value", [-1, 21, 2.0, True, "1"])

@@ -17,9 +17,7 @@ from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.rows import RowState
 from pdserve.engine.worker.step import StepInput
 
-# LM-head rows per pass: a [64, V] float32 workspace, well under the sampler's, which the memory profile
-# measures at a full batch of rows
-SLICE_POSITIONS = 64
+SLICE_POSITIONS = 64      # LM-head rows per pass: a [64, V] float32 workspace (the memory profile runs one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +55,13 @@ def score_prompts(model: CausalLM, hidden: torch.Tensor, rows: RowState, step: S
     if not sum(counts):
         return scored
     positions = upload(np.concatenate(spans), hidden.device, np.int64)
-    values = _score(model, hidden, positions, upload(scored.targets, hidden.device), scored.width)
+    values = score_positions(model, hidden, positions, upload(scored.targets, hidden.device), scored.width)
     return ScoredChunks(scored.chunks, scored.counts, scored.tops, scored.targets, scored.width,
                         tuple(readback.add(v) for v in values))
 
 
-def _score(model: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-           width: int) -> tuple[torch.Tensor, ...]:
+def score_positions(model: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                    width: int) -> tuple[torch.Tensor, ...]:
     """(logprobs [M], ranks [M], top values [M, width], top ids [M, width]) of `targets` at `positions`."""
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, positions.shape[0], SLICE_POSITIONS):
