@@ -1,6 +1,6 @@
 """Prompt logprobs through the official openai client against transformers on the same checkpoint: lm-eval's
 loglikelihood payload (echo, logprobs 1, max_tokens 1) in every mode with prompts longer than one prefill chunk,
-both adaptive placements and the hand-off; vLLM's `prompt_logprobs` on both endpoints, streamed and whole;
+both adaptive placements and the hand-off, and with worker processes; vLLM's `prompt_logprobs` on both endpoints, streamed and whole;
 max_tokens 0 with echo; a prompt whose prefix is cached."""
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ LENGTHS = (40, 150)                             # with the seeded costs, adaptiv
 
 
 def build(mode: str, **overrides) -> Engine:
+    """`mode`, or `mode/process`: with worker processes."""
+    mode, _, workers = mode.partition("/")
+    if workers:
+        overrides["workers"] = workers
     if mode == "adaptive":
         return seed_costs(Engine(engine_config(hf_checkpoint(ARCH), mode=mode, max_prefill_tokens=CHUNK,
                                                **SLOS, **overrides)))
@@ -45,7 +49,7 @@ def is_greedy(token_logprobs, top_logprobs) -> bool:
     return all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive", "disaggregated/process"])
 async def test_lm_eval_loglikelihood_payload_matches_transformers(engines, serve, mode):
     engine = engines(mode)
     base = await serve(engine)
