@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pdserve.engine.config import EngineConfig, SpeculativeConfig
-from pdserve.engine.core.messages import FinishReason, Request, TokenLogprob
+from pdserve.engine.core.messages import FinishReason, PromptLogprobs, Request, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 
@@ -21,6 +21,7 @@ class GenerationOutput:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None   # with SamplingParams.prompt_logprobs: prompt tokens 1 ..
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -72,14 +73,16 @@ class LLM:
     async def _one(self, prompt: str | Sequence[int], params: SamplingParams) -> GenerationOutput:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request = Request(f"llm-{next(self._ids)}", tuple(ids), params)
-        text, tokens, logprobs, reason, error = [], [], [], FinishReason.ABORT, None
+        text, tokens, logprobs, reason, error, scored = [], [], [], FinishReason.ABORT, None, None
         async for event in self.engine.submit(request):
             text.append(event.text)
             tokens += event.token_ids
             logprobs += event.logprobs
             reason, error = event.finish_reason or reason, event.error
+            if event.prompt_logprobs is not None:
+                scored = event.prompt_logprobs
         return GenerationOutput(prompt if isinstance(prompt, str) else None, tuple(ids), "".join(text),
-                                tuple(tokens), reason.value, tuple(logprobs), error)
+                                tuple(tokens), reason.value, tuple(logprobs), error, scored)
 
     def close(self) -> None:
         self.engine.close()

@@ -5,7 +5,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve.engine.core.messages import FinishReason, Request, StepOutput, TokenEvent, TokenLogprob
+from pdserve.engine.core.messages import FinishReason, PromptLogprobs, Request, StepOutput, TokenEvent, TokenLogprob
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.stop_strings import StopStringMatcher
 from pdserve.engine.text.tokenizer import Tokenizer
@@ -30,6 +30,8 @@ class Stream:
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None    # to go out with the first token
+    plain: bool = True                        # no stop strings and nothing to attach: on_step's short path
 
     def end(self, reason: FinishReason, error: str | None = None) -> None:
         """Put the stream's last event: no token, `reason` (and `error`)."""
@@ -89,8 +91,9 @@ class Streams:
         params = request.params
         detokenizer = NoText() if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        stream = Stream(request, detokenizer, StopStringMatcher(params.stop) if params.stop else None,
-                        num_prompt_tokens=len(request.prompt_token_ids))
+        stops = StopStringMatcher(params.stop) if params.stop else None
+        stream = Stream(request, detokenizer, stops, num_prompt_tokens=len(request.prompt_token_ids),
+                        plain=stops is None)
         self.open[request.request_id] = stream
         return RequestStream(stream, abort)
 
@@ -111,13 +114,15 @@ class Streams:
         logprobs = output.logprobs or (None,) * len(output)
         if output.cached_tokens is not None:
             self._note_cached(output)
+        if output.prompt_logprobs is not None:
+            self._note_prompt_logprobs(output)
         for request_id, token_id, reason, logprob in zip(output.request_ids, output.token_ids,
                                                          output.finish_reasons, logprobs):
             stream = streams.get(request_id)
             if stream is None:                     # aborted or stopped while in flight between actors
                 if reason is None:
                     self.stop_in_actors(request_id)
-            elif reason is None and stream.stops is None:     # the common case, kept short: mid-stream
+            elif reason is None and stream.plain:     # the common case, kept short: mid-stream
                 stream.num_output_tokens += 1
                 stream.queue.put_nowait(TokenEvent(request_id, (token_id,), stream.detokenizer.push(token_id),
                                                    (logprob,) if logprob else (), None, None,
@@ -136,6 +141,12 @@ class Streams:
             if stream is not None and stream.num_output_tokens == 0:
                 stream.num_cached_tokens = cached
 
+    def _note_prompt_logprobs(self, output: StepOutput) -> None:
+        for request_id, scored in zip(output.request_ids, output.prompt_logprobs):
+            stream = self.open.get(request_id)
+            if scored is not None and stream is not None and stream.num_output_tokens == 0:
+                stream.prompt_logprobs, stream.plain = scored, False
+
     def _deliver(self, stream: Stream, token_id: int, logprob: TokenLogprob | None,
                  actor_reason: FinishReason | None) -> None:
         stream.num_output_tokens += 1
@@ -148,9 +159,10 @@ class Streams:
         elif reason is not None:
             text, reason = _final_text(stream, text, reason)
         request_id = stream.request.request_id
+        scored, stream.prompt_logprobs, stream.plain = stream.prompt_logprobs, None, stream.stops is None
         stream.queue.put_nowait(TokenEvent(request_id, (token_id,), text, (logprob,) if logprob else (), reason,
                                            None, stream.num_prompt_tokens, stream.num_output_tokens,
-                                           stream.num_cached_tokens))
+                                           stream.num_cached_tokens, scored))
         if reason is not None:
             del self.open[request_id]
             if actor_reason is None:               # a stop string: the actors still hold the sequence

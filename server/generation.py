@@ -48,7 +48,7 @@ class Generation:
                 raise from_value_error(e) from None
             for j in range(n):
                 index = p * n + j
-                self.choices.append(Choice(index, len(ids), echoes[p]))
+                self.choices.append(Choice(index, len(ids), echoes[p], ids, self.parsed.scores_only))
                 requests.append(Request(request_id if single else f"{request_id}-{index}", ids, params.for_choice(j),
                                         self.parsed.priority, cache_salt=self.parsed.cache_salt))
         return requests

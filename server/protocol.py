@@ -48,7 +48,7 @@ class ParsedRequest:
     n: int
     stream: bool
     include_usage: bool
-    max_tokens: int | None                   # None: the rest of the context window
+    max_tokens: int | None                   # None: the rest of the context window; 0: echo only (completions)
     max_tokens_param: str
     sampling: dict[str, Any]                 # SamplingParams keyword arguments but max_tokens
     max_tokens_cap: int                      # most output tokens one choice may take (RequestLimits)
@@ -59,6 +59,12 @@ class ParsedRequest:
     prompts: tuple[Prompt, ...] = ()
     output: OutputFormat | None = None       # what the output must match (its grammar is compiled later)
     tools: Tools | None = None
+    prompt_logprobs: int | None = None       # vLLM's field: prompt_logprobs in the response, with this many top
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo (OpenAI's legacy completions): the prompt comes back, scored; nothing generated."""
+        return self.max_tokens == 0
 
     @property
     def prompt_param(self) -> str:
@@ -72,7 +78,7 @@ class ParsedRequest:
             raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
         room = max_model_len - prompt_len
         max_tokens = min(room, self.max_tokens_cap) if self.max_tokens is None else self.max_tokens
-        return SamplingParams(max_tokens=max_tokens, **self.sampling)
+        return SamplingParams(max_tokens=max_tokens or 1, **self.sampling)     # NOTE: 0 samples one, not returned
 
 
 def load_json_object(body: bytes) -> dict:
@@ -94,6 +100,7 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     _check_logprobs(top_logprobs, "top_logprobs")
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(f, (top_logprobs or 0) if logprobs else None)
+    prompt_logprobs = sampling["prompt_logprobs"] = _prompt_logprobs(f)
     model, n, stream, include_usage = _common(f, limits)
     max_tokens = f.get_max_tokens(max_tokens_param)
     tools, output = parse_tools(body), output_format(body)
@@ -105,7 +112,7 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     return ParsedRequest("chat", model, n, stream, include_usage, max_tokens, max_tokens_param, sampling,
                          _max_tokens_cap(n, 1, max_tokens, max_tokens_param, limits),
                          _priority(f, limits), _cache_salt(f), messages=messages_of(body.get("messages")),
-                         output=output, tools=tools)
+                         output=output, tools=tools, prompt_logprobs=prompt_logprobs)
 
 
 def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
@@ -113,19 +120,21 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     logprobs = f.get("logprobs", "int")
     _check_logprobs(logprobs, "logprobs")
     echo = f.get("echo", "bool", False)
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    prompt_logprobs = _prompt_logprobs(f)
     model, n, stream, include_usage = _common(f, limits)
-    max_tokens = f.get_max_tokens("max_tokens")
+    max_tokens = f.get_max_tokens("max_tokens", echo)
     prompts = prompts_of(body.get("prompt"))
     for name in ("tools", "tool_choice"):
         if body.get(name) is not None:
             raise bad_request(f"{name} is only supported on /v1/chat/completions", name)
     sampling, output = _sampling(f, logprobs), output_format(body)
+    echoed = logprobs if echo else None             # a legacy echo scores the prompt with the output's logprobs
+    sampling["prompt_logprobs"] = max((k for k in (prompt_logprobs, echoed) if k is not None), default=None)
     _check_constrained(output, sampling)
     return ParsedRequest("completion", model, n, stream, include_usage, max_tokens, "max_tokens",
                          sampling, _max_tokens_cap(n, len(prompts), max_tokens, "max_tokens", limits),
-                         _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts, output=output)
+                         _priority(f, limits), _cache_salt(f), echo=echo, prompts=prompts, output=output,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def _check_constrained(output: OutputFormat | None, sampling: dict[str, Any]) -> None:
@@ -150,10 +159,11 @@ class _Fields:
             raise bad_request(f"{name} must be a 64-bit integer (from -2**63 to 2**63 - 1), got {value}", name)
         return float(value) if kind == "number" else value
 
-    def get_max_tokens(self, name: str) -> int | None:
+    def get_max_tokens(self, name: str, echo: bool = False) -> int | None:
+        """`echo`: 0 is allowed too (the prompt scored, nothing generated)."""
         value = self.get(name, "int")
-        if value is not None and value < 1:
-            raise bad_request(f"{name} must be at least 1, got {value}", name)
+        if value is not None and value < (0 if echo else 1):
+            raise bad_request(f"{name} must be at least 1 (0 only with echo on /v1/completions), got {value}", name)
         return value
 
 
@@ -220,6 +230,13 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if longest > MAX_STOP_CHARS:
         raise bad_request(f"each stop string may be at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     return tuple(stops)
+
+
+def _prompt_logprobs(f: _Fields) -> int | None:
+    """vLLM's prompt_logprobs: 0 the prompt tokens' own logprobs, N those and the top N at each position."""
+    value = f.get("prompt_logprobs", "int")
+    _check_logprobs(value, "prompt_logprobs")
+    return value
 
 
 def _check_logprobs(value: int | None, name: str) -> None:

@@ -57,7 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await _off_loop_if(size, chat_prompt_ids, tokenizer, parsed, parser, options)
     parsed = await _with_grammar(state, parsed)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer),
-                     parsed.tools, parser, await _reasoning(state, tokenizer, prompt, options))
+                     parsed.tools, parser, await _reasoning(state, tokenizer, prompt, options), parsed.prompt_logprobs)
     return await _generate(request, parsed, [prompt], [""], fmt)
 
 
@@ -81,7 +81,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await _off_loop_if(size, _encode_prompts, tokenizer, parsed)
     parsed = await _with_grammar(state, parsed)
     echoes = [_echo(tokenizer, p) if parsed.echo else "" for p in parsed.prompts]
-    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer))
+    fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), TokenText(tokenizer),
+                           parsed.sampling.get("logprobs") if parsed.echo else None, parsed.prompt_logprobs)
     return await _generate(request, parsed, prompts, echoes, fmt)
 
 

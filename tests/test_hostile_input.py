@@ -57,9 +57,10 @@ CHAT = {**COMMON, "messages": [[{"role": "user", "content": "hi"}],
         "tool_choice": ["auto", "required", "none", {"type": "function", "function": {"name": "lookup"}}],
         "parallel_tool_calls": [False], "functions": [[{"name": "f"}]], "function_call": ["auto"],
         "chat_template_kwargs": [{"enable_thinking": False}, {"x": [1, {"y": "z"}]}], "add_generation_prompt": [False],
-        "continue_final_message": [True], "include_reasoning": [False], "chat_template": ["{{ messages }}"]}
+        "continue_final_message": [True], "include_reasoning": [False], "chat_template": ["{{ messages }}"],
+        "prompt_logprobs": [0, 3]}
 COMPLETION = {**COMMON, "prompt": ["hi", ["a", "b"], [5, 6, 7], [[5, 6], [7, 8]]], "logprobs": [2], "echo": [True],
-              "suffix": ["x"], "best_of": [1]}
+              "suffix": ["x"], "best_of": [1], "prompt_logprobs": [0, 20], "max_tokens": [0, 1, 6]}
 TOKENIZE = {"model": ["tiny"], "prompt": ["hi", "x" * 2000], "add_special_tokens": [False], "return_token_strs": [True],
             **{name: CHAT[name] for name in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
                                              "continue_final_message", "chat_template")}}

@@ -1,6 +1,6 @@
 """`--distributed-executor-backend ray` on a two-node Ray cluster on this machine, every address 127.0.0.1:
-prefill units on one node and decode units on the other give transformers' greedy tokens through the HTTP
-API (and, with KV over gloo, through the engine); an abort while blocks are copied frees them on both nodes; a
+prefill units on one node and decode units on the other give transformers' greedy tokens and prompt logprobs
+through the HTTP API (and, with KV over gloo, the tokens through the engine); an abort while blocks are copied frees them on both nodes; a
 decode unit steps on while a copy into its pool is held; a decode actor killed mid-stream ends its streams
 with an error naming the unit and its node, Ray starts it again, and the engine serves again. Prefill and
 decode units on one node share the decode pool (no KV through the object store) until a unit restarts."""
@@ -45,6 +45,7 @@ from pdserve.server.systemd import render_unit  # noqa: E402
 from tests.models import demo_checkpoint, engine_config  # noqa: E402
 from tests.test_engine_modes import assert_pools_free, collect, prompts, transformers_model  # noqa: F401, E402
 from tests.test_supervisor import until  # noqa: E402
+from tests.tolerance import assert_float32_close, reference_logprobs  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 NODE = dict(num_cpus=2, object_store_memory=100 * 2**20)
@@ -115,16 +116,18 @@ def test_prefill_and_decode_on_their_nodes_give_transformers_greedy_tokens_over_
         try:
             client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
             replies = await asyncio.gather(*(client.completions.create(
-                model=engine.model_name, prompt=list(p), max_tokens=12, temperature=0, logprobs=0) for p in batch))
-            return [r.choices[0].logprobs.tokens for r in replies]
+                model=engine.model_name, prompt=list(p), max_tokens=12, temperature=0, logprobs=0, echo=True)
+                for p in batch))
+            return [r.choices[0].logprobs for r in replies]
         finally:
             await server.close()
 
-    texts = asyncio.run(scenario())
-    for prompt, tokens in zip(batch, texts):
+    for prompt, logprobs in zip(batch, asyncio.run(scenario())):
         expected = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                                min_new_tokens=12)[0, len(prompt):].tolist()
-        assert tokens == [engine.tokenizer.decode([t]) for t in expected]
+        assert logprobs.tokens[len(prompt):] == [engine.tokenizer.decode([t]) for t in expected]
+        ours32, ours64, scale = reference_logprobs(transformers_model, list(prompt[:1]), list(prompt[1:]))
+        assert_float32_close(torch.tensor(logprobs.token_logprobs[1:len(prompt)]), ours32, ours64, scale)
     assert_pools_free(engine)
 
 

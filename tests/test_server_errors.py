@@ -65,6 +65,8 @@ CHAT_CASES = [
     ({"priority": 2**64 - 1}, "priority"),
     ({"stop_token_ids": [2**63]}, "stop_token_ids"),
     ({"logit_bias": {"9" * 30: 1}}, "logit_bias"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": "2"}, "prompt_logprobs"),
 ]
 
 COMPLETION_CASES = [
@@ -78,8 +80,11 @@ COMPLETION_CASES = [
     ({"prompt": LONG_TEXT}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"echo": "no"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
 ]
 
 

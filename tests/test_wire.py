@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.messages import PromptLogprobs, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.processes import wire
@@ -31,7 +31,7 @@ WORK = StepWork(
                         NewRow(4, (8,), 1, (), SamplingParams())),
               appends=(BlockAppend(2, 5, (17, 18)),),
               decode_rows=(2, 5), decode_positions=(80, 12),
-              chunks=(ChunkInput(0, 0, 3, True), ChunkInput(4, 0, 1, False)),
+              chunks=(ChunkInput(0, 0, 3, True), ChunkInput(4, 0, 1, False, 0), ChunkInput(5, 16, 8, False, 20)),
               verify=(VerifyInput(6, 40, (3, 9, 9, 1)), VerifyInput(7, 8, (2, 5)))),
     copies=(BlockCopy("req-a", (1, 2), (30, 31)), BlockCopy("req-b", (7,), (9,))),
     threads=2)
@@ -45,7 +45,10 @@ def test_step_work_round_trips():
 
 def test_step_outcome_round_trips_with_landed_copies():
     result = StepResult((4, 9), (TokenLogprob(4, -0.5, ((4, -0.5), (3, -1.25))), None), ((9, 9, 2), (7,)),
-                        ((TokenLogprob(9, -0.1, ((9, -0.1),)), TokenLogprob(9, -0.2), TokenLogprob(2, -3.0)), None))
+                        ((TokenLogprob(9, -0.1, ((9, -0.1),)), TokenLogprob(9, -0.2), TokenLogprob(2, -3.0)), None),
+                        prompt_logprobs=((1, PromptLogprobs((5, 8), (-2.5, -0.125), (7, 1),
+                                                            (((3, -1.0),), ((8, -0.125),)))),
+                                         (2, PromptLogprobs())))
     outcome = StepOutcome(result, (("req-a", TransferHandle.finished(4096, 0.002)),), 0.031, 2)
     back = wire.decode_outcome(wire.encode_outcome(outcome))
     assert back.result == result and (back.seconds, back.threads) == (0.031, 2)

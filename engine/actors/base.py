@@ -277,7 +277,7 @@ class Actor(Recording, UnitView, abc.ABC):
         """Record a finished step's results on the loop; returns the tokens to publish.
 
         By default every sampled sequence gets its token and one that finished leaves (`drop`)."""
-        output, recorded = self.record_tokens(batch.sampled, outcome)
+        output, recorded = self.record_tokens(batch.sampled, outcome, self.record_prompt_logprobs(batch, outcome))
         if batch.verify:
             output, recorded = self.record_verified(batch, outcome, output, recorded)
         for seq, reason in recorded:

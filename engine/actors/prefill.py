@@ -101,7 +101,7 @@ class PrefillActor(Actor):
     def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
         for request_id, handle in outcome.copies:
             self.outgoing[request_id].transfers.append(handle)
-        output, recorded = self.record_tokens(batch.sampled, outcome)
+        output, recorded = self.record_tokens(batch.sampled, outcome, self.record_prompt_logprobs(batch, outcome))
         for seq, reason in recorded:
             out = self.outgoing[seq.request_id]
             if reason is None:

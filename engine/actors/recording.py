@@ -1,12 +1,13 @@
 """What every actor does with a finished step: end the rows whose own data failed, register the blocks it filled
-in the prefix cache, append each sequence's tokens (and verified drafts), and let a finished sequence go."""
+in the prefix cache, append each sequence's tokens (and verified drafts, and prompt logprobs), and let a finished
+sequence go."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
 
 from pdserve.engine.core.batch import Batch
-from pdserve.engine.core.messages import FinishReason, StepOutput
+from pdserve.engine.core.messages import FinishReason, PromptLogprobs, StepOutput
 from pdserve.engine.core.prefix_cache import extend_hashes
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.worker.step_runner import StepOutcome
@@ -44,8 +45,24 @@ class Recording:
                 self.blocks.register(seq.request_id, hashes, seq.num_registered_blocks)
                 seq.num_registered_blocks = full
 
-    def record_tokens(self, seqs: Seq[Sequence], outcome: StepOutcome) -> tuple[StepOutput, Recorded]:
-        """Append each live sequence's sampled token; the output to publish and who finished why."""
+    def record_prompt_logprobs(self, batch: Batch, outcome: StepOutcome) -> dict[str, PromptLogprobs]:
+        """Each asking chunk's prompt logprobs join its sequence's; those of the sequences whose last chunk this
+        step ran, whole, by request id (they go out with the first token)."""
+        whole = {}
+        for index, part in outcome.result.prompt_logprobs:
+            chunk = batch.chunks[index]
+            seq = chunk.seq
+            if seq.done:                           # left while the step ran
+                continue
+            seq.prompt_logprobs.append(part)
+            if chunk.sample:
+                whole[seq.request_id] = PromptLogprobs.join(seq.prompt_logprobs)
+        return whole
+
+    def record_tokens(self, seqs: Seq[Sequence], outcome: StepOutcome,
+                      prompt_logprobs: dict[str, PromptLogprobs]) -> tuple[StepOutput, Recorded]:
+        """Append each live sequence's sampled token; the output to publish (with `record_prompt_logprobs`'s whole
+        prompt logprobs) and who finished why."""
         ids, tokens, reasons, logprobs, cached, recorded = [], [], [], [], [], []
         result = outcome.result
         eos, limit, all_logprobs = self.unit.eos_token_ids, self.max_model_len, result.logprobs
@@ -63,7 +80,8 @@ class Recording:
             cached.append(seq.num_cached_tokens)
             recorded.append((seq, reason))
         output = StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if all_logprobs else None,
-                            cached_tokens=tuple(cached) if any(cached) else None)
+                            cached_tokens=tuple(cached) if any(cached) else None,
+                            prompt_logprobs=tuple([prompt_logprobs.get(i) for i in ids]) if prompt_logprobs else None)
         return output, recorded
 
     def record_verified(self, batch: Batch, outcome: StepOutcome, output: StepOutput,
@@ -88,9 +106,11 @@ class Recording:
                 if reason is not None:
                     break
             recorded.append((seq, reason))
-        cached = output.cached_tokens and output.cached_tokens + (0,) * (len(ids) - len(output))
+        more = len(ids) - len(output)
+        cached = output.cached_tokens and output.cached_tokens + (0,) * more
+        prompt = output.prompt_logprobs and output.prompt_logprobs + (None,) * more
         return StepOutput(tuple(ids), tuple(tokens), tuple(reasons), tuple(logprobs) if any(logprobs) else None,
-                          cached_tokens=cached), recorded
+                          cached_tokens=cached, prompt_logprobs=prompt), recorded
 
     def leave(self, seq: Sequence) -> None:
         """`seq` is done on this actor: its runner row goes, its blocks are freed (once no step holds them)."""

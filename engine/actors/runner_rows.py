@@ -1,9 +1,15 @@
 """Turning a scheduled Batch into the runner's StepInput: row numbers, new rows, appended blocks."""
 from __future__ import annotations
 
-from pdserve.engine.core.batch import Batch
+from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.worker.step import BlockAppend, ChunkInput, NewRow, StepInput, VerifyInput
+
+
+def _chunk_input(chunk: ScheduledChunk) -> ChunkInput:
+    seq = chunk.seq
+    return ChunkInput(seq.row, chunk.start, chunk.num_tokens, chunk.sample,
+                      seq.params.prompt_logprobs if seq.scores_prompt else None)
 
 
 class RunnerRows:
@@ -32,7 +38,7 @@ class RunnerRows:
                        for s, p, d in zip(batch.verify, batch.verify_positions, batch.verify_drafts))
         return StepInput(freed, tuple(new_rows), tuple(appends), tuple([s.row for s in decode]),
                          batch.decode_positions or tuple([s.num_computed_tokens - 1 for s in decode]),
-                         tuple(ChunkInput(c.seq.row, c.start, c.num_tokens, c.sample) for c in batch.chunks), verify)
+                         tuple(_chunk_input(c) for c in batch.chunks), verify)
 
     def _new_row(self, seq: Sequence) -> NewRow:
         seq.row = self._free_rows.pop() if self._free_rows else self._take_new_row()

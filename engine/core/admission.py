@@ -41,7 +41,10 @@ def computable_prefix(blocks: BlockManager, seq: SequenceState) -> list[int]:
     blocks of its n tokens.
 
     NOTE: the last token is always computed, for its logits. A decode pool receiving copied KV has no
-    such token to compute and shares `cached_prefix(blocks, seq, n)`."""
+    such token to compute and shares `cached_prefix(blocks, seq, n)`. A sequence that scores its prompt
+    (`Sequence.scores_prompt`) computes every position: it shares nothing."""
+    if seq.scores_prompt:
+        return []
     return cached_prefix(blocks, seq, seq.num_tokens - 1)
 
 

@@ -35,6 +35,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of consecutive prompt tokens, each under the raw logits (float32, before penalties,
+    temperature and masks) of the position before it: the token's logprob, its rank in the vocabulary
+    (1: the likeliest) and the top alternatives there. A whole prompt's start at its second token (the first
+    has no position before it)."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()   # per token: (token_id, logprob), best first
+
+    @classmethod
+    def join(cls, parts: list[PromptLogprobs]) -> PromptLogprobs:
+        """The parts (consecutive runs of one prompt, in order) as one."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(tuple(t for p in parts for t in p.token_ids), tuple(x for p in parts for x in p.logprobs),
+                   tuple(r for p in parts for r in p.ranks), tuple(t for p in parts for t in p.top))
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """One actor step's sampled tokens, handed to the engine front at once (actor -> engine front).
 
@@ -48,6 +69,7 @@ class StepOutput:
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None
     cached_tokens: tuple[int, ...] | None = None     # prompt tokens found in the prefix cache; None: all 0
+    prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None   # with a request's first token, if asked
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -58,7 +80,8 @@ class TokenEvent(NamedTuple):
 
     `text` is the new text since the previous event (stop strings already cut
     off, never a broken UTF-8 character). The last event of a stream has
-    `finish_reason` set; `error` explains FinishReason.ERROR.
+    `finish_reason` set; `error` explains FinishReason.ERROR. The event of the first token carries
+    the prompt's logprobs when the request asked for them (`SamplingParams.prompt_logprobs`).
 
     NOTE: a NamedTuple, not a frozen dataclass: one is built per token per request on the
     event loop, and a NamedTuple is much cheaper to construct (bench/RESULTS.md, "Measured once").
@@ -73,6 +96,7 @@ class TokenEvent(NamedTuple):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

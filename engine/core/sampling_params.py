@@ -15,7 +15,9 @@ class SamplingParams:
 
     `top_k <= 0` disables top-k; `temperature == 0` is greedy. `logprobs=None`
     returns no log-probabilities, `0` the chosen token's only, `N` the chosen
-    token's plus the top N. A `seed` makes sampling reproducible: the random
+    token's plus the top N. `prompt_logprobs` (vLLM's) likewise for each prompt token after the
+    first, under the logits of the position before it, computed where the prompt is prefilled
+    (its prefix then takes no prefix-cache hits). A `seed` makes sampling reproducible: the random
     draw for output position `i` depends only on `(seed, i)`, so the same seed
     gives the same tokens whichever actor samples them.
 
@@ -36,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     grammar: str | None = None               # an llguidance grammar (JSON text): the output must match it
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
@@ -64,6 +67,9 @@ class SamplingParams:
                "must be integers in [0, 2**63 - 1]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS),
                "logprobs", f"must be between 0 and {self.MAX_LOGPROBS}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS),
+               "prompt_logprobs", f"must be between 0 and {self.MAX_LOGPROBS}")
         _check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                "must be an integer in [-2**63, 2**63 - 1] (a 64-bit seed)")
         _check(len(self.logit_bias) <= self.MAX_LOGIT_BIAS, "logit_bias",

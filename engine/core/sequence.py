@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.core.messages import FinishReason, Request
+from pdserve.engine.core.messages import FinishReason, PromptLogprobs, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 
 
@@ -33,6 +33,7 @@ class Sequence:
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache at admission
     drafts: tuple[int, ...] = ()     # draft tokens of the verification in flight (speculative decoding)
     spec: object = None              # the speculator's state for this sequence (engine.core.speculative)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # of its chunks so far, if it asked
 
     @property
     def request_id(self) -> str:
@@ -49,6 +50,12 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill computes prompt logprobs: it asked, and its first token has not gone out (they
+        went with it: a sequence prefilled again after preemption does not send them twice)."""
+        return self.request.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from pdserve.engine.transfer.host_copy import ReadBack, upload
 from pdserve.engine.worker.input_buffers import InputBuffers
 from pdserve.engine.worker.memory import kv_layout
 from pdserve.engine.worker.pending_step import PendingStep, StepTimer
+from pdserve.engine.worker.prompt_logprobs import score_prompts
 from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
 from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
@@ -103,14 +104,15 @@ class ModelRunner:
         timer, readback, self.mask_seconds = StepTimer(self.device), ReadBack(self.device), 0.0
         sampled_rows = step.sampled_rows
         masks = self.constraints.start(sampled_rows)      # filled while the forward runs
-        logits, buffers = self._logits(step)
+        logits, buffers, hidden = self._forward(step)
         num_sampled = len(sampled_rows)
         sampled = self._sample(logits[:num_sampled], buffers, step, masks, readback) if num_sampled else None
         verified = self._verify(logits[num_sampled:], step, readback) if step.verify else None
+        prompt = score_prompts(self.model, hidden, self.rows, step, readback) if step.chunks else None
         timer.stop()
         readback.start()
         pending = PendingStep(step, readback, timer, sampled, verified, self._joins(step, sampled_rows),
-                              tuple(self.faults))
+                              tuple(self.faults), prompt)
         self._unsettled.append(pending)
         return pending
 
@@ -198,15 +200,16 @@ class ModelRunner:
 
     def logits(self, step: StepInput) -> torch.Tensor:
         """logits [S', V] fp32 of an applied step's sampled rows (a captured graph for decode when one fits)."""
-        return self._logits(step)[0]
+        return self._forward(step)[0]
 
-    def _logits(self, step: StepInput) -> tuple[torch.Tensor, InputBuffers]:
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, InputBuffers, torch.Tensor | None]:
+        """(logits of the sampled rows, the step's buffers, every token's final hidden state; None from a graph)."""
         decode_only = not step.chunks and not step.verify
         if decode_only and self.graphs is not None and self.graphs.fits(*step_shape(step, self.block_size)[1:]):
-            return self.graphs.run(self.rows, step), self.graphs.buffers
+            return self.graphs.run(self.rows, step), self.graphs.buffers, None
         batch = self.prepare(step)
         hidden = self.model(batch, self.kv_pool)
-        return self.model.compute_logits(hidden[batch.logits_indices]), self.buffers
+        return self.model.compute_logits(hidden[batch.logits_indices]), self.buffers, hidden
 
     def _buffers_for(self, num_tokens: int, num_seqs: int, width: int) -> InputBuffers:
         b = self.buffers

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.transfer.host_copy import ReadBack
+from pdserve.engine.worker.prompt_logprobs import ScoredChunks, read_prompt_logprobs
 from pdserve.engine.worker.sampling.sampler import unpack
 from pdserve.engine.worker.sampling.sampling_table import SamplingBatch
 from pdserve.engine.worker.spec_verify import Verified, read_verified
@@ -48,9 +49,9 @@ class PendingStep:
     def __init__(self, step: StepInput, readback: ReadBack | None = None, timer: StepTimer | None = None,
                  sampled: tuple[tuple[int, ...], SamplingBatch] | None = None,
                  verified: tuple[tuple[int, ...], Verified] | None = None, joins: np.ndarray | None = None,
-                 faults: tuple[tuple[int, str], ...] = ()) -> None:
+                 faults: tuple[tuple[int, str], ...] = (), prompt: ScoredChunks | None = None) -> None:
         self.step, self.readback, self.timer, self.faults = step, readback, timer, faults
-        self.sampled, self.verified = sampled, verified
+        self.sampled, self.verified, self.prompt = sampled, verified, prompt
         self.joins = joins               # RowState.joins of the sampled, then the verifying rows, at launch
         self.seconds = 0.0
         self._result: StepResult | None = None
@@ -87,5 +88,6 @@ class PendingStep:
             slots, output = self.verified
             verified, verified_logprobs = read_verified(self.readback, slots, self.step.verify,
                                                         (output.logprob_rows, output.logprob_counts))
+        prompt = read_prompt_logprobs(self.readback, self.prompt) if self.prompt is not None else ()
         self.seconds = self.timer.seconds()
-        return StepResult(tokens, logprobs, verified, verified_logprobs, self.faults)
+        return StepResult(tokens, logprobs, verified, verified_logprobs, self.faults, prompt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.messages import PromptLogprobs, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 
 
@@ -32,12 +32,16 @@ class BlockAppend:
 
 @dataclass(frozen=True, slots=True)
 class ChunkInput:
-    """Tokens start .. start + num_tokens - 1 of a row, from its token ids (a prefill chunk)."""
+    """Tokens start .. start + num_tokens - 1 of a row, from its token ids (a prefill chunk).
+
+    With `prompt_logprobs` set, each of its positions whose next token the row holds scores that token
+    (its logprob, rank and that many top alternatives: `engine.worker.prompt_logprobs`)."""
 
     row: int
     start: int
     num_tokens: int
     sample: bool
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +104,4 @@ class StepResult:
     verified: tuple[tuple[int, ...], ...] = ()    # per StepInput.verify row: the accepted drafts, then one more
     verified_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] | None = None   # of each, where a row asked
     faults: tuple[tuple[int, str], ...] = ()      # (row, why): rows whose own parameters failed; their tokens are void
+    prompt_logprobs: tuple[tuple[int, PromptLogprobs], ...] = ()   # (index in StepInput.chunks, scores) per asking

@@ -2,7 +2,7 @@
 
 A frame is a header (magic, version, kind, array count, JSON length), the lengths of its int32
 arrays, the arrays, and a small JSON document for what is not an integer array (sampling
-parameters of new rows, serialized by orjson from the dataclass; copy keys, logprobs, timings).
+parameters of new rows, serialized by orjson from the dataclass; copy keys, logprobs, prompt logprobs, timings).
 Token ids, positions, block tables and block ids travel as arrays; no object graph is pickled.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import orjson
 
-from pdserve.engine.core.messages import TokenLogprob
+from pdserve.engine.core.messages import PromptLogprobs, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.step import (
@@ -27,7 +27,7 @@ from pdserve.engine.worker.step import (
 )
 from pdserve.engine.worker.step_runner import StepOutcome
 
-VERSION = 2
+VERSION = 3
 MAGIC = b"PDSV"
 HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
 WORK, OUTCOME, ERROR, READY, STOP = range(5)
@@ -79,7 +79,7 @@ def encode_work(work: StepWork) -> bytes:
         [b for a in ap for b in a.block_ids],
         s.decode_rows,
         s.decode_positions,
-        [x for c in ch for x in (c.row, c.start, c.num_tokens, int(c.sample))],
+        [x for c in ch for x in (c.row, c.start, c.num_tokens, int(c.sample), _optional(c.prompt_logprobs))],
         [len(c.src_blocks) for c in cp],
         [b for c in cp for b in c.src_blocks],
         [b for c in cp for b in c.dst_blocks],
@@ -110,9 +110,14 @@ def decode_work(data: bytes) -> StepWork:
         b += n
     step = StepInput(tuple(freed.tolist()), tuple(new_rows), tuple(appends), tuple(rows.tolist()),
                      tuple(positions.tolist()),
-                     tuple(ChunkInput(r, s, n, bool(x)) for r, s, n, x in chunks.reshape(-1, 4).tolist()),
+                     tuple(ChunkInput(r, s, n, bool(x), None if k < 0 else k)
+                           for r, s, n, x, k in chunks.reshape(-1, 5).tolist()),
                      _verify_inputs(verify_meta, verify_tokens))
     return StepWork(step, tuple(copies), doc["threads"])
+
+
+def _optional(count: int | None) -> int:
+    return -1 if count is None else count
 
 
 def _verify_inputs(meta: np.ndarray, tokens: np.ndarray) -> tuple[VerifyInput, ...]:
@@ -140,9 +145,10 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     copies = [[key, handle.nbytes, handle.seconds] for key, handle in outcome.copies]
     verified_logprobs = None if result.verified_logprobs is None else [
         None if row is None else [[lp.token_id, lp.logprob, lp.top] for lp in row] for row in result.verified_logprobs]
+    prompt_logprobs = [[index, p.token_ids, p.logprobs, p.ranks, p.top] for index, p in result.prompt_logprobs]
     doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
            "verified_logprobs": verified_logprobs, "mask_seconds": outcome.mask_seconds,
-           "faults": [list(fault) for fault in result.faults]}
+           "faults": [list(fault) for fault in result.faults], "prompt_logprobs": prompt_logprobs}
     verified = result.verified
     return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
@@ -158,8 +164,11 @@ def decode_outcome(data: bytes) -> StepOutcome:
         None if row is None else tuple(TokenLogprob(lp[0], lp[1], tuple(tuple(t) for t in lp[2])) for lp in row)
         for row in doc["verified_logprobs"])
     faults = tuple((row, why) for row, why in doc["faults"])
-    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs, faults), copies,
-                       doc["seconds"], doc["threads"], doc["mask_seconds"])
+    prompt_logprobs = tuple((index, PromptLogprobs(tuple(ids), tuple(lps), tuple(ranks),
+                                                   tuple(tuple(tuple(t) for t in top) for top in tops)))
+                            for index, ids, lps, ranks, tops in doc["prompt_logprobs"])
+    return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs, faults,
+                                  prompt_logprobs), copies, doc["seconds"], doc["threads"], doc["mask_seconds"])
 
 
 def encode_error(error: BaseException) -> bytes:

@@ -3,8 +3,8 @@ measured before the pool is allocated.
 
 Order: the free memory of each device is read before anything is loaded on it; the weights are
 loaded; each runner's largest steps (the prefill budget, the decode batch with the sampler's
-full-sort fallback) run on a scratch pool while the allocator's peak is tracked; the decode CUDA
-graphs are captured once on the scratch pool to measure their memory pool. A fractional
+full-sort fallback, a slice of prompt logprobs) run on a scratch pool while the allocator's peak is
+tracked; the decode CUDA graphs are captured once on the scratch pool to measure their memory pool. A fractional
 `--kv-cache-memory f` then gives the pool `f x free-at-start - (what is in use now) - activations -
 graphs`; an absolute one must fit beside them. Either way the pool must hold at least one full
 prefill step, or start-up stops with a message that says what took the memory.
@@ -28,6 +28,7 @@ from pdserve.engine.worker.cuda_graph import DecodeGraphs
 from pdserve.engine.worker.device import on_device, side_stream
 from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, parse_memory
 from pdserve.engine.worker.model_runner import ModelRunner
+from pdserve.engine.worker.prompt_logprobs import SLICE_POSITIONS, score_positions
 from pdserve.engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ def measure_reserve(demand: Demand, block_size: int, max_blocks_per_seq: int, me
             run_synthetic(runner, synthetic_step(step, model.config.vocab_size, block_size, scratch_blocks,
                                                  random.Random(0)))
         _sample_the_worst_case(runner, demand.sampled_rows)
+        _score_the_worst_case(runner)
         activations = max(0, memory.peak_allocated() - baseline)
         graphs = _graph_bytes(runner, demand.graph_batch, max_blocks_per_seq, memory) if demand.graph_batch else 0
         del runner
@@ -188,6 +190,15 @@ def _sample_the_worst_case(runner: ModelRunner, rows: int) -> None:
     logits = torch.randn(rows, vocab, device=runner.device).mul_(1e-3)      # [rows, V] fp32
     seqs = [Sequence(Request(f"profile-{i}", (i % vocab,), WORST_CASE), [i % vocab]) for i in range(rows)]
     runner.sampler(logits, seqs)
+
+
+def _score_the_worst_case(runner: ModelRunner) -> None:
+    """Prompt logprobs' largest workspace: a full slice of positions through the LM head, the most alternatives."""
+    model, device = runner.model, runner.device
+    hidden = torch.randn(SLICE_POSITIONS, model.config.hidden_size, device=device, dtype=runner.dtype)
+    positions = torch.arange(SLICE_POSITIONS, device=device)
+    targets = torch.zeros(SLICE_POSITIONS, dtype=torch.int64, device=device)
+    score_positions(model, hidden, positions, targets, min(SamplingParams.MAX_LOGPROBS, model.config.vocab_size))
 
 
 def _graph_bytes(runner: ModelRunner, max_batch: int, max_blocks_per_seq: int, memory: DeviceMemory) -> int:
