@@ -297,7 +297,8 @@ def test_the_planner_reads_waiting_times_off_the_coordinators_clock():
 @pytest.mark.parametrize("slos", [{}, dict(ttft_slo_ms=800.0, itl_slo_ms=100.0)], ids=["derived", "stated"])
 def test_the_units_cost_models_start_from_the_start_up_profile(slos):
     """With SLOs stated too: the planner's first decisions need measured steps as much as derived SLOs do."""
-    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=512, **slos))
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive", max_num_seqs=8, max_prefill_tokens=2048, **slos,
+                                  enable_prefix_caching=False))   # long enough steps that a fit's noise is small
     prefill, decode = engine.actors
     decode_threads, prefill_threads = (decode.share.decode_own, decode.share.prefill_own) if decode.share else \
         (None, None)

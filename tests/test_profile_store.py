@@ -11,6 +11,8 @@ from dataclasses import replace
 import pytest
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
+from pdserve.engine.coordinator import profile_store
+from pdserve.engine.coordinator.profile import PROBES
 from pdserve.engine.coordinator.profile_store import DRIFT
 from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
@@ -50,12 +52,13 @@ def config():
 
 
 def test_a_second_start_replays_the_kept_profile_into_the_same_costs_and_slos(config, monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(profile_store, "DRIFT", 1e6)         # a loaded machine's noise is not what this tests
     first, measured = started(config, monkeypatch, tmp_path)
     [kept] = (tmp_path / "profiles").iterdir()
     with caplog.at_level(logging.INFO, logger="pdserve.engine.coordinator.profile"):
         second, replayed = started(config, monkeypatch, tmp_path)
     assert "kept from an earlier start" in caplog.text
-    assert replayed == 2 < measured                         # the probe step, warmed once: not the profile
+    assert replayed == PROBES + 1 < measured                # the probe step, warmed once: not the profile
     assert second.slos == first.slos and predictions(second) == pytest.approx(predictions(first), rel=1e-9)
     assert list((tmp_path / "profiles").iterdir()) == [kept]
     first.close(), second.close()
@@ -74,7 +77,7 @@ def test_refresh_another_setup_a_drifted_probe_or_a_damaged_file_measure_again(c
     data["profiles"][0][0][-1] *= DRIFT * 4                  # the probe step, as if kept on a slower machine
     kept.write_text(json.dumps(data))
     with caplog.at_level(logging.INFO, logger="pdserve.engine.coordinator.profile"):
-        assert started(config, monkeypatch, tmp_path)[1] == measured + 2
+        assert started(config, monkeypatch, tmp_path)[1] == measured + PROBES + 1
     assert "measured again" in caplog.text
     kept.write_text(kept.read_text()[:40])                   # torn
     assert started(config, monkeypatch, tmp_path)[1] == measured

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 from dataclasses import dataclass, field, replace
 
 from pdserve.engine.actors.step_cost import StepCostModel
@@ -25,6 +26,7 @@ from pdserve.engine.worker.step import StepInput, StepWork
 
 logger = logging.getLogger(__name__)
 
+PROBES = 3                   # runs of the probe step a kept profile is checked with (their median)
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
 
@@ -148,12 +150,12 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
 
 
 async def _drifted(profile: UnitProfile, kept: list[list], vocab_size: int) -> bool:
-    """Run the kept profile's first step once more (after one untimed step): whether it now takes far longer
-    or shorter than it did (the machine or its load changed; the profile is measured again)."""
+    """Run the kept profile's first step again (the median of three, after one untimed): whether it now takes far
+    longer or shorter than it did (the machine or its load changed; the profile is measured again)."""
     kind, num_seqs, new_tokens, context, threads, _, seconds = kept[0]
     shape, rng = StepShape(kind, num_seqs, new_tokens, context), random.Random(1)
-    await run_shape(profile.unit, shape, threads, vocab_size, rng)
-    now = (await run_shape(profile.unit, shape, threads, vocab_size, rng)).seconds
+    runs = [(await run_shape(profile.unit, shape, threads, vocab_size, rng)).seconds for _ in range(PROBES + 1)]
+    now = statistics.median(runs[1:])
     if drifted(seconds, now):
         logger.info("start-up profile: measured again (a probe step took %.1f ms, %.1f ms when kept)",
                     now * 1e3, seconds * 1e3)
