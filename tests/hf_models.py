@@ -5,30 +5,38 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama3", "qwen2", "qwen3")
+ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding")
+COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08)
+WINDOW = 32      # sliding windows shorter than the test prompts (and than one prefill chunk of them)
+
+
+def transformers_config(arch: str):
+    """(config, model class) of `arch`, from transformers' own config classes."""
+    import transformers
+
+    if arch == "llama3":
+        return transformers.LlamaConfig(
+            **COMMON, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256}), \
+            transformers.LlamaForCausalLM
+    if arch == "llama-head24":                       # a head size the native attention kernels do not take
+        return transformers.LlamaConfig(**{**COMMON, "hidden_size": 96}, head_dim=24), transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=True), \
+            transformers.Qwen2ForCausalLM
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=1e6, tie_word_embeddings=False), \
+            transformers.Qwen3ForCausalLM
+    if arch == "mistral-sliding":
+        return transformers.MistralConfig(**COMMON, sliding_window=WINDOW), transformers.MistralForCausalLM
+    raise ValueError(arch)
 
 
 def make_hf_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Write a randomly initialised transformers model of `arch` to `out_dir`, in float32."""
-    import transformers
-
-    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  rms_norm_eps=1e-5, initializer_range=0.08)
-    if arch == "llama3":
-        config = transformers.LlamaConfig(
-            **common, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
-        model_cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
-        model_cls = transformers.Qwen2ForCausalLM
-    elif arch == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
-        model_cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(arch)
+    config, model_cls = transformers_config(arch)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     _perturb_norms(model, seed)

@@ -18,7 +18,7 @@ from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels, probe
 from pdserve.engine.worker.startup.defaults import ProbeResult
 from pdserve.kernels import native, native_linear
 from pdserve.kernels.rms_norm import rms_norm_ref
-from tests.models import demo_checkpoint, engine_config
+from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
 needs_native = pytest.mark.skipif(native.cpu_kernels() is None, reason="no C++ compiler")
@@ -192,3 +192,24 @@ def test_the_native_linear_race_streams_the_weights_and_decides_every_shape_of_a
     assert {(dtype, n) for dtype, n, _ in raced} == {(torch.float32, 3), (torch.bfloat16, 1)}   # to the bytes, once each
     for (dtype, out, inp, bucket, threads), wins in native_linear._winners.items():
         assert wins == (bucket <= 4) and threads == 1
+
+
+@needs_native
+def test_a_head_size_the_native_attention_does_not_take_starts_with_a_measured_choice(caplog):
+    config = ModelConfig.from_dir(hf_checkpoint("llama-head24"))
+    assert config.head_dim == 24
+    result = probe_layer_ops(config, torch.float32, threads=1)
+    assert all(0 < seconds < float("inf") for _, seconds in result.seconds)
+    decision = prepare_cpu_kernels("auto", config, torch.float32, 1)
+    assert decision.value in ("native", "torch") and "auto:" in decision.reason
+
+
+@needs_native
+def test_a_failing_probe_keeps_the_references(monkeypatch):
+    def broken(*args):
+        raise ZeroDivisionError("a probe that cannot measure")
+
+    monkeypatch.setattr(cpu_kernels, "probe_layer_ops", broken)
+    decision = prepare_cpu_kernels("auto", demo_config(), torch.float32, 1)
+    assert decision.value == "torch" and "probe failed (ZeroDivisionError)" in decision.reason
+    assert not kernels.use_native(torch.randn(2, 4))

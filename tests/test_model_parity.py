@@ -20,9 +20,7 @@ from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
 CHECKPOINTS = {
-    "llama3": lambda: hf_checkpoint("llama3"),
-    "qwen2": lambda: hf_checkpoint("qwen2"),
-    "qwen3": lambda: hf_checkpoint("qwen3"),
+    **{arch: functools.partial(hf_checkpoint, arch) for arch in ("llama3", "qwen2", "qwen3", "llama-head24")},
     "demo-llama": lambda: demo_checkpoint("llama"),
     "demo-qwen2": lambda: demo_checkpoint("qwen2"),
 }

@@ -5,8 +5,10 @@ plain-torch references, decided before the engine reports ready.
 references; `auto` (the default) builds them and keeps them where a start-up probe, on this CPU with
 the model's shapes and the serving thread count, finds one decode layer's element-wise and attention
 work (RMSNorm + residual, rotary + KV store, paged attention, SiLU-and-mul) no slower than the
-references'. Linears are chosen per shape and batch by kernels/native_linear.py's own measurement
-either way. A failed build logs one line (kernels/native.py) and the references serve.
+references'. Where the native attention cannot take the model's heads (a head size that is not a
+multiple of 16), both sides of the probe run the reference attention, as the model then would.
+Linears are chosen per shape and batch by kernels/native_linear.py's own measurement either way. A
+failed build logs one line (kernels/native.py) and the references serve; a probe never fails a start.
 """
 from __future__ import annotations
 
@@ -58,7 +60,11 @@ def _decide(choice: str, model: ModelConfig | None, dtype: torch.dtype, threads:
         return Choice("cpu-kernels", "native", f"{built}, asked for (--cpu-kernels native)")
     if dtype not in NATIVE_DTYPES:
         return Choice("cpu-kernels", "torch", f"auto: no native kernels for {dtype}")
-    result = probe_layer_ops(model, dtype, threads)
+    try:
+        result = probe_layer_ops(model, dtype, threads)
+    except Exception as e:  # NOTE: a probe informs a choice; it must never stop a start
+        logger.warning("the native kernels' start-up probe failed (%s: %s); using the torch path", type(e).__name__, e)
+        return Choice("cpu-kernels", "torch", f"auto: the probe failed ({type(e).__name__})")
     speedup = result.speedup("native", over="torch")
     value = "native" if speedup >= 1.0 else "torch"
     return Choice("cpu-kernels", value, f"auto: {built}; a decode layer's attention and element-wise ops "
@@ -66,18 +72,19 @@ def _decide(choice: str, model: ModelConfig | None, dtype: torch.dtype, threads:
 
 
 def _ratio(speedup: float) -> str:
-    return f"{speedup:.2f}x faster" if speedup >= 1.0 else f"{1 / speedup:.2f}x slower"
+    if speedup >= 1.0:
+        return f"{speedup:.2f}x faster"
+    return f"{1 / speedup:.2f}x slower" if speedup > 0.0 else "unmeasurably slower"
 
 
 def probe_layer_ops(model: ModelConfig, dtype: torch.dtype, threads: int) -> ProbeResult:
     """Best time of one decode layer's non-linear ops, native against the references, on random data."""
     inputs = _probe_inputs(model, dtype)
-    if not attention_supports(inputs["q"], inputs["pool"]):
-        return ProbeResult.of({"native": float("inf"), "torch": 1.0})
+    native_attention = attention_supports(inputs["q"], inputs["pool"])
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return probe({"native": lambda: _layer_ops(inputs, native=True),
+        return probe({"native": lambda: _layer_ops(inputs, native=True, native_attention=native_attention),
                       "torch": lambda: _layer_ops(inputs, native=False)})
     finally:
         torch.set_num_threads(previous)
@@ -99,10 +106,12 @@ def _probe_inputs(model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Ten
             "cos_sin": torch.rand(PROBE_CONTEXT, dim, generator=g)}
 
 
-def _layer_ops(t: dict[str, torch.Tensor], native: bool) -> None:
+def _layer_ops(t: dict[str, torch.Tensor], native: bool, native_attention: bool = True) -> None:
     norm, rotary_store, attention, silu = ((rms_norm_native, rotary_store_native, decode_attention_native,
                                             silu_and_mul_native) if native else
                                            (rms_norm_ref, rotary_store_ref, decode_attention_ref, silu_and_mul_ref))
+    if not native_attention:
+        attention = decode_attention_ref
     norm(t["h"], t["norm"], 1e-5, t["residual"])
     q = rotary_store(t["q"], t["k"], t["v"], t["positions"], t["cos_sin"], t["pool"], 0, t["slots"])
     attention(q, t["pool"], 0, t["tables"], t["lens"], t["q"].shape[-1] ** -0.5)
