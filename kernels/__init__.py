@@ -44,6 +44,7 @@ __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rot
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+MAX_TRITON_HEAD_DIM = 256
 
 
 _INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
@@ -92,34 +93,46 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, laye
 
 
 def decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, backend: Backend | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, backend: Backend | None = None, *, window: int = 0,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q [S, Hq, D], over its paged context; returns [S, Hq, D].
 
-    context_lens [S] counts the current token, whose K/V must already be stored."""
+    context_lens [S] counts the current token, whose K/V must already be stored. window > 0: only the last
+    `window` positions (a sliding-window layer); softcap > 0: scores capped at softcap * tanh(score / softcap);
+    sinks [Hq]: a logit per head in the softmax denominator (attention sinks)."""
     backend = backend or choose_backend(q)
+    options = dict(window=window, softcap=softcap, sinks=sinks)
     if backend is Backend.NATIVE and native_attention_supports(q, kv_pool):
-        return decode_attention_native(q, kv_pool, layer, block_tables, context_lens, scale)
-    if backend is not Backend.TRITON:
-        return decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
+        return decode_attention_native(q, kv_pool, layer, block_tables, context_lens, scale, **options)
+    if backend is not Backend.TRITON or not triton_attention_supports(q):
+        return decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale, **options)
     with _INTERPRETER_LOCK:
-        return decode_attention_triton(q, kv_pool, layer, block_tables, context_lens, scale)
+        return decode_attention_triton(q, kv_pool, layer, block_tables, context_lens, scale, **options)
 
 
 def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      backend: Backend | None = None) -> torch.Tensor:
+                      backend: Backend | None = None, *, window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a packed batch of new chunks q [T, Hq, D] over their paged context; [T, Hq, D].
 
     Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last positions of its
-    context_lens[b] tokens (all K/V already stored)."""
+    context_lens[b] tokens (all K/V already stored). window, softcap, sinks: as decode_attention's."""
     backend = backend or choose_backend(q)
+    options = dict(window=window, softcap=softcap, sinks=sinks)
     if backend is Backend.NATIVE and native_attention_supports(q, kv_pool):  # one-token rows: the native decode kernel
         return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale,
-                                     decode_rows=decode_attention_native)
-    if backend is not Backend.TRITON:
-        return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
+                                     decode_rows=decode_attention_native, **options)
+    if backend is not Backend.TRITON or not triton_attention_supports(q):
+        return prefill_attention_ref(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale, **options)
     with _INTERPRETER_LOCK:
-        return prefill_attention_triton(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale)
+        return prefill_attention_triton(q, kv_pool, layer, cu_seqlens_q, context_lens, block_tables, scale,
+                                        **options)
+
+
+def triton_attention_supports(q: torch.Tensor) -> bool:
+    """The Triton attention kernels' tiles cover head sizes up to MAX_TRITON_HEAD_DIM; larger ones take the references."""
+    return q.shape[-1] <= MAX_TRITON_HEAD_DIM
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

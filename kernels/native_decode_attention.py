@@ -25,7 +25,7 @@ TOKENS_PER_SPLIT = 256
 @functools.cache
 def _kernel(dtype: torch.dtype):
     return bind(f"pd_decode_attention_{SUFFIXES[str(dtype)]}", POINTER, POINTER, POINTER,
-                        INT64, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, FLOAT, INT)
+                INT64, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, FLOAT, FLOAT, POINTER, INT)
 
 
 def supports(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
@@ -49,8 +49,10 @@ def table_runs(block_tables: torch.Tensor) -> int:
 
 
 def decode_attention_native(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one query per sequence, q [S, Hq, D], over its paged context; [S, Hq, D]."""
+                            context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query per sequence, q [S, Hq, D], over its paged context (its last `window` positions
+    when window > 0; scores soft-capped when softcap > 0; sinks [Hq] in each head's denominator); [S, Hq, D]."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_layers, _, block_size, num_kv_heads, pool_head_dim = kv_pool.shape
     assert supports(q, kv_pool) and pool_head_dim == head_dim and num_q_heads % num_kv_heads == 0
@@ -59,7 +61,10 @@ def decode_attention_native(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, 
     assert block_tables.shape[0] == num_seqs and context_lens.shape == (num_seqs,) and context_lens.is_contiguous()
     assert q.is_cpu and kv_pool.is_cpu and block_tables.is_cpu and context_lens.is_cpu
     threads = torch.get_num_threads()
-    splits = num_splits(table_runs(block_tables), block_tables.shape[1] * block_size, threads)
+    context = min(window, block_tables.shape[1] * block_size) if window else block_tables.shape[1] * block_size
+    splits = num_splits(table_runs(block_tables), context, threads)
+    sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    assert sinks is None or sinks.shape == (num_q_heads,)
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
     partials = torch.empty((num_seqs, num_q_heads, splits, head_dim)) if splits > 1 else None
     lses = torch.empty((num_seqs, num_q_heads, splits)) if splits > 1 else None
@@ -69,6 +74,6 @@ def decode_attention_native(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, 
                      context_lens.data_ptr(), out.data_ptr(), None if partials is None else partials.data_ptr(),
                      None if lses is None else lses.data_ptr(),
                      int64_array(num_seqs, num_q_heads, num_kv_heads, head_dim, splits, q.stride(0),
-                                         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0)),
-                     scale, threads)
+                                 q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), window),
+                     scale, softcap, None if sinks is None else sinks.data_ptr(), threads)
     return out

@@ -91,6 +91,7 @@ class DecodeLayers:
     head_dim: int
     eps: float
     scale: float
+    window: int            # every layer's sliding window (0: none)
     _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (rows, threads) ->
     _timed: dict[tuple[int, int], bool] = field(default_factory=dict)         # (row bucket, threads) ->
     _tables: dict[tuple[tuple[bool, ...], ...], torch.Tensor] = field(default_factory=dict)   # per layer and
@@ -99,11 +100,11 @@ class DecodeLayers:
 
     @classmethod
     def build(cls, layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int,
-              eps: float) -> DecodeLayers | None:
+              eps: float, window: int = 0) -> DecodeLayers | None:
         """None when the native step cannot serve these layers (dtype, layout, head shape)."""
         if not layers or not _supported(layers, num_heads, num_kv_heads, head_dim):
             return None
-        return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5)
+        return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5, window)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,7 +186,8 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_pool.shape
     _check(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens)
     threads = torch.get_num_threads()
-    splits = num_splits(table_runs(block_tables), block_tables.shape[1] * block_size, threads)
+    context = block_tables.shape[1] * block_size
+    splits = num_splits(table_runs(block_tables), min(layers.window, context) if layers.window else context, threads)
     q_size, kv_size = layers.num_heads * head_dim, num_kv_heads * head_dim
     width = hidden + (q_size + 2 * kv_size) + 2 * q_size + 3 * layers.inner
     scratch = torch.empty(seqs * width, dtype=h.dtype)
@@ -193,7 +195,8 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     out, residual = h.clone(), torch.empty_like(h)
     block, layer, kv, slot, head = kv_pool.stride()[:5]
     shape = int64_array(seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers, splits,
-                        block_size, block, layer, kv, slot, head, block_tables.stride(0), cos_sin.stride(0), 0)
+                        block_size, block, layer, kv, slot, head, block_tables.stride(0), cos_sin.stride(0), 0,
+                        layers.window)
     status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table(seqs).data_ptr(), shape,
                               kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
                               block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),

@@ -15,14 +15,15 @@ from pdserve.kernels._triton import (
     target_arch,
     tl,
 )
-from pdserve.kernels.decode_attention import decode_attention_ref, gather_blocks
+from pdserve.kernels.decode_attention import attend, decode_attention_ref, gather_blocks, scaled_scores
 from pdserve.kernels.kv_layout import KVLayout
 
 
 def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                           cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                          block_tables: torch.Tensor, scale: float, decode_rows=decode_attention_ref) -> torch.Tensor:
-    # q: [T, Hq, D]; cu_seqlens_q: [S+1]; context_lens: [S]; block_tables: [S, max_blocks]
+                          block_tables: torch.Tensor, scale: float, decode_rows=decode_attention_ref,
+                          window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [T, Hq, D]; cu_seqlens_q: [S+1]; context_lens: [S]; block_tables: [S, max_blocks]; sinks: [Hq]
     # NOTE: sequences of one shape run as one batched call; one-token rows (decode rows of a mixed
     # colocated step) all go through the decode path together, whatever their context.
     out = torch.empty_like(q)
@@ -32,42 +33,49 @@ def prefill_attention_ref(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
         q_len = bounds[seq + 1] - bounds[seq]
         if q_len:
             groups.setdefault((q_len, 0 if q_len == 1 else context_len), []).append(seq)
+    options = dict(window=window, softcap=softcap, sinks=sinks)
     for (q_len, context_len), seqs in groups.items():
         rows = torch.cat([torch.arange(bounds[s], bounds[s] + q_len) for s in seqs]).to(q.device)
         index = torch.tensor(seqs, device=q.device)
         if q_len == 1:
-            out[rows] = decode_rows(q[rows], kv_pool, layer, block_tables[index], context_lens[index], scale)
+            out[rows] = decode_rows(q[rows], kv_pool, layer, block_tables[index], context_lens[index], scale,
+                                    **options)
         else:
             qs = q[rows].view(len(seqs), q_len, *q.shape[1:])
             out[rows] = _same_shape_prefill(qs, kv_pool, layer, block_tables[index], context_len,
-                                            scale).flatten(0, 1)
+                                            scale, **options).flatten(0, 1)
     return out
 
 
 def _same_shape_prefill(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                        context_len: int, scale: float) -> torch.Tensor:
+                        context_len: int, scale: float, window: int, softcap: float,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
     # q: [m, q_len, Hq, D], every sequence with `context_len` tokens of context; returns the same shape
-    q_len = q.shape[1]
-    num_blocks = -(-context_len // KVLayout.of(kv_pool).block_size)
-    k, v = gather_blocks(kv_pool, layer, block_tables[:, :num_blocks])  # [m, Hkv, n, D]
-    k, v = k[:, :, :context_len].to(q.dtype), v[:, :, :context_len].to(q.dtype)
+    q_len, block_size = q.shape[1], KVLayout.of(kv_pool).block_size
+    first_seen = max(0, context_len - q_len - window + 1) if window else 0
+    first_block, num_blocks = first_seen // block_size, -(-context_len // block_size)
+    k, v = gather_blocks(kv_pool, layer, block_tables[:, first_block:num_blocks])  # [m, Hkv, n, D]
+    start = first_block * block_size                                               # k's first position
+    k, v = k[:, :, :context_len - start].to(q.dtype), v[:, :, :context_len - start].to(q.dtype)
     qs = q.transpose(1, 2)  # [m, Hq, q_len, D]
-    if q_len == context_len:
+    if q_len == context_len and not (window or softcap or sinks is not None):
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, n]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(start, context_len, device=q.device)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)   # [q_len, n]
+        o = attend(qs, k, v, visible, scale, softcap, sinks)
     return o.transpose(1, 2)
 
 
-@jit(do_not_specialize=("layer", "stride_bts", "num_seqs", "num_tiles"))
-def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
-                    layer, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+@jit(do_not_specialize=("layer", "stride_bts", "num_seqs", "num_tiles", "window"))
+def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, block_tables_ptr, sinks_ptr,
+                    layer, scale, softcap, window, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_pb, stride_pl, stride_pkv, stride_ps, stride_ph, stride_bts,
                     group, num_seqs, num_tiles, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     # NOTE: sequence b owns tiles [cu[b] // BLOCK_M + b, cu[b+1] // BLOCK_M + b + 1); the last tiles start first
     tile = num_tiles - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -100,8 +108,11 @@ def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diagonal = (context_len - q_len + tile_m * BLOCK_M) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(context_len, context_len - q_len + (tile_m + 1) * BLOCK_M)
-    for stage in tl.static_range(2):  # 0: keys every query sees; 1: keys near the diagonal, masked
-        for tile in range(diagonal * stage, diagonal + (kv_end - diagonal) * stage, BLOCK_N):
+    first = 0
+    if HAS_WINDOW:  # the tile's first query sees from first_pos - window + 1 on
+        first = tl.maximum(context_len - q_len + tile_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for stage in tl.static_range(2):  # 0: keys every query sees (but for a window's edge); 1: the diagonal, masked
+        for tile in range(first + (diagonal - first) * stage, diagonal + (kv_end - diagonal) * stage, BLOCK_N):
             pos = tile + n
             in_context = pos < context_len
             block = tl.load(table + pos // PAGE_SIZE, mask=in_context, other=0)
@@ -111,17 +122,25 @@ def _prefill_kernel(q_ptr, pool_ptr, out_ptr, cu_seqlens_ptr, context_lens_ptr, 
             v = tl.load(kv_base + stride_pkv + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if DOT_FP32:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            qk = scaled_scores(q, k, scale, softcap, DOT_PRECISION, HAS_SOFTCAP)  # [BLOCK_M, BLOCK_N]
             if stage == 1:
                 visible = (pos[None, :] <= q_pos[:, None]) & in_context[None, :]
                 qk = tl.where(visible, qk, float("-inf"))
+            if HAS_WINDOW:
+                qk = tl.where(pos[None, :] > q_pos[:, None] - window, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-    out = acc / l_i[:, None]
+    if HAS_SINKS:  # the head's sink logit joins every row's denominator
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # NOTE: rows past the chunk (not stored) may see no key
     out_rows = out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -157,7 +176,8 @@ def tile_configs(head_dim: int, element_bytes: int, arch: int | None) -> tuple[d
 
 def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                             block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                             block_tables: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a packed batch; q [T, Hq, D] -> [T, Hq, D] (see prefill_attention_ref).
 
     Launches without reading anything back to the host."""
@@ -173,6 +193,7 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     assert cu_seqlens_q.is_contiguous() and context_lens.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
     assert q.device == kv_pool.device == cu_seqlens_q.device == context_lens.device == block_tables.device
+    assert sinks is None or (sinks.shape == (num_q_heads,) and sinks.device == q.device and sinks.is_contiguous())
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -182,11 +203,12 @@ def prefill_attention_triton(q: torch.Tensor, kv_pool: torch.Tensor, layer: int,
     def launch(config: dict) -> None:
         num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
         _prefill_kernel[(num_tiles, num_q_heads)](
-            q, kv_pool, out, cu_seqlens_q, context_lens, block_tables,
-            layer, scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, kv_pool, out, cu_seqlens_q, context_lens, block_tables, out if sinks is None else sinks,
+            layer, scale, softcap or 1.0, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *layout.strides(kv_pool), block_tables.stride(0), num_q_heads // num_kv_heads, num_seqs, num_tiles,
             PAGE_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-            DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", **config)
+            DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32", HAS_WINDOW=window > 0,
+            HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, **config)
 
     launch_fitting(launch, configs, ("prefill", q.device, head_dim, q.dtype))
     return out

@@ -43,30 +43,35 @@ def naive_kv(pool: torch.Tensor, tables: torch.Tensor, seq: int, position: int, 
 
 
 def naive_attention(q_row: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, seq: int,
-                    kv_head: int, num_visible: int, scale: float) -> torch.Tensor:
-    """One query vector against positions [0, num_visible) of one sequence, plain loops + softmax."""
+                    kv_head: int, num_visible: int, scale: float, window: int = 0, softcap: float = 0.0,
+                    sink: float | None = None) -> torch.Tensor:
+    """One query vector against positions [0, num_visible) of one sequence (its last `window` of them when
+    window > 0), plain loops + softmax; scores soft-capped when softcap > 0; `sink` joins the denominator."""
     scores, values = [], []
-    for position in range(num_visible):
+    for position in range(max(0, num_visible - window) if window else 0, num_visible):
         k, v = naive_kv(pool, tables, seq, position, kv_head)
-        scores.append(float(q_row.double() @ k) * scale)
+        score = float(q_row.double() @ k) * scale
+        scores.append(softcap * math.tanh(score / softcap) if softcap else score)
         values.append(v)
-    peak = max(scores)
+    peak = max(scores + ([] if sink is None else [sink]))
     weights = [math.exp(s - peak) for s in scores]
-    total = sum(weights)
+    total = sum(weights) + (0.0 if sink is None else math.exp(sink - peak))
     return sum(w / total * v for w, v in zip(weights, values))
 
 
-def naive_decode(q, pool, tables, lens, scale):
+def naive_decode(q, pool, tables, lens, scale, window=0, softcap=0.0, sinks=None):
     num_seqs, num_q_heads, _ = q.shape
     group = num_q_heads // pool.shape[4]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for seq in range(num_seqs):
         for head in range(num_q_heads):
-            out[seq, head] = naive_attention(q[seq, head], pool, tables, seq, head // group, int(lens[seq]), scale)
+            if int(lens[seq]):
+                out[seq, head] = naive_attention(q[seq, head], pool, tables, seq, head // group, int(lens[seq]),
+                                                 scale, window, softcap, None if sinks is None else float(sinks[head]))
     return out
 
 
-def naive_prefill(q, pool, tables, cu_seqlens, lens, scale):
+def naive_prefill(q, pool, tables, cu_seqlens, lens, scale, window=0, softcap=0.0, sinks=None):
     num_q_heads = q.shape[1]
     group = num_q_heads // pool.shape[4]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -76,7 +81,8 @@ def naive_prefill(q, pool, tables, cu_seqlens, lens, scale):
             visible = total - (end - start) + i + 1
             for head in range(num_q_heads):
                 out[start + i, head] = naive_attention(q[start + i, head], pool, tables, seq, head // group,
-                                                       visible, scale)
+                                                       visible, scale, window, softcap,
+                                                       None if sinks is None else float(sinks[head]))
     return out
 
 

@@ -67,6 +67,26 @@ def test_prefill_ref_matches_naive(dtype, tol, num_q_heads, num_kv_heads):
     assert rel_err(out, naive_prefill(q, pool, tables, cu, lens, 0.25)) < tol
 
 
+LAYER_KINDS = {  # window, softcap, sinks: sliding window, Gemma 2's soft-capping, gpt-oss's sinks, all three
+    "window": (7, 0.0, False), "softcap": (0, 0.3, False), "sinks": (0, 0.0, True), "all": (5, 0.5, True)}
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_decode_and_prefill_refs_of_every_layer_kind_match_naive(kind):
+    window, softcap, has_sinks = LAYER_KINDS[kind]
+    sinks = torch.randn(8) * 2 if has_sinks else None
+    context, new = [1, 40, 23, 9, 30], [1, 40, 6, 1, 1]
+    pool, tables, lens = make_paged_batch(context, 8, 2, 16, torch.float32)
+    q = torch.randn(sum(new), 8, 16)
+    options = dict(window=window, softcap=softcap, sinks=sinks)
+    out = prefill_attention_ref(q, pool, LAYER, cu_seqlens_of(new), lens, tables, 0.25, **options)
+    assert rel_err(out, naive_prefill(q, pool, tables, cu_seqlens_of(new), lens, 0.25, **options)) < 1e-5
+    out = decode_attention_ref(q[:5], pool, LAYER, tables, lens, 0.25, **options)
+    assert rel_err(out, naive_decode(q[:5], pool, tables, lens, 0.25, **options)) < 1e-5
+    plain = decode_attention_ref(q[:5], pool, LAYER, tables, lens, 0.25)
+    assert rel_err(out, plain) > 1e-3                                  # the option changed the result
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_store_kv_ref_writes_slots_and_skips_padding(slot_dtype):
     pool = torch.randn(5, 2, 2, 8, 2, 16)

@@ -95,6 +95,48 @@ def test_prefill_attention(dtype, hq, hkv, head_dim, block, lens, new):
     check(out, prefill_attention_ref(q, pool, LAYER, cu, context_lens, tables, head_dim ** -0.5), dtype)
 
 
+LAYER_KINDS = [  # window, softcap, sinks
+    (50, 0.0, False), (1, 0.0, False), (0, 0.5, False), (0, 0.0, True), (70, 0.4, True)]
+
+
+@in_process
+@pytest.mark.parametrize("window,softcap,has_sinks", LAYER_KINDS)
+def test_decode_attention_layer_kinds(window, softcap, has_sinks):
+    pool, tables, context_lens = make_paged_batch([1, 300, 37, 0], 16, 2, 64, torch.float32)
+    q = torch.randn(4, 8, 64)
+    options = dict(window=window, softcap=softcap, sinks=torch.randn(8) * 2 if has_sinks else None)
+    for splits in (1, 3):
+        with poisoned_outputs():
+            out = decode_attention_triton(q, pool, LAYER, tables, context_lens, 0.125, num_splits=splits, **options)
+        check(out, decode_attention_ref(q, pool, LAYER, tables, context_lens, 0.125, **options), torch.float32)
+
+
+@in_process
+@pytest.mark.parametrize("window,softcap,has_sinks", LAYER_KINDS)
+def test_prefill_attention_layer_kinds(window, softcap, has_sinks):
+    lens, new = [300, 37, 9, 150], [200, 37, 1, 70]          # chunks after a prefix; a one-token row
+    pool, tables, context_lens = make_paged_batch(lens, 16, 2, 64, torch.float32)
+    q = torch.randn(sum(new), 8, 64)
+    options = dict(window=window, softcap=softcap, sinks=torch.randn(8) * 2 if has_sinks else None)
+    with poisoned_outputs():
+        out = prefill_attention_triton(q, pool, LAYER, cu_seqlens_of(new), context_lens, tables, 0.125, **options)
+    check(out, prefill_attention_ref(q, pool, LAYER, cu_seqlens_of(new), context_lens, tables, 0.125, **options),
+          torch.float32)
+
+
+@in_process
+def test_attention_head_size_24():
+    pool, tables, context_lens = make_paged_batch([40, 7], 16, 2, 24, torch.float32)
+    q = torch.randn(47, 4, 24)
+    cu = cu_seqlens_of([40, 7])
+    with poisoned_outputs():
+        out = prefill_attention_triton(q, pool, LAYER, cu, context_lens, tables, 0.2)
+    check(out, prefill_attention_ref(q, pool, LAYER, cu, context_lens, tables, 0.2), torch.float32)
+    with poisoned_outputs():
+        out = decode_attention_triton(q[:2], pool, LAYER, tables, context_lens, 0.2)
+    check(out, decode_attention_ref(q[:2], pool, LAYER, tables, context_lens, 0.2), torch.float32)
+
+
 @in_process
 @pytest.mark.parametrize("dtype,slot_dtype,head_dim", [(torch.float32, torch.int64, 64),
                                                       (torch.float16, torch.int32, 128)])

@@ -56,6 +56,25 @@ def test_decode_attention_matches_reference(dtype, lens, block_size, kv_heads, q
     assert torch.all(out[context_lens == 0] == 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap, has_sinks", [(20, 0.0, False), (1, 0.0, False), (0, 0.4, False),
+                                                        (0, 0.0, True), (37, 0.6, True)])
+def test_decode_attention_layer_kinds_match_reference(dtype, window, softcap, has_sinks, threads):
+    """Sliding windows (one of a single token), soft-capped scores, sinks: split and unsplit, verify-step runs."""
+    pool, tables, lens = make_paged_batch([300, 40, 20, 0], 16, 3, 64, dtype, seed=6)
+    repeats, row_lens = [5, 1, 10, 1], [list(range(296, 301)), [40], list(range(11, 21)), [0]]
+    rows_tables = torch.cat([tables[i:i + 1].expand(n, -1) for i, n in enumerate(repeats)]).contiguous()
+    rows_lens = torch.tensor(sum(row_lens, []), dtype=torch.int32)
+    q = torch.randn(len(rows_lens), 9, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    options = dict(window=window, softcap=softcap, sinks=torch.randn(9) * 2 if has_sinks else None)
+    out = decode_attention_native(q, pool, LAYER, rows_tables, rows_lens, 0.125, **options)
+    expected = decode_attention_ref(q.float(), pool.float(), LAYER, rows_tables, rows_lens, 0.125, **options)
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    if dtype == torch.float32:
+        assert rel_err(out, naive_decode(q, pool, rows_tables, rows_lens, 0.125, **options)) < 1e-6
+    assert torch.all(out[rows_lens == 0] == 0)
+
+
 def test_decode_attention_matches_float64_loops(threads):
     pool, tables, lens = make_paged_batch([33, 1, 70], 16, 2, 64, torch.float32, seed=3)
     q = torch.randn(3, 4, 64)

@@ -13,13 +13,18 @@ namespace pd {
 
 struct DecodeShape {
   int64_t seqs, q_heads, kv_heads, head_dim, splits;
-  int64_t q_seq_stride, q_head_stride, out_seq_stride, out_head_stride, table_stride;
-  float scale;
+  int64_t q_seq_stride, q_head_stride, out_seq_stride, out_head_stride, table_stride, window;
+  float scale, softcap;
+  const float* sinks;  // [q_heads] logits in every row's softmax denominator (gpt-oss), or null
 };
 
+// Head h's output: normalised, with its sink's share of the denominator when it has one (out), or a split's
+// partial output and its log-sum-exp, whose merge adds the sink (partial, lse).
 template <typename T>
-static void store_head(const SoftmaxState& st, int64_t h, int vecs, T* out, float* partial, float* lse) {
-  const float inv = st.l[h] > 0.0f ? 1.0f / st.l[h] : 0.0f;
+static void store_head(const SoftmaxState& st, int64_t h, int vecs, T* out, float* partial, float* lse,
+                       const float* sinks) {
+  const float l = sinks && !partial ? st.l[h] + std::exp(sinks[h] - st.m[h]) : st.l[h];
+  const float inv = l > 0.0f && st.l[h] > 0.0f ? 1.0f / l : 0.0f;
   for (int j = 0; j < vecs; ++j) {
     const vf o = st.acc[h * vecs + j] * inv;
     if (partial) store(partial + j * LANES, o);
@@ -61,16 +66,21 @@ static void decode_item(const T* q, const PagedLayer<T>& pages, const int32_t* t
   const int64_t split = item % sh.splits, run = item / sh.splits, bs = pages.block_size;
   const int64_t first = runs[run], rows = runs[run + 1] - first;
   const int group = int(sh.q_heads / sh.kv_heads), vecs = vc.get();
-  int64_t len = 0;
-  for (int64_t r = 0; r < rows; ++r) len = lens[first + r] > len ? lens[first + r] : len;
-  const int64_t per_split = ((len + sh.splits - 1) / sh.splits + bs - 1) / bs * bs;
-  const int64_t begin = split * per_split, end = begin + per_split < len ? begin + per_split : len;
+  const QueryRows query_rows{scratch.qs.get(), scratch.states, lens + first, rows, sh.q_heads, sh.window,
+                             sh.softcap};
+  int64_t len = 0, seen = INT64_MAX;  // the run's context: [seen, len), whole blocks from seen's
+  for (int64_t r = 0; r < rows; ++r) {
+    len = lens[first + r] > len ? lens[first + r] : len;
+    seen = query_rows.first_seen(r) < seen ? query_rows.first_seen(r) : seen;
+  }
+  seen = seen / bs * bs;
+  const int64_t per_split = ((len - seen + sh.splits - 1) / sh.splits + bs - 1) / bs * bs;
+  const int64_t begin = seen + split * per_split, end = begin + per_split < len ? begin + per_split : len;
   for (int64_t r = 0; r < rows; ++r) {
     load_queries(q + (first + r) * sh.q_seq_stride, sh.q_head_stride, sh.q_heads, vecs, sh.scale,
                  scratch.qs.get() + r * sh.q_heads * vecs);
     reset(scratch.states[r], sh.q_heads, vecs);
   }
-  const QueryRows query_rows{scratch.qs.get(), scratch.states, lens + first, rows, sh.q_heads};
   if (begin < end) attend_range(query_rows, pages, tables + first * sh.table_stride, begin, end, group, vc);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t seq = first + r;
@@ -78,7 +88,7 @@ static void decode_item(const T* q, const PagedLayer<T>& pages, const int32_t* t
       const int64_t at = (seq * sh.q_heads + h) * sh.splits + split;
       const bool split_up = sh.splits > 1;
       store_head(scratch.states[r], h, vecs, out + seq * sh.out_seq_stride + h * sh.out_head_stride,
-                 split_up ? partials + at * sh.head_dim : nullptr, split_up ? lses + at : nullptr);
+                 split_up ? partials + at * sh.head_dim : nullptr, split_up ? lses + at : nullptr, sh.sinks);
     }
   }
 }
@@ -91,6 +101,7 @@ static void merge_splits(const float* partials, const float* lses, T* out, const
   for (int64_t s = 0; s < sh.splits; ++s) m = lse[s] > m ? lse[s] : m;
   float weights[64], total = 0.0f;
   for (int64_t s = 0; s < sh.splits; ++s) total += weights[s] = m == -INFINITY ? 0.0f : std::exp(lse[s] - m);
+  if (sh.sinks && m != -INFINITY) total += std::exp(sh.sinks[head] - m);
   T* o = out + seq * sh.out_seq_stride + head * sh.out_head_stride;
   for (int64_t d = 0; d < sh.head_dim; ++d) {
     float acc = 0.0f;
@@ -132,15 +143,17 @@ static void decode_attention_any(const T* q, const PagedLayer<T>& pages, const i
 
 }  // namespace pd
 
+// shape: seqs, q_heads, kv_heads, head_dim, splits, q and out strides (seq, head), table stride, window (0:
+// none); softcap 0: none; sinks: null or [q_heads] float32.
 #define PD_DECODE_ATTENTION(SUFFIX, T)                                                                        \
   extern "C" void pd_decode_attention_##SUFFIX(                                                               \
       const T* q, const T* layer_pool, const int64_t* pool_strides, int64_t block_size, const int32_t* tables, \
       const int32_t* lens, T* out, float* partials, float* lses, const int64_t* shape, float scale,           \
-      int threads) {                                                                                          \
+      float softcap, const float* sinks, int threads) {                                                       \
     const pd::PagedLayer<T> pages{layer_pool, pool_strides[0], pool_strides[1], pool_strides[2],              \
                                   pool_strides[3], block_size, shape[2]};                                     \
     const pd::DecodeShape sh{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7],  \
-                             shape[8], shape[9], scale};                                                      \
+                             shape[8], shape[9], shape[10], scale, softcap, sinks};                           \
     pd::decode_attention_any(q, pages, tables, lens, out, partials, lses, sh, threads);                       \
   }
 

@@ -17,9 +17,10 @@ void pd_rotary_store_f32(const float*, const float*, const float*, const int32_t
 void pd_rotary_store_bf16(const pd::bf16*, const pd::bf16*, const pd::bf16*, const int32_t*, const float*, pd::bf16*,
                           const int32_t*, pd::bf16*, const int64_t*, int);
 void pd_decode_attention_f32(const float*, const float*, const int64_t*, int64_t, const int32_t*, const int32_t*,
-                             float*, float*, float*, const int64_t*, float, int);
+                             float*, float*, float*, const int64_t*, float, float, const float*, int);
 void pd_decode_attention_bf16(const pd::bf16*, const pd::bf16*, const int64_t*, int64_t, const int32_t*,
-                              const int32_t*, pd::bf16*, float*, float*, const int64_t*, float, int);
+                              const int32_t*, pd::bf16*, float*, float*, const int64_t*, float, float, const float*,
+                              int);
 void pd_silu_and_mul_f32(const float*, int64_t, float*, int64_t, int64_t, int);
 void pd_silu_and_mul_bf16(const pd::bf16*, int64_t, pd::bf16*, int64_t, int64_t, int);
 }
@@ -66,7 +67,7 @@ static_assert(sizeof(Projection) == 6 * sizeof(int64_t) && sizeof(LayerWeights<f
 struct StepShape {  // the int64 array the Python side passes, field for field
   int64_t seqs, hidden, q_heads, kv_heads, head_dim, inner, layers, splits;
   int64_t block_size, pool_block, pool_layer, pool_kv, pool_slot, pool_head, table_stride, cos_sin_stride;
-  int64_t first_layer_has_residual;
+  int64_t first_layer_has_residual, window;  // window: every layer's sliding window (0: none)
 };
 
 // y[M, N] = x[M, K] @ W^T + bias, x and y contiguous. Returns quant_linear's status (0: done).
@@ -105,10 +106,10 @@ static int attention_block(const LayerWeights<T>& w, const StepShape& sh, T* h, 
   Ops<T>::rotary_store(s.qkv, s.qkv + q_size, s.qkv + q_size + kv_size, positions, cos_sin, layer_pool, slots, s.q,
                        rotary, threads);
   const int64_t strides[4] = {sh.pool_block, sh.pool_kv, sh.pool_slot, sh.pool_head};
-  const int64_t attention[10] = {sh.seqs, sh.q_heads, sh.kv_heads, sh.head_dim, sh.splits,
-                                 q_size, sh.head_dim, q_size, sh.head_dim, sh.table_stride};
+  const int64_t attention[11] = {sh.seqs, sh.q_heads, sh.kv_heads, sh.head_dim, sh.splits,
+                                 q_size, sh.head_dim, q_size, sh.head_dim, sh.table_stride, sh.window};
   Ops<T>::attention(s.q, layer_pool, strides, sh.block_size, tables, lens, s.attention, s.partials, s.lses,
-                    attention, scale, threads);
+                    attention, scale, 0.0f, nullptr, threads);
   return status | project(w.o, s.attention, h, sh.seqs, sh.hidden, q_size, quant, threads);
 }
 

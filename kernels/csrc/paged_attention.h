@@ -63,11 +63,12 @@ static inline vf lane_dot(const vf* q, const SlotChunk& c, int64_t t, int vecs) 
   return acc;
 }
 
-// Fold the chunk's first `count` slots into query head `head`'s state (q: its pre-scaled query); scores, softmax and
-// output in one pass, eight slots' dot products summed across lanes at once (hsum8).
+// Fold the chunk's slots [first, count) into query head `head`'s state (q: its pre-scaled query); scores, softmax
+// and output in one pass, eight slots' dot products summed across lanes at once (hsum8). A `softcap` above 0
+// caps each score at softcap * tanh(score / softcap) (Gemma 2).
 template <typename VC>
-static inline void attend_head(const vf* q, const SlotChunk& c, int64_t count, int64_t head, VC vc,
-                               SoftmaxState st) {
+static inline void attend_head(const vf* q, const SlotChunk& c, int64_t first, int64_t count, int64_t head,
+                               float softcap, VC vc, SoftmaxState st) {
   const int vecs = vc.get();
   float s[CHUNK] __attribute__((aligned(64)));
   int64_t t = 0;
@@ -79,6 +80,9 @@ static inline void attend_head(const vf* q, const SlotChunk& c, int64_t count, i
   }
   for (; t < count; ++t) s[t] = hsum(lane_dot(q, c, t, vecs));
   for (; t < CHUNK; ++t) s[t] = -INFINITY;
+  if (softcap > 0.0f)
+    for (t = first; t < count; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  for (t = 0; t < first; ++t) s[t] = -INFINITY;  // NOTE: before the sliding window
   const vf scores = load(s);
   const float block_max = hmax(scores);
   const float m_new = block_max > st.m[head] ? block_max : st.m[head];
@@ -97,13 +101,16 @@ static inline void attend_head(const vf* q, const SlotChunk& c, int64_t count, i
 }
 
 // The query rows one pass over a sequence's context serves: `rows` rows with the same block table (a
-// verifying sequence's input token and drafts), row r attending to positions [0, lens[r]). q holds each
-// row's pre-scaled query heads, [rows][q_heads][vecs]; states[r] is row r's softmax state.
+// verifying sequence's input token and drafts), row r attending to positions [lens[r] - window, lens[r])
+// (from 0 without a window: window 0). q holds each row's pre-scaled query heads, [rows][q_heads][vecs];
+// states[r] is row r's softmax state.
 struct QueryRows {
   const vf* q;
   const SoftmaxState* states;
   const int32_t* lens;
-  int64_t rows, q_heads;
+  int64_t rows, q_heads, window;
+  float softcap;
+  int64_t first_seen(int64_t r) const { return window > 0 && lens[r] > window ? lens[r] - window : 0; }
 };
 
 // Fold slots [first, first + count) of one block, at context positions from `pos`, into every row's query
@@ -121,10 +128,12 @@ static inline void attend_block(const QueryRows& rows, const PagedLayer<T>& page
       load_chunk(at, at + pages.kv_stride, pages.slot_stride, count - t < CHUNK ? count - t : CHUNK, vecs, chunk);
       for (int64_t r = 0; r < rows.rows; ++r) {
         const int64_t visible = rows.lens[r] - (pos + t), n = visible < chunk.count ? visible : chunk.count;
-        if (n <= 0) continue;
+        const int64_t skipped = rows.first_seen(r) - (pos + t), from = skipped > 0 ? skipped : 0;
+        if (n <= from) continue;
         for (int g = 0; g < group; ++g) {
           const int64_t head = h * group + g;
-          attend_head(rows.q + (r * rows.q_heads + head) * vecs, chunk, n, head, vc, rows.states[r]);
+          attend_head(rows.q + (r * rows.q_heads + head) * vecs, chunk, from, n, head, rows.softcap, vc,
+                      rows.states[r]);
         }
       }
     }
