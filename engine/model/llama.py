@@ -6,50 +6,11 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.layers import Embedding, Linear, RMSNorm
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.kernels.native_decode_layers import DecodeLayers, LayerTensors
-
-
-class Attention(nn.Module):
-    backend: kernels.Backend | None = None
-
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
-                cos_sin: torch.Tensor) -> torch.Tensor:
-        tokens = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)       # q: [T, Hq, D]
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)    # k: [T, Hkv, D]
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index, batch.slot_mapping,
-                                    self.backend)
-        if batch.is_decode:
-            o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
-                                         batch.context_lens, self.scale, self.backend)
-        else:
-            o = kernels.prefill_attention(q, kv_pool, self.layer_index, batch.cu_seqlens_q,
-                                          batch.context_lens, batch.block_tables, self.scale, self.backend)
-        return self.o_proj(o.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
