@@ -100,12 +100,12 @@ def dense_layers(model, h, residual, positions, ops):
     attn0 = model.layers[0].self_attn
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        h, residual = rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
+        h, residual = rms_norm(h, layer.input_norm.weight, layer.input_norm.eps, residual)
         q, k, _ = linear(h, attn.qkv_proj.weight, None).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, _ = rotary_ref(q.reshape(-1, attn0.num_heads, attn0.head_dim),
                           k.reshape(-1, attn0.num_kv_heads, attn0.head_dim), positions, model.cos_sin)
         h = linear(q.reshape(-1, attn.q_size), attn.o_proj.weight, None)
-        h, residual = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
+        h, residual = rms_norm(h, layer.pre_mlp_norm.weight, layer.pre_mlp_norm.eps, residual)
         h = linear(silu_and_mul(linear(h, mlp.gate_up_proj.weight, None)), mlp.down_proj.weight, None)
     return h, residual
 

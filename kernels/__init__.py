@@ -1,4 +1,4 @@
-"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul, linear.
+"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul and GeGLU, linear.
 
 Each function has a plain-torch reference (`<name>_ref`) beside its Triton version (`<name>_triton`,
 used on CUDA tensors) and, for CPU tensors, a native C++ version (`<name>_native`, kernels/csrc,
@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from pdserve import env
 from pdserve.kernels.native import cpu_kernels_enabled
 from pdserve.kernels._triton import HAS_TRITON, INTERPRETED
-from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from pdserve.kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from pdserve.kernels.native_decode_attention import decode_attention_native
@@ -40,7 +45,7 @@ from pdserve.kernels.rotary import rotary_ref, rotary_triton
 from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "decode_layers", "Backend", "choose_backend",
+           "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "Backend", "choose_backend",
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -165,6 +170,14 @@ def silu_and_mul(x: torch.Tensor, backend: Backend | None = None) -> torch.Tenso
         return silu_and_mul_ref(x)
     with _INTERPRETER_LOCK:
         return silu_and_mul_triton(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
+    """gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I] (no native version: the reference on CPU)."""
+    if (backend or choose_backend(x)) is not Backend.TRITON:
+        return gelu_tanh_and_mul_ref(x)
+    with _INTERPRETER_LOCK:
+        return gelu_tanh_and_mul_triton(x)
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -16,11 +16,12 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
+from tests.hf_models import ARCHS
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
 CHECKPOINTS = {
-    **{arch: functools.partial(hf_checkpoint, arch) for arch in ("llama3", "qwen2", "qwen3", "llama-head24")},
+    **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS},
     "demo-llama": lambda: demo_checkpoint("llama"),
     "demo-qwen2": lambda: demo_checkpoint("qwen2"),
 }

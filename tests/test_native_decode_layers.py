@@ -132,8 +132,8 @@ def test_the_pointer_table_has_the_layout_the_native_step_reads(monkeypatch):
     layers = model._build_decode_layers()
     table = layers.table(1).view(len(model.layers), WORDS_PER_LAYER)
     first = model.layers[0]
-    assert table[0, 0] == first.input_layernorm.weight.data_ptr()
-    assert table[0, 1] == first.post_attention_layernorm.weight.data_ptr()
+    assert table[0, 0] == first.input_norm.weight.data_ptr()
+    assert table[0, 1] == first.pre_mlp_norm.weight.data_ptr()
     assert table[0, 2:8].tolist() == [0, first.self_attn.qkv_proj.weight.data_ptr(),
                                       first.self_attn.qkv_proj.bias.data_ptr(), 0, 0, 0]
     assert table[-1, -6:].tolist() == [0, model.layers[-1].mlp.down_proj.weight.data_ptr(), 0, 0, 0, 0]

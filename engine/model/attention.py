@@ -1,4 +1,9 @@
-"""Self-attention over the paged KV pool: the q/k/v projection, rotary embedding, KV store and paged attention."""
+"""Self-attention over the paged KV pool: the q/k/v projection, rotary embedding, KV store and paged attention.
+
+A layer's kind (`LayerKind`) sets its sliding window and rotary table (none: a NoPE layer); the family
+sets the score scale, soft-cap, q/k norms, biases and sinks. The kernels take the window, cap and sinks
+as arguments, so every backend (native, Triton, torch) serves every kind.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,7 +12,7 @@ from torch import nn
 from pdserve import kernels
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.forward_batch import ForwardBatch
-from pdserve.engine.model.layers import Linear, RMSNorm
+from pdserve.engine.model.layers import Linear, RMSNorm, empty_parameter
 
 
 class Attention(nn.Module):
@@ -15,22 +20,25 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        kind = config.layer_kinds[layer_index]
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale, self.window, self.softcap = config.scale, kind.window, config.attn_softcap
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = empty_parameter(config.num_heads) if config.attention_sinks else None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
-                cos_sin: torch.Tensor) -> torch.Tensor:
+                cos_sin: torch.Tensor | None) -> torch.Tensor:
+        """`cos_sin`: this layer's rotary table, None for a layer without rotary embedding."""
         tokens = h.shape[0]
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)       # q: [T, Hq, D]
@@ -39,12 +47,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index, batch.slot_mapping,
-                                    self.backend)
+        if cos_sin is None:
+            kernels.store_kv(k, v, kv_pool, self.layer_index, batch.slot_mapping, self.backend)
+        else:
+            q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index,
+                                        batch.slot_mapping, self.backend)
+        options = dict(window=self.window, softcap=self.softcap, sinks=self.sinks)
         if batch.is_decode:
             o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
-                                         batch.context_lens, self.scale, self.backend)
+                                         batch.context_lens, self.scale, self.backend, **options)
         else:
             o = kernels.prefill_attention(q, kv_pool, self.layer_index, batch.cu_seqlens_q,
-                                          batch.context_lens, batch.block_tables, self.scale, self.backend)
+                                          batch.context_lens, batch.block_tables, self.scale, self.backend,
+                                          **options)
         return self.o_proj(o.reshape(tokens, self.q_size))

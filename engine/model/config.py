@@ -7,34 +7,39 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.model.families import (
+    ConfigError,
+    RopeConfig,
+    LayerKind,
+    family_features,
+    layer_kinds,
+    rope_config,
+)
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+# parsed (their attention is built and tested) but not served: the reason a start is refused
+UNSERVABLE_ARCHITECTURES = {
+    "GptOssForCausalLM": ("gpt_oss", "its mixture-of-experts MLP layers are not supported yet (issue 47)"),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class ConfigError(ValueError):
-    """A model directory whose configuration cannot be used."""
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"            # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+__all__ = ["ConfigError", "LayerKind", "ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_dir: Path
-    architecture: str                      # llama | mistral | qwen2 | qwen3
+    architecture: str                      # SUPPORTED_ARCHITECTURES' values (gpt_oss only where parsed, unserved)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,13 +49,22 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope: RopeConfig
-    attention_bias: bool
-    qk_norm: bool
+    rope: RopeConfig                       # the full-attention layers' rotary embedding
+    attention_bias: bool                   # q/k/v projections have biases
+    qk_norm: bool                          # RMSNorm over each query and key head (Qwen3, Gemma 3)
     tie_word_embeddings: bool
-    sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype
+    layer_kinds: tuple[LayerKind, ...]     # one per layer: its sliding window and rotary embedding
+    attention_scale: float = 0.0           # scores times this (0: head_dim ** -0.5)
+    attn_softcap: float = 0.0              # scores capped at softcap * tanh(score / softcap) (Gemma 2; 0: none)
+    final_softcap: float = 0.0             # the same for the logits
+    attention_sinks: bool = False          # a learned logit per head in the softmax denominator (gpt-oss)
+    o_proj_bias: bool = False
+    hidden_act: str = "silu"               # silu | gelu_pytorch_tanh: the gate's activation
+    norm_offset: float = 0.0               # RMSNorm scales by (offset + weight): Gemma's 1.0
+    sandwich_norms: bool = False           # RMSNorm on the attention's and the MLP's outputs too (Gemma 2/3)
+    embed_scale: float = 1.0               # embeddings times this (Gemma: sqrt(hidden_size))
 
     @property
     def name(self) -> str:
@@ -79,8 +93,23 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """Parse `config.json` of a Hugging Face style directory; raises ConfigError naming the file."""
         path = Path(model_dir) / "config.json"
-        raw = _read_json(path)
-        return _model_config_from_dict(Path(model_dir), raw, path)
+        config = parse_config(Path(model_dir), _read_json(path), path)
+        refusal = next((reason for arch, reason in UNSERVABLE_ARCHITECTURES.values() if arch == config.architecture),
+                       None)
+        if refusal is not None:
+            raise ConfigError(f"{path}: architecture {config.architecture!r} cannot be served: {refusal}; "
+                              f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        return config
+
+    @property
+    def scale(self) -> float:
+        """What attention scores are multiplied by."""
+        return self.attention_scale or self.head_dim ** -0.5
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: the layer attends to every earlier token)."""
+        return tuple(kind.window for kind in self.layer_kinds)
 
 
 def _read_json(path: Path) -> dict:
@@ -95,33 +124,35 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _model_config_from_dict(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
+def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
+    """A config.json's contents as a ModelConfig, any architecture pdserve parses (served or not)."""
     architecture = _architecture(raw, path)
     try:
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        num_layers = int(raw["num_hidden_layers"])
+        rope = rope_config(raw)
         config = ModelConfig(
             model_dir=model_dir,
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            rope=_rope_config(raw),
-            attention_bias=bool(raw.get("attention_bias", architecture == "qwen2")),
-            qk_norm=architecture == "qwen3",
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window(raw, architecture),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture.startswith("gemma"))),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             checkpoint_dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                                         torch.float32),
+            layer_kinds=layer_kinds(raw, architecture, num_layers, rope),
+            **family_features(raw, architecture, hidden),
         )
     except KeyError as e:
         raise ConfigError(f"{path}: missing required key {e.args[0]!r}") from None
@@ -133,37 +164,13 @@ def _model_config_from_dict(model_dir: Path, raw: dict, path: Path) -> ModelConf
 
 def _architecture(raw: dict, path: Path) -> str:
     names = raw.get("architectures") or []
+    known = {**SUPPORTED_ARCHITECTURES, **{name: arch for name, (arch, _) in UNSERVABLE_ARCHITECTURES.items()}}
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
+        if name in known:
+            return known[name]
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     raise ConfigError(f"{path}: unsupported architecture {names or raw.get('model_type')!r}; "
                       f"supported: {supported}")
-
-
-def _rope_config(raw: dict) -> RopeConfig:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
-    )
-
-
-def _sliding_window(raw: dict, architecture: str) -> int | None:
-    window = raw.get("sliding_window")
-    if architecture in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
 
 
 def _eos_ids(value) -> tuple[int, ...]:
@@ -181,3 +188,14 @@ def _validate(c: ModelConfig, path: Path) -> None:
     if c.num_heads % c.num_kv_heads:
         raise ConfigError(f"{path}: num_attention_heads ({c.num_heads}) is not a multiple of "
                           f"num_key_value_heads ({c.num_kv_heads})")
+    if len(c.layer_kinds) != c.num_layers:
+        raise ConfigError(f"{path}: layer_types lists {len(c.layer_kinds)} layers for num_hidden_layers "
+                          f"{c.num_layers}")
+    for rope in {kind.rope for kind in c.layer_kinds if kind.rope is not None}:
+        rotary = rope.rotary_dim(c.head_dim)
+        if rotary % 2 or not 0 < rotary <= c.head_dim:
+            raise ConfigError(f"{path}: a rotary embedding over {rotary} of head_dim {c.head_dim} dimensions "
+                              f"(partial_rotary_factor {rope.partial_rotary_factor}) is not an even part of a head")
+        if rope.rope_type == "longrope" and len(rope.short_factor) != rotary // 2:
+            raise ConfigError(f"{path}: rope_scaling short_factor and long_factor need {rotary // 2} values "
+                              f"(rotary dimensions / 2), got {len(rope.short_factor)}")

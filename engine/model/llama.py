@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool."""
+"""The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3) over a paged KV pool."""
 from __future__ import annotations
 
 import torch
@@ -20,27 +20,42 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.activation = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), self.backend))
+        return self.down_proj(self.activation(self.gate_up_proj(x), self.backend))
+
+
+ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks, each output normed again with `sandwich_norms` (Gemma 2/3).
+    The residual sum rides along: each norm that follows a block adds its input to it (fused)."""
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_index)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        sandwich = config.sandwich_norms
+        self.attention_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(self, h, residual, batch, kv_pool, cos_sin):
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, h = h, self.input_norm(h)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_norm(h, residual)
         h = self.self_attn(h, batch, kv_pool, cos_sin)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if self.attention_output_norm is not None:
+            h = self.attention_output_norm(h)
+        h, residual = self.pre_mlp_norm(h, residual)
+        h = self.mlp(h)
+        if self.mlp_output_norm is not None:
+            h = self.mlp_output_norm(h)
+        return h, residual
 
 
 class CausalLM(nn.Module):
@@ -55,20 +70,27 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        self.register_buffer("cos_sin", cos_sin_table(config.head_dim, max_positions, config.rope),
-                             persistent=False)
+        ropes = list(dict.fromkeys(kind.rope for kind in config.layer_kinds if kind.rope is not None))
+        self._tables = tuple("cos_sin" if i == 0 else f"cos_sin_{i}" for i in range(len(ropes)))
+        for name, rope in zip(self._tables, ropes):   # NOTE: one table per distinct rotary embedding
+            self.register_buffer(name, cos_sin_table(config.head_dim, max_positions, rope), persistent=False)
+        self._layer_tables = tuple(None if kind.rope is None else ropes.index(kind.rope)
+                                   for kind in config.layer_kinds)
         self._decode_layers: DecodeLayers | None = None
         self._decode_layers_for: int | None = None     # the first qkv weight's address when built
 
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
+        if self.config.embed_scale != 1.0:
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)    # NOTE: in h's dtype, as transformers
         native = self.native_decode_layers(h) if batch.is_decode else None
         if native is not None:
             h, residual = kernels.decode_layers(native, h, kv_pool, batch.positions, batch.slot_mapping,
                                                 self.cos_sin, batch.block_tables, batch.context_lens)
         else:
-            for layer in self.layers:
-                h, residual = layer(h, residual, batch, kv_pool, self.cos_sin)
+            tables = [getattr(self, name) for name in self._tables]
+            for layer, table in zip(self.layers, self._layer_tables):
+                h, residual = layer(h, residual, batch, kv_pool, None if table is None else tables[table])
         h, _ = self.norm(h, residual)
         return h
 
@@ -98,16 +120,29 @@ class CausalLM(nn.Module):
 
     def _build_decode_layers(self) -> DecodeLayers | None:
         config = self.config
+        if not _one_call_serves(config):
+            return None
         layers = [_layer_tensors(layer) for layer in self.layers]
-        if config.qk_norm or None in layers:
+        if None in layers:
             return None
         return DecodeLayers.build(layers, config.num_heads, config.num_kv_heads, config.head_dim,
-                                  config.rms_norm_eps)
+                                  config.rms_norm_eps, config.layer_kinds[0].window)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """logits: [S, V] float32 (soft-capped where the family caps them)."""
         if self.lm_head is None:
-            return kernels.linear(hidden, self.embed_tokens.weight, backend=self.backend).float()  # logits: [S, V] fp32
-        return self.lm_head(hidden).float()
+            logits = kernels.linear(hidden, self.embed_tokens.weight, backend=self.backend).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _one_call_serves(c: ModelConfig) -> bool:
+    """Whether the one-call native decode step (Llama-style layers, one window and rotary table) fits the model."""
+    kinds = set(c.layer_kinds)
+    plain = not (c.qk_norm or c.sandwich_norms or c.attention_sinks or c.attn_softcap or c.attention_scale)
+    return plain and c.hidden_act == "silu" and len(kinds) == 1 and c.layer_kinds[0].rope is not None
 
 
 def _layer_tensors(layer: DecoderLayer) -> LayerTensors | None:
@@ -116,4 +151,4 @@ def _layer_tensors(layer: DecoderLayer) -> LayerTensors | None:
     projections = [m.native_projection() if hasattr(m, "native_projection") else None for m in modules]
     if None in projections:
         return None
-    return LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data, *projections)
+    return LayerTensors(layer.input_norm.weight.data, layer.pre_mlp_norm.weight.data, *projections)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.rope import rotary_order
 
 
 class WeightError(ValueError):
@@ -24,8 +25,10 @@ class WeightError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Destination:
     param: str
-    start: int | None = None   # row range inside a fused parameter
+    start: int | None = None            # row range inside a fused parameter
     stop: int | None = None
+    rows: torch.Tensor | None = None    # the checkpoint rows, in the order the model stores them
+    offset: float = 0.0                 # added to every value (Gemma's norms scale by 1 + weight)
 
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -48,38 +51,81 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def destinations(model: CausalLM) -> dict[str, Destination]:
-    """Every checkpoint tensor name the model expects, and where it goes."""
+def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]:
+    """Every checkpoint tensor name the model expects, and where it goes; `fused`: the checkpoint stores
+    qkv_proj and gate_up_proj as one tensor each (Phi-3), as the model does."""
     c = model.config
-    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    offset = c.norm_offset
     names = {"model.embed_tokens.weight": Destination("embed_tokens.weight"),
-             "model.norm.weight": Destination("norm.weight")}
+             "model.norm.weight": Destination("norm.weight", offset=offset)}
     if model.lm_head is not None:
         names["lm_head.weight"] = Destination("lm_head.weight")
     for i in range(c.num_layers):
-        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        kinds = ["weight", "bias"] if c.attention_bias else ["weight"]
-        for kind in kinds:
-            names[f"model.{attn}.q_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", 0, q)
-            names[f"model.{attn}.k_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q, q + kv)
-            names[f"model.{attn}.v_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q + kv, q + 2 * kv)
-        names[f"model.{attn}.o_proj.weight"] = Destination(f"{attn}.o_proj.weight")
-        if c.qk_norm:
-            names[f"model.{attn}.q_norm.weight"] = Destination(f"{attn}.q_norm.weight")
-            names[f"model.{attn}.k_norm.weight"] = Destination(f"{attn}.k_norm.weight")
-        names[f"model.{mlp}.gate_proj.weight"] = Destination(f"{mlp}.gate_up_proj.weight", 0, inter)
-        names[f"model.{mlp}.up_proj.weight"] = Destination(f"{mlp}.gate_up_proj.weight", inter, 2 * inter)
-        names[f"model.{mlp}.down_proj.weight"] = Destination(f"{mlp}.down_proj.weight")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            names[f"model.layers.{i}.{norm}.weight"] = Destination(f"layers.{i}.{norm}.weight")
+        names |= _attention(c, i, fused) | _mlp(c, i, fused)
+        for ours, theirs in _norm_names(c).items():
+            names[f"model.layers.{i}.{theirs}.weight"] = Destination(f"layers.{i}.{ours}.weight", offset=offset)
     return names
+
+
+def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
+    q, kv, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"layers.{i}.self_attn"
+    order = _rotary_rows(c, i)
+    names = {}
+    for kind in ["weight", "bias"] if c.attention_bias else ["weight"]:
+        if fused:
+            names[f"model.{attn}.qkv_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", rows=order)
+            continue
+        part = (lambda lo, hi: None if order is None else order[lo:hi] - lo)
+        names[f"model.{attn}.q_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", 0, q, part(0, q))
+        names[f"model.{attn}.k_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q, q + kv, part(q, q + kv))
+        names[f"model.{attn}.v_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q + kv, q + 2 * kv)
+    names[f"model.{attn}.o_proj.weight"] = Destination(f"{attn}.o_proj.weight")
+    if c.o_proj_bias:
+        names[f"model.{attn}.o_proj.bias"] = Destination(f"{attn}.o_proj.bias")
+    if c.qk_norm:
+        head = None if order is None else order[:c.head_dim]
+        for norm in ("q_norm", "k_norm"):
+            names[f"model.{attn}.{norm}.weight"] = Destination(f"{attn}.{norm}.weight", rows=head,
+                                                               offset=c.norm_offset)
+    if c.attention_sinks:
+        names[f"model.{attn}.sinks"] = Destination(f"{attn}.sinks")
+    return names
+
+
+def _rotary_rows(c, i: int) -> torch.Tensor | None:
+    """The fused q/k/v rows in the order the model stores them (rope.rotary_order per q and k head), or None."""
+    rope = c.layer_kinds[i].rope
+    order = None if rope is None else rotary_order(c.head_dim, rope.rotary_dim(c.head_dim))
+    if order is None:
+        return None
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    heads = torch.arange(c.num_heads + c.num_kv_heads)[:, None] * c.head_dim + order[None, :]
+    return torch.cat([heads.reshape(-1), torch.arange(q + kv, q + 2 * kv)])
+
+
+def _mlp(c, i: int, fused: bool) -> dict[str, Destination]:
+    mlp, inter = f"layers.{i}.mlp", c.intermediate_size
+    names = {f"model.{mlp}.down_proj.weight": Destination(f"{mlp}.down_proj.weight")}
+    if fused:
+        return names | {f"model.{mlp}.gate_up_proj.weight": Destination(f"{mlp}.gate_up_proj.weight")}
+    return names | {f"model.{mlp}.gate_proj.weight": Destination(f"{mlp}.gate_up_proj.weight", 0, inter),
+                    f"model.{mlp}.up_proj.weight": Destination(f"{mlp}.gate_up_proj.weight", inter, 2 * inter)}
+
+
+def _norm_names(c) -> dict[str, str]:
+    """The model's norms and the checkpoint's names for them (Gemma's post_attention_layernorm is the
+    attention's output norm; Llama's is the MLP's input norm)."""
+    if c.sandwich_norms:
+        return {"input_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
+                "pre_mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm"}
+    return {"input_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Fill every parameter of `model`; raises WeightError naming the tensor and file on any mismatch."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    expected = destinations(model)
+    expected = destinations(model, fused="model.layers.0.self_attn.qkv_proj.weight" in files)
     tied_head = model.lm_head is None and "lm_head.weight" in files
     unexpected = sorted(n for n in files if n not in expected and not IGNORED.match(n)
                         and not (tied_head and n == "lm_head.weight"))
@@ -108,4 +154,6 @@ def _copy_tensor(tensor: torch.Tensor, params: dict, dest: Destination, name: st
     if tuple(tensor.shape) != tuple(target.shape):
         raise WeightError(f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
                           f"expected {tuple(target.shape)}")
-    target.copy_(tensor)
+    if dest.rows is not None:
+        tensor = tensor[dest.rows]
+    target.copy_(tensor.float() + dest.offset if dest.offset else tensor)

@@ -75,7 +75,7 @@ def make_layout(config: EngineConfig, model_config: ModelConfig, roles: UnitRole
     if config.workers not in WORKERS:
         raise ValueError(f"workers must be one of {', '.join(WORKERS)}, got {config.workers!r}")
     sched, block_size = config.scheduler, config.cache.block_size
-    limits = [model_config.max_position_embeddings, model_config.sliding_window or 1 << 30]
+    limits = [model_config.max_position_embeddings]      # NOTE: a window limits what a layer reads, not the context
     max_model_len = min(limits + ([sched.max_model_len] if sched.max_model_len else []))
     placed = roles.unit_roles(prefill, decode)
     by_role = roles.cores_by_role(cores, config.prefill_threads, config.decode_threads)
