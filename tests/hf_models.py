@@ -5,9 +5,11 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding")
+ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
+LONGROPE_ORIGINAL = 64     # "phi3-longrope": prompts past this take LongRoPE's long factors in transformers too
 COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08)
+              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 WINDOW = 32      # sliding windows shorter than the test prompts (and than one prefill chunk of them)
 
 
@@ -31,6 +33,28 @@ def transformers_config(arch: str):
             transformers.Qwen3ForCausalLM
     if arch == "mistral-sliding":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW), transformers.MistralForCausalLM
+    if arch == "gemma2":                             # alternating sliding and full layers, both soft-caps
+        return transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=5.0), \
+            transformers.Gemma2ForCausalLM
+    if arch == "gemma3":                             # local and global layers with their own rotary bases
+        return transformers.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}), \
+            transformers.Gemma3ForCausalLM
+    if arch in ("phi3", "phi3-longrope"):            # fused projections, partial rotary, LongRoPE (short / long)
+        original = 2048 if arch == "phi3" else LONGROPE_ORIGINAL
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.9, 2.8],
+                "long_factor": [1.5, 4.0, 9.0, 20.0], "original_max_position_embeddings": original}
+        return transformers.Phi3Config(**{**COMMON, "max_position_embeddings": 4096}, partial_rotary_factor=0.5,
+                                       original_max_position_embeddings=original, rope_parameters=rope,
+                                       sliding_window=WINDOW if arch == "phi3" else None), \
+            transformers.Phi3ForCausalLM
+    if arch == "smollm3":                            # every fourth layer without rotary embedding, and sliding
+        return transformers.SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, use_sliding_window=True,
+                                          sliding_window=WINDOW), transformers.SmolLM3ForCausalLM
     raise ValueError(arch)
 
 

@@ -16,7 +16,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from tests.hf_models import ARCHS
+from tests.hf_models import ARCHS, LONGROPE_ORIGINAL
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
@@ -24,14 +24,20 @@ CHECKPOINTS = {
     **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS},
     "demo-llama": lambda: demo_checkpoint("llama"),
     "demo-qwen2": lambda: demo_checkpoint("qwen2"),
+    "phi3-longrope": functools.partial(hf_checkpoint, "phi3-longrope"),    # long prompts only
 }
 PROMPT_LENGTHS = (3, 17, 40, 129)
+LONG_PROMPT_LENGTHS = (LONGROPE_ORIGINAL + 1, 129)   # past LongRoPE's original context: its long factors
 NEW_TOKENS = 32
 
 
-def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(vocab: int, seed: int = 0, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def lengths_for(name: str) -> tuple[int, ...]:
+    return LONG_PROMPT_LENGTHS if name == "phi3-longrope" else PROMPT_LENGTHS
 
 
 @functools.cache
@@ -66,7 +72,7 @@ def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_prompt_logits_match_transformers(name, chunk):
     reference = reference_model(name)
-    prompts = random_prompts(reference.config.vocab_size)
+    prompts = random_prompts(reference.config.vocab_size, lengths=lengths_for(name))
     for prompt, ours in zip(prompts, prompt_logits(name, prompts, chunk)):
         expected32, expected64 = reference_logits(reference, prompt)
         assert expected64.std() > 0.1
@@ -77,7 +83,7 @@ def test_prompt_logits_match_transformers(name, chunk):
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_greedy_generation_matches_transformers(name, max_prefill_tokens):
     reference = reference_model(name)
-    prompts = random_prompts(reference.config.vocab_size, seed=1)
+    prompts = random_prompts(reference.config.vocab_size, seed=1, lengths=lengths_for(name))
     llm = LLM(config=engine_config(CHECKPOINTS[name](), max_prefill_tokens=max_prefill_tokens))
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
