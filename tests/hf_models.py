@@ -58,6 +58,20 @@ def transformers_config(arch: str):
     raise ValueError(arch)
 
 
+def transformers_greedy(model, prompt, new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, `new_tokens` long, with end-of-sequence neither stopping
+    nor suppressed (as the engine's ignore_eos generates: min_new_tokens would mask it)."""
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
+    assert out.shape[1] == len(prompt) + new_tokens
+    return out[0, len(prompt):].tolist()
+
+
 def make_hf_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Write a randomly initialised transformers model of `arch` to `out_dir`, in float32."""
     config, model_cls = transformers_config(arch)

@@ -5,6 +5,7 @@ failing unit that ends only its own requests."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
+from tests.hf_models import transformers_greedy
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
 from tests.test_engine_modes import (
     abort_after,
@@ -31,13 +33,23 @@ UNITS = dict(prefill_device="cpu,cpu", decode_device="cpu,cpu")
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
+@functools.cache
+def reference(arch: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+
+
+@functools.cache
+def expected_tokens(arch: str, prompt: tuple[int, ...]) -> list[int]:
+    return transformers_greedy(reference(arch), prompt, GREEDY.max_tokens)
+
+
 @pytest.fixture(scope="module")
 def llama3():
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint("llama3"), dtype=torch.float32).eval()
+    return reference("llama3")
 
 
-def four_units(mode: str, **overrides) -> Engine:
-    return Engine(engine_config(hf_checkpoint("llama3"), mode=mode, max_prefill_tokens=32, **UNITS, **overrides))
+def four_units(mode: str, arch: str = "llama3", **overrides) -> Engine:
+    return Engine(engine_config(hf_checkpoint(arch), mode=mode, max_prefill_tokens=32, **UNITS, **overrides))
 
 
 async def burst(engine: Engine, requests: list[Request]) -> list[list[int]]:
@@ -45,17 +57,33 @@ async def burst(engine: Engine, requests: list[Request]) -> list[list[int]]:
     return [tokens for tokens, _ in results]
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
-@pytest.mark.parametrize("mode", MODES)
-def test_greedy_tokens_are_transformers_on_two_and_two_units_and_every_unit_works(mode, workers, llama3):
+async def two_waves(engine: Engine, batch: list[tuple[int, ...]]) -> tuple[list[list[int]], int]:
+    """A burst, then a second one of the first's prompts extended (their prefixes cached on the units that
+    served them): every answer, and the prompt tokens the second wave found cached."""
+    first = await burst(engine, [Request(f"r{i}", p, GREEDY) for i, p in enumerate(batch)])
+    longer = [p + q for p, q in zip(batch, prompts([7] * len(batch), seed=12))]
+    streams = [engine.submit(Request(f"s{i}", p, GREEDY)) for i, p in enumerate(longer)]
+    events = await asyncio.gather(*(collect_events(s) for s in streams))
+    second = [[t for e in stream for t in e.token_ids] for stream in events]
+    return first + second, sum(stream[-1].num_cached_tokens for stream in events)
+
+
+# every family in every mode with thread workers; with process workers, each family in one mode
+FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
+CASES = [(arch, mode, "thread") for arch in FAMILIES for mode in MODES] + [
+    (arch, MODES[i % len(MODES)], "process") for i, arch in enumerate(FAMILIES)] + [
+    ("llama3", mode, "process") for mode in MODES[1:]]
+
+
+@pytest.mark.parametrize("arch, mode, workers", CASES)
+def test_greedy_tokens_are_transformers_on_two_and_two_units_and_every_unit_works(arch, mode, workers):
+    """Prompts longer than a prefill chunk and than the sliding windows; a second wave hits the prefix cache."""
     batch = prompts([5, 70, 33, 140, 9, 64], seed=11)
-    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(batch)]
-    engine = four_units(mode, workers=workers)
-    outputs = asyncio.run(run_engine(engine, burst(engine, requests)))
-    for prompt, tokens in zip(batch, outputs):
-        expected = llama3.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
-                                   do_sample=False, pad_token_id=0)[0, len(prompt):]
-        assert tokens == expected.tolist()
+    engine = four_units(mode, arch, workers=workers)
+    outputs, cached = asyncio.run(run_engine(engine, two_waves(engine, batch)))
+    longer = [p + q for p, q in zip(batch, prompts([7] * len(batch), seed=12))]
+    assert outputs == [expected_tokens(arch, prompt) for prompt in batch + longer]
+    assert cached >= 64
     stats = engine.stats().actors
     assert len(stats) == (2 if mode == "colocated" else 4)
     assert len({a.unit for a in stats}) == len(stats)

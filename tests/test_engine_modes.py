@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -13,7 +14,9 @@ import transformers
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from tests.models import SLOS_SET, demo_checkpoint, engine_config
+from pdserve.engine.config import ModelConfig
+from tests.hf_models import transformers_greedy
+from tests.models import SLOS_SET, demo_checkpoint, engine_config, hf_checkpoint
 
 MODES = ("disaggregated", "colocated")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -156,6 +159,30 @@ def test_small_decode_pool_preempts_and_every_request_completes(mode):
     got = asyncio.run(run_engine(tight, staggered(tight, requests)))
     assert got == expected
     assert all(len(tokens) == 100 for tokens in got)
+    decode = tight.actors[-1]
+    assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
+    assert_pools_free(tight)
+    tight.close()
+
+
+@functools.cache
+def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+    return transformers_greedy(model, prompt, new_tokens)
+
+
+@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
+    """Sequences grow past their sliding windows in a pool too small for all of them: some are preempted,
+    prefilled again (prompt and tokens so far) and finish with transformers' tokens."""
+    config = ModelConfig.from_dir(hf_checkpoint(arch))
+    token_bytes = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    requests = [Request(f"p{i}", p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(prompts([40] * 8, seed=4))]
+    tight = Engine(engine_config(hf_checkpoint(arch), mode=mode, max_model_len=256, kv_cache_memory=1024 * token_bytes))
+    got = asyncio.run(run_engine(tight, staggered(tight, requests)))
+    assert got == [expected_tokens(arch, r.prompt_token_ids, 100) for r in requests]
     decode = tight.actors[-1]
     assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
     assert_pools_free(tight)

@@ -16,7 +16,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from tests.hf_models import ARCHS, LONGROPE_ORIGINAL
+from tests.hf_models import ARCHS, LONGROPE_ORIGINAL, transformers_greedy
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
@@ -91,9 +91,7 @@ def test_greedy_generation_matches_transformers(name, max_prefill_tokens):
     finally:
         llm.close()
     for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                          min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):]
-        assert list(output.token_ids) == expected.tolist()
+        expected = transformers_greedy(reference, prompt, NEW_TOKENS)
+        assert list(output.token_ids) == expected
         ours = torch.tensor([lp.logprob for lp in output.logprobs])
-        assert_float32_close(ours, *reference_logprobs(reference, prompt, expected.tolist()))
+        assert_float32_close(ours, *reference_logprobs(reference, prompt, expected))
