@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from pdserve.engine.model.cache import build_once, cache_root
-from pdserve.engine.model.gguf_config import ROPE_FREQS, hf_config, read_dims, tensor_specs
+from pdserve.engine.model.gguf_config import ROPE_FREQS, hf_config, read_dims
+from pdserve.engine.model.gguf_tensors import tensor_specs
 from pdserve.engine.model.gguf_reader import GGUFError, GGUFFile
 from pdserve.engine.model.gguf_tokenizer import tokenizer_files
 from pdserve.engine.model.gguf_weights import check_tensors, converted_tensors, dequantized, write_safetensors
