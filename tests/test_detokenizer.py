@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -67,6 +68,24 @@ def test_random_token_ids(tok, skip_special_tokens):
         assert "".join(deltas) == full
         assert not any(d.endswith("\ufffd") for d in deltas[:-1])
     assert valid_utf8 > 10  # some sequences were entirely valid UTF-8
+
+
+def test_sentencepiece_byte_fallback_never_raises_and_keeps_whole_text():
+    """SentencePiece byte tokens: any sequence (invalid UTF-8, which DecodeStream refuses to re-read) streams
+    without an exception and with every delta but the last whole; text spelled with them (characters the
+    vocabulary lacks) streams exactly as it decodes after its prompt."""
+    path = Path(__file__).parent / "fixtures" / "gguf" / "llama" / "tokenizer.json"
+    sp = Tokenizer(HFTokenizer.from_file(str(path)), {}, frozenset(), None, path.parent)
+    rng = random.Random(2)
+    for _ in range(200):
+        ids = [rng.randrange(3, sp.vocab_size) for _ in range(rng.randrange(1, 40))]
+        deltas = _stream(IncrementalDetokenizer(sp, prompt_token_ids=[300]), ids)
+        assert not any(d.endswith("\ufffd") for d in deltas[:-1])
+    for _ in range(50):
+        prompt, output = sp.encode(_random_text(rng, 20)), sp.encode(_random_text(rng, 30))
+        assert any(sp.decode([i]) == "\ufffd" for i in output)             # characters spelled in bytes
+        deltas = _stream(IncrementalDetokenizer(sp, prompt_token_ids=prompt), output)
+        assert "".join(deltas) == sp.decode(prompt + output)[len(sp.decode(prompt)):]
 
 
 def test_special_tokens_skipped_or_kept(tok):
