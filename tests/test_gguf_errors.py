@@ -72,7 +72,13 @@ def test_corrupt_tensor_data(tmp_path, cache):
 
 
 def test_unsupported_architecture(tmp_path, cache):
-    fails(variant(tmp_path, arch="phi3"), cache, r"unsupported architecture 'phi3' \(general\.architecture\)")
+    fails(variant(tmp_path, arch="bloom"), cache, r"unsupported architecture 'bloom' \(general\.architecture\); "
+                                                  r"supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3")
+
+
+def test_gpt_oss_is_refused_naming_its_reason(tmp_path, cache):
+    fails(variant(tmp_path, arch="gpt-oss"), cache, r"architecture 'gpt-oss' \(general\.architecture\) cannot be "
+                                                    r"served: its mixture-of-experts MLP layers are not supported yet")
 
 
 def test_unsupported_tensor_type(tmp_path, cache):
@@ -92,9 +98,10 @@ def test_unsupported_tensor_type(tmp_path, cache):
     ({"llama.vocab_size": (1000, V.UINT32)}, r"tensor token_embd\.weight has shape \(1024, 256\).*\(1000, 256\)"),
     ({"llama.context_length": None}, r"metadata key llama\.context_length is missing"),
     ({"llama.attention.head_count": (3, V.UINT32)}, r"llama\.attention\.head_count_kv = 2 does not divide"),
-    ({"tokenizer.ggml.model": ("llama", V.STRING)}, r"tokenizer\.ggml\.model = 'llama' is not supported"),
+    ({"tokenizer.ggml.model": ("t5", V.STRING)}, r"tokenizer\.ggml\.model = 't5' is not supported"),
     ({"tokenizer.ggml.eos_token_id": (5000, V.UINT32)}, r"tokenizer\.ggml\.eos_token_id = 5000 is outside"),
-    ({"llama.rope.scaling.type": ("yarn", V.STRING)}, r"llama\.rope\.scaling\.type = 'yarn' is not supported"),
+    ({"llama.rope.scaling.type": ("dynamic", V.STRING)}, r"llama\.rope\.scaling\.type = 'dynamic' is not supported"),
+    ({"llama.rope.dimension_count": (7, V.UINT32)}, r"llama\.rope\.dimension_count = 7: a rotary embedding must"),
 ])
 def test_metadata_that_disagrees_with_the_tensors(tmp_path, cache, metadata, pattern):
     fails(variant(tmp_path, metadata=metadata), cache, pattern)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.model.cache import build_once, cache_root
-from pdserve.engine.model.gguf_config import ROPE_FREQS, hf_config, read_dims
+from pdserve.engine.model.gguf_config import FOLDED, hf_config, read_dims
 from pdserve.engine.model.gguf_tensors import tensor_specs
 from pdserve.engine.model.gguf_reader import GGUFError, GGUFFile
 from pdserve.engine.model.gguf_tokenizer import tokenizer_files
@@ -79,9 +79,9 @@ class _Plan:
         self.specs = tensor_specs(f, self.dims)
         check_tensors(f, self.specs, f.arch("block_count"))
         self.tokenizer = tokenizer_files(f, f.integer(f.arch("context_length")))
-        rope_freqs = dequantized(f.tensors[ROPE_FREQS]).numpy() if ROPE_FREQS in f.tensors else None
+        folded = {name: dequantized(f.tensors[name]).float().numpy() for name in FOLDED if name in f.tensors}
         ids = {"bos": self.tokenizer.bos_token_id, "eos": self.tokenizer.eos_token_id}
-        self.config = hf_config(f, self.dims, rope_freqs, ids)
+        self.config = hf_config(f, self.dims, folded, ids)
 
     def write(self, out: Path, digest: str) -> None:
         started = time.perf_counter()

@@ -1,8 +1,11 @@
 """What a GGUF file's metadata says the model is: its `config.json` (its tensors: gguf_tensors.py).
 
-Llama and Qwen2 architectures. Keys follow llama.cpp's names (`llama.embedding_length`, ...);
-tensor names its `blk.N.attn_q.weight` scheme. llama.cpp's converter permutes the rows of a Llama
-model's Q and K projections (for its rotary layout); `TensorSpec.unpermute_heads` says how to undo it.
+Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, as llama.cpp's converter writes
+them and llama.cpp reads them. Keys follow llama.cpp's names (`llama.embedding_length`, ...). What the
+file leaves to llama.cpp's model code is taken from there: Gemma's sliding-window pattern (every 2nd /
+6th layer global) and attention scale (head_dim, hidden / heads for the 27B models), SmolLM3's every
+4th layer without rotary embedding. Phi-3's sliding window is kept (llama.cpp runs Phi-3 without it;
+transformers and vLLM with it).
 """
 from __future__ import annotations
 
@@ -13,8 +16,17 @@ import numpy as np
 
 from pdserve.engine.model.gguf_reader import GGUFFile
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
+REFUSED = {"gpt-oss": "its mixture-of-experts MLP layers are not supported yet (issue 47)"}
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+FOLDED = (ROPE_FREQS, *LONGROPE)               # tensors that are configuration: folded into config.json
+GEMMA = ("gemma2", "gemma3")
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}       # llama.cpp's default: every n-th layer global, the rest sliding
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}   # llama.cpp scales these by hidden / heads, others by head_dim
+NO_ROPE_STEP = {"smollm3": 4}                  # llama.cpp: every n-th layer without rotary embedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +38,7 @@ class Dims:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,23 +47,29 @@ class TensorSpec:
     shape: tuple[int, ...]                 # as Hugging Face stores it: [out, in]
     keys: str                              # the metadata keys the shape comes from, for errors
     unpermute_heads: int | None = None     # undo llama.cpp's Q/K row permutation over this many heads
+    offset: float = 0.0                    # subtract: llama.cpp stores Gemma's norms as 1 + weight
 
 
 def read_dims(f: GGUFFile) -> Dims:
     """The model's dimensions; GGUFError naming the key for an unsupported or missing one."""
+    if f.architecture in REFUSED:
+        raise f.error(f"architecture {f.architecture!r} (general.architecture) cannot be served: "
+                      f"{REFUSED[f.architecture]}; supported: {', '.join(ARCHITECTURES)}")
     if f.architecture not in ARCHITECTURES:
         raise f.error(f"unsupported architecture {f.architecture!r} (general.architecture); "
                       f"supported: {', '.join(ARCHITECTURES)}")
     hidden, heads = f.integer(f.arch("embedding_length")), f.integer(f.arch("attention.head_count"))
     vocab = f.integer(f.arch("vocab_size")) if f.arch("vocab_size") in f else len(f.strings("tokenizer.ggml.tokens"))
+    head_dim = _head_dim(f, hidden, heads)
     return Dims(vocab_size=vocab,
                 hidden_size=hidden, intermediate_size=f.integer(f.arch("feed_forward_length")),
                 num_layers=f.integer(f.arch("block_count")), num_heads=heads,
-                num_kv_heads=_kv_heads(f, heads), head_dim=_head_dim(f, hidden, heads))
+                num_kv_heads=_kv_heads(f, heads), head_dim=head_dim, rotary_dim=_rotary_dim(f, head_dim))
 
 
-def hf_config(f: GGUFFile, d: Dims, rope_freqs: np.ndarray | None, special_ids: dict[str, int | None]) -> dict:
-    """config.json as transformers writes it for this model (float32: the dequantized values are exact there)."""
+def hf_config(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray], special_ids: dict[str, int | None]) -> dict:
+    """config.json as transformers writes it for this model (float32: the dequantized values are exact there).
+    `folded`: the tensors that are configuration (rope_freqs.weight, LongRoPE's factors), by name."""
     a = f.arch
     config = {
         "architectures": [ARCHITECTURES[f.architecture]], "model_type": f.architecture,
@@ -60,27 +79,87 @@ def hf_config(f: GGUFFile, d: Dims, rope_freqs: np.ndarray | None, special_ids: 
         "rms_norm_eps": f.number(a("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": f.integer(a("context_length")),
         "rope_theta": f.number(a("rope.freq_base"), 10000.0),
-        "rope_scaling": rope_scaling(f, d, rope_freqs),
+        "rope_scaling": rope_scaling(f, d, folded),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
         "torch_dtype": "float32", "use_cache": True,
     }
-    if f.architecture == "llama":
-        return config | {"attention_bias": False, "mlp_bias": False}
-    return config | {"use_sliding_window": False, "sliding_window": None}
+    if d.rotary_dim != d.head_dim:
+        config["partial_rotary_factor"] = d.rotary_dim / d.head_dim
+    return config | _family(f, d)
 
 
-def rope_scaling(f: GGUFFile, d: Dims, rope_freqs: np.ndarray | None) -> dict | None:
-    """`rope_scaling` from `rope.scaling.*`, or Llama 3's from the per-frequency factors in rope_freqs.weight."""
+def _family(f: GGUFFile, d: Dims) -> dict:
+    """The keys of config.json only some families have: windows, soft-caps, norms' scale, per-layer rotary."""
+    arch, window = f.architecture, f.value(f.arch("attention.sliding_window"), 0)
+    if arch == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if arch in ("qwen2", "qwen3"):
+        return {"use_sliding_window": False, "sliding_window": None}
+    if arch == "smollm3":
+        step = NO_ROPE_STEP[arch]
+        return {"no_rope_layers": [int((i + 1) % step != 0) for i in range(d.num_layers)], "use_sliding_window": False}
+    if arch == "phi3":
+        return {"sliding_window": window or None,
+                "original_max_position_embeddings": f.integer(f.arch("rope.scaling.original_context_length"),
+                                                              f.integer(f.arch("context_length")))}
+    big = d.num_layers == GEMMA_27B_LAYERS[arch]
+    config = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window or 4096,
+              "layer_types": _layer_types(f, d), "attention_bias": False,
+              "query_pre_attn_scalar": d.hidden_size // d.num_heads if big else d.head_dim,
+              "final_logit_softcapping": f.value(f.arch("final_logit_softcapping"))}
+    if arch == "gemma2":
+        return config | {"attn_logit_softcapping": f.value(f.arch("attn_logit_softcapping"))}
+    local = {"rope_type": "default", "rope_theta": f.number(f.arch("rope.freq_base_swa"), 10000.0)}
+    full = {"rope_theta": f.number(f.arch("rope.freq_base"), 1e6), **(rope_scaling(f, d, {}) or {"rope_type": "default"})}
+    return config | {"attn_logit_softcapping": None, "rope_scaling": None,
+                     "rope_parameters": {"sliding_attention": local, "full_attention": full}}
+
+
+def _layer_types(f: GGUFFile, d: Dims) -> list[str]:
+    """llama.cpp's sliding-window pattern: a per-layer array, an every-n-th-layer-global count, or the family's."""
+    key = f.arch("attention.sliding_window_pattern")
+    pattern = f.value(key, SWA_PATTERN[f.architecture])
+    if isinstance(pattern, list):
+        if len(pattern) != d.num_layers:
+            raise f.error(f"{key} lists {len(pattern)} layers for {f.arch('block_count')} = {d.num_layers}")
+        return ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+    if not isinstance(pattern, int) or pattern < 1:
+        raise f.error(f"{key} = {pattern!r} is neither a per-layer list nor a positive count")
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(d.num_layers)]
+
+
+def rope_scaling(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray]) -> dict | None:
+    """`rope_scaling` from `rope.scaling.*`, LongRoPE's from its factor tensors, or Llama 3's from the
+    per-frequency factors in rope_freqs.weight."""
     key = f.arch("rope.scaling.type")
     kind = f.string(key, "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": f.number(f.arch("rope.scaling.factor"))}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": f.number(f.arch("rope.scaling.factor")),
+                "original_max_position_embeddings": f.integer(f.arch("rope.scaling.original_context_length")),
+                "beta_fast": f.number(f.arch("rope.scaling.yarn_beta_fast"), 32.0),
+                "beta_slow": f.number(f.arch("rope.scaling.yarn_beta_slow"), 1.0)}
     if kind != "none":
-        raise f.error(f"{key} = {kind!r} is not supported (linear, or Llama 3's rope_freqs.weight)")
+        raise f.error(f"{key} = {kind!r} is not supported (linear, yarn, LongRoPE's factor tensors, or Llama 3's "
+                      f"rope_freqs.weight)")
+    if all(name in folded for name in LONGROPE):
+        return _longrope(f, d, folded)
+    rope_freqs = folded.get(ROPE_FREQS)
     if rope_freqs is None or np.allclose(rope_freqs, 1.0):
         return None
     return _llama3_scaling(f, rope_freqs, f.number(f.arch("rope.freq_base"), 10000.0), d.head_dim)
+
+
+def _longrope(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray]) -> dict:
+    long, short = (folded[name] for name in LONGROPE)
+    if long.shape != short.shape or long.shape != (d.rotary_dim // 2,):
+        raise f.error(f"{LONGROPE[0]} and {LONGROPE[1]} must hold {d.rotary_dim // 2} factors "
+                      f"({f.arch('rope.dimension_count')} / 2), got {long.size} and {short.size}")
+    scaling = {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist()}
+    factor = f.value(f.arch("rope.scaling.attn_factor"))
+    return scaling if factor is None else scaling | {"attention_factor": float(factor)}
 
 
 def _llama3_scaling(f: GGUFFile, factors: np.ndarray, theta: float, head_dim: int) -> dict:
@@ -136,7 +215,13 @@ def _head_dim(f: GGUFFile, hidden: int, heads: int) -> int:
                       f"{f.arch('attention.head_count')} = {heads}")
     if f.value(f.arch("attention.value_length"), head_dim) != head_dim:
         raise f.error(f"{f.arch('attention.value_length')} differs from the key length {head_dim}: not supported")
-    if rope_dim is not None and rope_dim != head_dim:
-        raise f.error(f"{f.arch('rope.dimension_count')} = {rope_dim}: rotary embedding over part of "
-                      f"the head ({head_dim}) is not supported")
     return head_dim
+
+
+def _rotary_dim(f: GGUFFile, head_dim: int) -> int:
+    """The rotated part of each head: rope.dimension_count (Phi-4-mini rotates 3/4 of it), else all of it."""
+    key = f.arch("rope.dimension_count")
+    rope_dim = f.value(key, head_dim)
+    if not isinstance(rope_dim, int) or rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise f.error(f"{key} = {rope_dim!r}: a rotary embedding must cover an even part of the head ({head_dim})")
+    return rope_dim

@@ -1,20 +1,27 @@
 """Every tensor a GGUF file must hold, by llama.cpp's name (`blk.N.attn_q.weight`), and its Hugging Face name.
 
-llama.cpp's converter permutes the rows of a Llama model's Q and K projections (for its rotary layout);
-`TensorSpec.unpermute_heads` says how to undo it.
+Per family, as llama.cpp's converter writes them: Phi-3's fused `attn_qkv` and `ffn_up` (gate and up),
+Gemma's four norms a layer (stored as 1 + weight: `TensorSpec.offset`), Qwen3's and Gemma 3's q/k
+norms, Qwen2's q/k/v biases. The converter permutes the rows of the Q and K projections of the
+architectures llama.cpp rotates interleaved (Llama, SmolLM3); `TensorSpec.unpermute_heads` undoes it.
 """
 from __future__ import annotations
 
-from pdserve.engine.model.gguf_config import Dims, TensorSpec
+from pdserve.engine.model.gguf_config import GEMMA, Dims, TensorSpec
 from pdserve.engine.model.gguf_reader import GGUFFile
+
+PERMUTED_QK = ("llama", "smollm3")
+QK_NORM = ("qwen3", "gemma3")
 
 
 def tensor_specs(f: GGUFFile, d: Dims) -> dict[str, TensorSpec]:
     """Every tensor the file must hold, by GGUF name (output.weight only when present: else tied)."""
     a = f.arch
     vocab = f"{a('vocab_size')}, {a('embedding_length')}"
+    offset = 1.0 if f.architecture in GEMMA else 0.0
     specs = {"token_embd.weight": TensorSpec("model.embed_tokens.weight", (d.vocab_size, d.hidden_size), vocab),
-             "output_norm.weight": TensorSpec("model.norm.weight", (d.hidden_size,), a("embedding_length"))}
+             "output_norm.weight": TensorSpec("model.norm.weight", (d.hidden_size,), a("embedding_length"),
+                                              offset=offset)}
     if "output.weight" in f.tensors:
         specs["output.weight"] = TensorSpec("lm_head.weight", (d.vocab_size, d.hidden_size), vocab)
     for i in range(d.num_layers):
@@ -23,24 +30,46 @@ def tensor_specs(f: GGUFFile, d: Dims) -> dict[str, TensorSpec]:
 
 
 def _layer_specs(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
-    a, b, m, llama = f.arch, f"blk.{i}.", f"model.layers.{i}.", f.architecture == "llama"
+    a, b, m, arch = f.arch, f"blk.{i}.", f"model.layers.{i}.", f.architecture
     q, kv, hidden, ffn = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.hidden_size, d.intermediate_size
     q_keys = f"{a('attention.head_count')}, {a('attention.key_length')}, {a('embedding_length')}"
     kv_keys = f"{a('attention.head_count_kv')}, {a('attention.key_length')}, {a('embedding_length')}"
     ffn_keys = f"{a('feed_forward_length')}, {a('embedding_length')}"
+    norm = (hidden,), a("embedding_length")
     specs = {
-        "attn_norm.weight": ("input_layernorm.weight", (hidden,), a("embedding_length"), None),
-        "attn_q.weight": ("self_attn.q_proj.weight", (q, hidden), q_keys, d.num_heads if llama else None),
-        "attn_k.weight": ("self_attn.k_proj.weight", (kv, hidden), kv_keys, d.num_kv_heads if llama else None),
-        "attn_v.weight": ("self_attn.v_proj.weight", (kv, hidden), kv_keys, None),
-        "attn_output.weight": ("self_attn.o_proj.weight", (hidden, q), q_keys, None),
-        "ffn_norm.weight": ("post_attention_layernorm.weight", (hidden,), a("embedding_length"), None),
-        "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, hidden), ffn_keys, None),
-        "ffn_up.weight": ("mlp.up_proj.weight", (ffn, hidden), ffn_keys, None),
-        "ffn_down.weight": ("mlp.down_proj.weight", (hidden, ffn), ffn_keys, None),
+        "attn_norm.weight": ("input_layernorm.weight", *norm),
+        "attn_output.weight": ("self_attn.o_proj.weight", (hidden, q), q_keys),
+        "ffn_down.weight": ("mlp.down_proj.weight", (hidden, ffn), ffn_keys),
     }
-    if not llama:                                                         # qwen2: q/k/v bias
-        specs |= {"attn_q.bias": ("self_attn.q_proj.bias", (q,), q_keys, None),
-                  "attn_k.bias": ("self_attn.k_proj.bias", (kv,), kv_keys, None),
-                  "attn_v.bias": ("self_attn.v_proj.bias", (kv,), kv_keys, None)}
-    return {b + name: TensorSpec(m + hf, shape, keys, heads) for name, (hf, shape, keys, heads) in specs.items()}
+    if arch == "phi3":                                  # fused, as the Hugging Face checkpoint stores them
+        specs |= {"attn_qkv.weight": ("self_attn.qkv_proj.weight", (q + 2 * kv, hidden), q_keys),
+                  "ffn_up.weight": ("mlp.gate_up_proj.weight", (2 * ffn, hidden), ffn_keys)}
+    else:
+        specs |= {"attn_q.weight": ("self_attn.q_proj.weight", (q, hidden), q_keys),
+                  "attn_k.weight": ("self_attn.k_proj.weight", (kv, hidden), kv_keys),
+                  "attn_v.weight": ("self_attn.v_proj.weight", (kv, hidden), kv_keys),
+                  "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, hidden), ffn_keys),
+                  "ffn_up.weight": ("mlp.up_proj.weight", (ffn, hidden), ffn_keys)}
+    if arch in GEMMA:
+        specs |= {"post_attention_norm.weight": ("post_attention_layernorm.weight", *norm),
+                  "ffn_norm.weight": ("pre_feedforward_layernorm.weight", *norm),
+                  "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", *norm)}
+    else:
+        specs["ffn_norm.weight"] = ("post_attention_layernorm.weight", *norm)
+    if arch in QK_NORM:
+        head = (d.head_dim,), a("attention.key_length")
+        specs |= {"attn_q_norm.weight": ("self_attn.q_norm.weight", *head),
+                  "attn_k_norm.weight": ("self_attn.k_norm.weight", *head)}
+    if arch == "qwen2":
+        specs |= {"attn_q.bias": ("self_attn.q_proj.bias", (q,), q_keys),
+                  "attn_k.bias": ("self_attn.k_proj.bias", (kv,), kv_keys),
+                  "attn_v.bias": ("self_attn.v_proj.bias", (kv,), kv_keys)}
+    return {b + name: _spec(arch, d, m + hf, shape, keys) for name, (hf, shape, keys) in specs.items()}
+
+
+def _spec(arch: str, d: Dims, hf_name: str, shape: tuple[int, ...], keys: str) -> TensorSpec:
+    heads = None
+    if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = d.num_heads if hf_name.endswith("q_proj.weight") else d.num_kv_heads
+    offset = 1.0 if arch in GEMMA and hf_name.endswith("norm.weight") else 0.0
+    return TensorSpec(hf_name, shape, keys, heads, offset)

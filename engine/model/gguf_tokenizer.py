@@ -1,10 +1,13 @@
 """The tokenizer a GGUF file describes, as `tokenizer.json` + `tokenizer_config.json`, built with `tokenizers`.
 
-Byte-level BPE (`tokenizer.ggml.model = gpt2`, what Llama 3, Qwen2 and SmolLM files carry): the
-vocabulary and merges from the file, tokens marked CONTROL as special tokens and USER_DEFINED ones
-as plain added tokens, the pre-tokenizer split named by `tokenizer.ggml.pre`, BOS/EOS and
-`add_bos_token`, and the chat template from `tokenizer.chat_template`. Built the way transformers
-builds it from the same file (its GGUF loader is the reference the tests compare against).
+Byte-level BPE (`tokenizer.ggml.model = gpt2`, what Llama 3, Qwen2/3 and SmolLM files carry): the
+vocabulary and merges from the file, the pre-tokenizer split named by `tokenizer.ggml.pre`. SentencePiece
+(`llama`, what Llama 2, Mistral v0.1, Gemma and Phi-3 files carry): the pieces and their scores, merged
+best score first with byte fallback (llama.cpp's SPM algorithm), a leading space unless
+`tokenizer.ggml.add_space_prefix` is false (Gemma). Either way tokens marked CONTROL are special tokens
+and USER_DEFINED ones plain added tokens, with BOS/EOS, `add_bos_token`, and the chat template from
+`tokenizer.chat_template`. Built the way transformers builds it from the same file (its GGUF loader, and
+the original checkpoint's tokenizer, are the references the tests compare against).
 """
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED = 3, 4        # llama.cpp's token types
+SPACE = "\u2581"                    # SentencePiece's spelling of a space
 # NOTE: llama.cpp ends generation on any of these when the file marks them CONTROL (llama-vocab.cpp)
 END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                      "<|end_of_text|>", "<EOT>", "<|return|>")
@@ -58,14 +62,16 @@ class TokenizerFiles:
 def tokenizer_files(f: GGUFFile, context_length: int) -> TokenizerFiles:
     """Raises GGUFError naming the file and key for a tokenizer this cannot build."""
     kind = f.string("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise f.error(f"tokenizer.ggml.model = {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+    if kind not in ("gpt2", "llama"):
+        raise f.error(f"tokenizer.ggml.model = {kind!r} is not supported (byte-level BPE 'gpt2' or "
+                      f"SentencePiece 'llama')")
     tokens = f.strings("tokenizer.ggml.tokens")
     types = _token_types(f, len(tokens))
     ids = {name: _token_id(f, f"tokenizer.ggml.{name}_token_id", len(tokens))
            for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
-    flags = {key: _flag(f, f"tokenizer.ggml.{key}") for key in ("add_bos_token", "add_eos_token")}
-    backend = _backend(f, tokens, types, ids, flags)
+    flags = {key: _flag(f, f"tokenizer.ggml.{key}", default=kind == "llama" and key == "add_bos_token")
+             for key in ("add_bos_token", "add_eos_token")}
+    backend = (_backend if kind == "gpt2" else _sentencepiece)(f, tokens, types, ids, flags)
     config = _tokenizer_config(f, tokens, ids, flags, context_length)
     eog = [ids["eos"], ids["eot"], ids["eom"]] + [i for i, t in enumerate(tokens)
                                                   if t in END_OF_GENERATION and types[i] == CONTROL]
@@ -80,16 +86,54 @@ def _backend(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags:
         backend = Tokenizer(models.BPE(vocab, _merges(f), fuse_unk=False, byte_fallback=False))
     except Exception as e:  # NOTE: the Rust side raises a bare Exception
         raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
-    specials = {i for i, t in enumerate(types) if t == CONTROL and set(tokens[i]) <= alphabet}
-    specials |= {i for i in (ids["bos"], ids["eos"], ids["unknown"], ids["padding"])
-                 if i is not None and set(tokens[i]) <= alphabet}
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(specials)])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == USER_DEFINED and tokens[i] in vocab])
+    _add_tokens(backend, tokens, types, ids, lambda token: set(token) <= alphabet)
     backend.pre_tokenizer = _pre_tokenizer(f.string("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = _post_processor(tokens, ids, flags)
     return backend
+
+
+def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags: dict) -> Tokenizer:
+    scores = f.value("tokenizer.ggml.scores", [0.0] * len(tokens))
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        raise f.error(f"tokenizer.ggml.scores must hold one score per token ({len(tokens)})")
+    if f.architecture.startswith("gemma"):       # NOTE: Gemma stores runs of spaces as spaces; merges in file order
+        tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unknown = tokens[ids["unknown"]] if ids["unknown"] is not None else None
+    backend = Tokenizer(models.BPE(vocab, _score_merges(vocab, dict(zip(tokens, scores))), unk_token=unknown,
+                                   fuse_unk=True, byte_fallback=True))
+    prefix = _flag(f, "tokenizer.ggml.add_space_prefix", default=True)
+    replace = normalizers.Replace(" ", SPACE)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    _add_tokens(backend, tokens, types, ids, lambda token: True)
+    backend.post_processor = _post_processor(tokens, ids, flags)
+    return backend
+
+
+def _score_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the best-scored piece's first: SentencePiece's BPE order as
+    merges (transformers' `generate_merges`)."""
+    merges = []
+    for piece, score in scores.items():
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        merges += [(left, right, score) for left, right in sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_tokens(backend: Tokenizer, tokens: list[str], types: list[int], ids: dict, spelled) -> None:
+    """CONTROL tokens and BOS/EOS/UNK/PAD as special tokens, USER_DEFINED ones as plain added tokens (kept whole
+    in text, as llama.cpp matches them); `spelled(token)`: whether the vocabulary can hold it as it is."""
+    specials = {i for i, t in enumerate(types) if t == CONTROL and spelled(tokens[i])}
+    specials |= {i for i in (ids["bos"], ids["eos"], ids["unknown"], ids["padding"])
+                 if i is not None and spelled(tokens[i])}
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(specials)])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == USER_DEFINED and spelled(tokens[i])])
 
 
 def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
@@ -154,8 +198,8 @@ def _token_id(f: GGUFFile, key: str, count: int) -> int | None:
     return value
 
 
-def _flag(f: GGUFFile, key: str) -> bool:
-    value = f.value(key, False)
+def _flag(f: GGUFFile, key: str, default: bool = False) -> bool:
+    value = f.value(key, default)
     if not isinstance(value, bool):
         raise f.error(f"metadata {key} = {value!r} is not a boolean")
     return value

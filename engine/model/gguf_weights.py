@@ -16,12 +16,12 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.model.gguf_config import TensorSpec
+from pdserve.engine.model.gguf_config import FOLDED, TensorSpec
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 Q = gguf.GGMLQuantizationType
 SHARD_BYTES = 256 << 20        # NOTE: bounds the memory of a conversion, and the mapped pages of a load, to ~one shard
-IGNORED = frozenset({"rope_freqs.weight"})     # folded into config.json's rope_scaling
+IGNORED = frozenset(FOLDED)     # folded into config.json's rope_scaling
 
 
 def check_tensors(f: GGUFFile, specs: dict[str, TensorSpec], block_key: str) -> None:
@@ -49,6 +49,8 @@ def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tup
         tensor = dequantized(f.tensors[name]).reshape(spec.shape)
         if spec.unpermute_heads:
             tensor = unpermute(tensor, spec.unpermute_heads)
+        if spec.offset:
+            tensor = (tensor.float() - spec.offset).to(tensor.dtype)     # NOTE: exact: 1 + w is within 2x of 1
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise f.error(f"tensor {name} holds non-finite values: the file is corrupt")
         yield spec.hf_name, tensor.contiguous()

@@ -1,0 +1,111 @@
+"""GGUF files llama.cpp's own converter wrote (tests/fixtures/gguf, made by make_fixtures.py) from tiny
+transformers checkpoints of each family, against transformers on those checkpoints: the same weights,
+logits, greedy tokens (prompts longer than the sliding windows and than a prefill chunk), tokenizer
+(SentencePiece and byte-level BPE) and chat template. Where llama.cpp's source tree is found
+($LLAMA_CPP_DIR, or make_fixtures.LLAMA_CPP_DEFAULT), the fixtures are converted again and must come out
+byte for byte the same."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.model.gguf import converted_dir
+from pdserve.engine.model.weights import checkpoint_files
+from pdserve.engine.text.tokenizer import Tokenizer
+from tests.fixtures.gguf import make_fixtures
+from tests.gguf_models import model_logits
+from tests.hf_models import transformers_greedy
+from tests.models import engine_config
+from tests.tolerance import assert_float32_close, reference_logits
+
+FIXTURES = Path(make_fixtures.__file__).parent
+NAMES = make_fixtures.FIXTURES
+TEXTS = ["Hello world 12345  foo\n\n  bar", "def f(x):\n    return x ** 2", "Größe ≈ 4.0 🚀 你好，世界！",
+         "   \t  trailing   ", " leading space", "a\r\nb 1 22 333 4444",
+         "<start_of_turn>user\nhi<end_of_turn>\n<|user|>\nhi<|end|>\n<|assistant|>x<|im_start|>y<|im_end|>"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☃"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+
+
+def gguf_file(name: str) -> Path:
+    return FIXTURES / name / f"{name}.gguf"
+
+
+@functools.cache
+def reference(name: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("gguf-families-cache")))
+    yield
+    patch.undo()
+
+
+def prompts(vocab: int, seed: int, lengths=(5, 40, 100)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_conversion_holds_exactly_the_checkpoints_weights(name):
+    def tensors(directory: Path) -> dict[str, torch.Tensor]:
+        return {k: v for path in set(checkpoint_files(directory).values()) for k, v in load_file(path).items()}
+
+    ours, theirs = tensors(converted_dir(gguf_file(name))), tensors(FIXTURES / name)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k].float(), theirs[k].float()) for k in ours), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+    model = reference(name)
+    batch = prompts(model.config.vocab_size, seed=0)
+    for prompt, ours in zip(batch, model_logits(converted_dir(gguf_file(name)), batch)):
+        expected32, expected64 = reference_logits(model, prompt)
+        assert expected64.std() > 0.1
+        assert_float32_close(ours, expected32, expected64)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_match_transformers(name):
+    model = reference(name)
+    batch = prompts(model.config.vocab_size, seed=1)
+    llm = LLM(config=engine_config(gguf_file(name), max_prefill_tokens=16))
+    try:
+        outputs = llm.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    for prompt, output in zip(batch, outputs):
+        assert list(output.token_ids) == transformers_greedy(model, prompt, 16)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tokenizer_and_chat_template_match_the_checkpoints(name):
+    theirs = transformers.AutoTokenizer.from_pretrained(FIXTURES / name)
+    ours = Tokenizer.from_dir(converted_dir(gguf_file(name)))
+    for text in TEXTS:
+        ids = theirs(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(CHAT) == rendered
+
+
+def test_fixtures_are_what_llama_cpp_writes(tmp_path):
+    llama_cpp = make_fixtures.llama_cpp_dir()
+    if llama_cpp is None:
+        pytest.skip("llama.cpp's source tree not found (set LLAMA_CPP_DIR): the committed fixtures are tested above")
+    for name in NAMES:
+        make_fixtures.convert(FIXTURES / name, tmp_path / f"{name}.gguf", llama_cpp)
+        assert (tmp_path / f"{name}.gguf").read_bytes() == gguf_file(name).read_bytes(), name
