@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -16,16 +17,20 @@ from safetensors.torch import load_file
 
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
+from pdserve.engine.model import quant
 from pdserve.engine.model.gguf import converted_dir
+from pdserve.engine.model.gguf_weights import dequantized, logical_shape
 from pdserve.engine.model.weights import checkpoint_files
 from pdserve.engine.text.tokenizer import Tokenizer
 from tests.fixtures.gguf import make_fixtures
 from tests.gguf_models import model_logits
 from tests.hf_models import transformers_greedy
 from tests.models import engine_config
+from tests.test_quant_model import assert_same_generations, counted, kernel_for_every_batch  # noqa: F401
 from tests.tolerance import assert_float32_close, reference_logits
 
 FIXTURES = Path(make_fixtures.__file__).parent
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 NAMES = make_fixtures.FIXTURES
 TEXTS = ["Hello world 12345  foo\n\n  bar", "def f(x):\n    return x ** 2", "Größe ≈ 4.0 🚀 你好，世界！",
          "   \t  trailing   ", " leading space", "a\r\nb 1 22 333 4444",
@@ -100,6 +105,49 @@ def test_tokenizer_and_chat_template_match_the_checkpoints(name):
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     rendered = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(CHAT) == rendered
+
+
+def requantized(src: Path, dst: Path) -> Path:
+    """`src` with every projection stored in Q8_0 blocks, its metadata and other tensors as they are (float32)."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        values = dequantized(tensor).float().reshape(logical_shape(tensor)).numpy()
+        if tensor.name.startswith("blk.") and values.ndim == 2:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3"])
+def test_quantized_blocks_of_every_layout_generate_as_their_dequantized_weights(name, tmp_path, monkeypatch,
+                                                                                kernel_for_every_batch):
+    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms: the GGUF's own Q8_0
+    blocks (--quantization gguf) give the dense model's tokens."""
+    path = requantized(gguf_file(name), tmp_path / f"{name}.Q8_0.gguf")
+    calls = counted(monkeypatch, quant, "quant_linear_native")
+    blocks = generate(path, "gguf")
+    assert calls, "the quantized kernel never ran"
+    assert_same_generations(blocks, generate(path, "none"))
+
+
+def generate(path: Path, quantization: str) -> list:
+    llm = LLM(config=engine_config(path, quantization=quantization, max_prefill_tokens=16))
+    try:
+        return llm.generate(prompts(384, seed=2), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                  logprobs=0))
+    finally:
+        llm.close()
 
 
 def test_fixtures_are_what_llama_cpp_writes(tmp_path):

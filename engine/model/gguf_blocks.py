@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.weights import qkv_rows
 from pdserve.kernels.quant_formats import GGUF_BLOCK_BYTES, QuantizedWeight, concat_rows, from_gguf_blocks
 
-PERMUTED_QK_ARCHITECTURES = ("llama",)
+PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
+FUSED_ARCHITECTURES = ("phi3",)          # attn_qkv and ffn_up (gate and up) as one tensor each
 
 
 class GGUFBlockError(ValueError):
@@ -36,8 +38,9 @@ def read_gguf_projections(path: str | Path, config: ModelConfig, tied_head: bool
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     permute = _architecture(reader) in PERMUTED_QK_ARCHITECTURES
+    fused = _architecture(reader) in FUSED_ARCHITECTURES
     weights, skipped = {}, {}
-    for module, sources in _projection_sources(config, tied_head).items():
+    for module, sources in _projection_sources(config, tied_head, fused).items():
         found = [_read(tensors, name, path) for name in sources]
         kinds = {kind for kind, _ in found}
         if len(kinds) != 1 or next(iter(kinds)) not in GGUF_BLOCK_BYTES:
@@ -47,8 +50,16 @@ def read_gguf_projections(path: str | Path, config: ModelConfig, tied_head: bool
         if permute and module.endswith("qkv_proj"):
             parts[0] = parts[0].rows(unpermute_rows(parts[0].shape[0], config.num_heads))
             parts[1] = parts[1].rows(unpermute_rows(parts[1].shape[0], config.num_kv_heads))
-        weights[module] = concat_rows(parts)
+        weights[module] = _in_model_order(concat_rows(parts), module, config)
     return GGUFProjections(weights, skipped)
+
+
+def _in_model_order(weight: QuantizedWeight, module: str, config: ModelConfig) -> QuantizedWeight:
+    """A qkv projection's rows in the order the model stores them (partial rotary: weights.qkv_rows)."""
+    if not module.endswith("qkv_proj"):
+        return weight
+    rows = qkv_rows(config, int(module.split(".")[1]))
+    return weight if rows is None else weight.rows(rows)
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -57,13 +68,15 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def _projection_sources(config: ModelConfig, tied_head: bool) -> dict[str, list[str]]:
+def _projection_sources(config: ModelConfig, tied_head: bool, fused: bool) -> dict[str, list[str]]:
     sources = {}
     for i in range(config.num_layers):
         blk, attn, mlp = f"blk.{i}", f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        sources[f"{attn}.qkv_proj"] = [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"]
+        sources[f"{attn}.qkv_proj"] = ([f"{blk}.attn_qkv.weight"] if fused else
+                                       [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"])
         sources[f"{attn}.o_proj"] = [f"{blk}.attn_output.weight"]
-        sources[f"{mlp}.gate_up_proj"] = [f"{blk}.ffn_gate.weight", f"{blk}.ffn_up.weight"]
+        sources[f"{mlp}.gate_up_proj"] = [f"{blk}.ffn_up.weight"] if fused else [f"{blk}.ffn_gate.weight",
+                                                                                 f"{blk}.ffn_up.weight"]
         sources[f"{mlp}.down_proj"] = [f"{blk}.ffn_down.weight"]
     sources["lm_head"] = ["token_embd.weight" if tied_head else "output.weight"]
     return sources

@@ -69,7 +69,7 @@ def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]
 
 def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
     q, kv, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"layers.{i}.self_attn"
-    order = _rotary_rows(c, i)
+    order = qkv_rows(c, i)
     names = {}
     for kind in ["weight", "bias"] if c.attention_bias else ["weight"]:
         if fused:
@@ -92,8 +92,9 @@ def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
     return names
 
 
-def _rotary_rows(c, i: int) -> torch.Tensor | None:
-    """The fused q/k/v rows in the order the model stores them (rope.rotary_order per q and k head), or None."""
+def qkv_rows(c, i: int) -> torch.Tensor | None:
+    """Layer i's fused q/k/v rows in the order the model stores them (rope.rotary_order per q and k head: the
+    checkpoint row of each of the model's rows), or None when that is the checkpoint's order."""
     rope = c.layer_kinds[i].rope
     order = None if rope is None else rotary_order(c.head_dim, rope.rotary_dim(c.head_dim))
     if order is None:
