@@ -23,7 +23,7 @@ import torch
 TARGETS = (80, 86, 89, 90)
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in, per block
 KERNELS = {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
-           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel"}
 MODULES = ["pdserve.kernels.decode_attention", "pdserve.kernels.prefill_attention", "pdserve.kernels.store_kv", "pdserve.kernels.rms_norm",
            "pdserve.kernels.rotary", "pdserve.kernels.activation"]
 # (dtype, q heads, kv heads, head_dim, block size, targets): every 2-byte row of the prefill tile table
@@ -45,7 +45,7 @@ class _Capture:
 def _launch_wrappers(arch: int) -> list:
     """Run each wrapper on small CPU tensors, as it would launch for `arch`, with its kernels recorded."""
     from pdserve import kernels  # noqa: F401
-    from pdserve.kernels.activation import silu_and_mul_triton
+    from pdserve.kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
     from pdserve.kernels.decode_attention import decode_attention_triton
     from pdserve.kernels.prefill_attention import prefill_attention_triton
     from pdserve.kernels.rms_norm import rms_norm_triton
@@ -68,12 +68,17 @@ def _launch_wrappers(arch: int) -> list:
         pool = torch.zeros(64, 2, 2, block, hkv, dim, dtype=dtype)
         q = torch.zeros(4, hq, dim, dtype=dtype)
         tables, lens = torch.zeros(4, 16, dtype=int32), torch.ones(4, dtype=int32)
+        cu = torch.tensor([0, 1, 4], dtype=int32)
         decode_attention_triton(q, pool, 1, tables, lens, 0.1, num_splits=4)
-        prefill_attention_triton(q, pool, 1, torch.tensor([0, 1, 4], dtype=int32), lens[:2], tables[:2], 0.1)
+        prefill_attention_triton(q, pool, 1, cu, lens[:2], tables[:2], 0.1)
+        kinds = dict(window=64, softcap=50.0, sinks=torch.zeros(hq))     # sliding, Gemma 2, gpt-oss layers
+        decode_attention_triton(q, pool, 1, tables, lens, 0.1, num_splits=4, **kinds)
+        prefill_attention_triton(q, pool, 1, cu, lens[:2], tables[:2], 0.1, **kinds)
     hidden = torch.zeros(4, 4096, dtype=torch.bfloat16)
     rms_norm_triton(hidden, hidden[0], 1e-5)
     rms_norm_triton(hidden, hidden[0], 1e-5, hidden)
     silu_and_mul_triton(hidden)
+    gelu_tanh_and_mul_triton(hidden)
     q, k = torch.zeros(4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     rotary_triton(q, k, torch.zeros(4, dtype=torch.int64), torch.zeros(16, 128))
     store_kv_triton(k, k, torch.zeros(4, 2, 2, 16, 8, 128, dtype=torch.bfloat16), 1, torch.zeros(4, dtype=int32))

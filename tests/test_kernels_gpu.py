@@ -9,7 +9,12 @@ from tests.conftest_kernels import request_triton_interpreter
 request_triton_interpreter()  # NOTE: a no-op with CUDA; without, it keeps test_kernels_triton.py in-process
 
 from pdserve.kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
-from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from pdserve.kernels.activation import (  # noqa: E402
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton  # noqa: E402
 from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton  # noqa: E402
 from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
@@ -79,6 +84,34 @@ def test_prefill_attention_cuda(dtype, hq, hkv, head_dim, block, lens, new):
     with poisoned_outputs():
         out = prefill_attention_triton(q, pool, LAYER, cu, context_lens, tables, head_dim ** -0.5)
     check(out, prefill_attention_ref(q, pool, LAYER, cu, context_lens, tables, head_dim ** -0.5))
+
+
+LAYER_KINDS = [(4096, 0.0, False), (128, 0.0, False), (0, 50.0, False), (0, 0.0, True), (128, 30.0, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap,has_sinks", LAYER_KINDS)
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_attention_layer_kinds_cuda(dtype, window, softcap, has_sinks, head_dim):
+    """Sliding windows (Mistral's 4096, gpt-oss's 128), Gemma 2's soft-cap, gpt-oss's sinks; decode and prefill."""
+    lens, new = [5000, 37, 700, 1], [300, 37, 1, 1]
+    pool, tables, context_lens = make_paged_batch(lens, 16, 2, head_dim, dtype, CUDA)
+    options = dict(window=window, softcap=softcap,
+                   sinks=torch.randn(8, device=CUDA) * 2 if has_sinks else None)
+    q = torch.randn(sum(new), 8, head_dim, device=CUDA).to(dtype)
+    with poisoned_outputs():
+        out = decode_attention_triton(q[:4], pool, LAYER, tables, context_lens, head_dim ** -0.5, **options)
+    check(out, decode_attention_ref(q[:4], pool, LAYER, tables, context_lens, head_dim ** -0.5, **options))
+    cu = cu_seqlens_of(new, CUDA)
+    with poisoned_outputs():
+        out = prefill_attention_triton(q, pool, LAYER, cu, context_lens, tables, head_dim ** -0.5, **options)
+    check(out, prefill_attention_ref(q, pool, LAYER, cu, context_lens, tables, head_dim ** -0.5, **options))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_cuda(dtype):
+    x = torch.randn(37, 2 * 3000, device=CUDA).to(dtype)
+    check(gelu_tanh_and_mul_triton(x), gelu_tanh_and_mul_ref(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,7 +20,12 @@ from tests.conftest_kernels import request_triton_interpreter
 request_triton_interpreter()
 
 from pdserve.kernels._triton import HAS_TRITON, INTERPRETED  # noqa: E402
-from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
@@ -122,6 +127,15 @@ def test_prefill_attention_layer_kinds(window, softcap, has_sinks):
         out = prefill_attention_triton(q, pool, LAYER, cu_seqlens_of(new), context_lens, tables, 0.125, **options)
     check(out, prefill_attention_ref(q, pool, LAYER, cu_seqlens_of(new), context_lens, tables, 0.125, **options),
           torch.float32)
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_and_mul(dtype):
+    x = (torch.randn(9, 2 * 700) * 3).to(dtype)
+    with poisoned_outputs():
+        out = gelu_tanh_and_mul_triton(x)
+    check(out, gelu_tanh_and_mul_ref(x), dtype)
 
 
 @in_process
