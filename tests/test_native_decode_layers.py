@@ -46,8 +46,9 @@ def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "coloca
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "demo-llama"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "demo-llama", "mistral-sliding", "phi3"])
 def test_one_call_step_equals_the_per_op_path(name, dtype, monkeypatch):
+    """Also with every layer's window shorter than the prompts (Mistral, Phi-3: partial rotary)."""
     monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)
     model = demo_checkpoint() if name == "demo-llama" else hf_checkpoint(name)
     assert generate(model, dtype, True, monkeypatch) == generate(model, dtype, False, monkeypatch)
@@ -84,6 +85,8 @@ def test_models_it_cannot_serve_keep_the_per_op_path(monkeypatch):
     monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: True)
     h = torch.randn(2, cpu_model("llama3").config.hidden_size)
     assert cpu_model("qwen3").native_decode_layers(h) is None          # q/k norms
+    for name in ("gemma2", "gemma3", "smollm3"):      # soft-caps, norms, GeGLU; per-layer windows and rotary
+        assert cpu_model(name).native_decode_layers(torch.randn(2, 64)) is None
     model = cpu_model("llama3")
     assert model.native_decode_layers(h) is not None
     assert model.native_decode_layers(h.bfloat16()) is None           # another dtype than the weights'
