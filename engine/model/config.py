@@ -31,6 +31,12 @@ UNSERVABLE_ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt_oss", "its mixture-of-experts MLP layers are not supported yet (issue 47)"),
 }
 
+# not parsed: the reason a start is refused
+REFUSED_ARCHITECTURES = dict.fromkeys(
+    ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input embeddings "
+    "are not supported yet")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["ConfigError", "LayerKind", "ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
@@ -168,6 +174,9 @@ def _architecture(raw: dict, path: Path) -> str:
     for name in names:
         if name in known:
             return known[name]
+        if name in REFUSED_ARCHITECTURES:
+            raise ConfigError(f"{path}: architecture {name!r} cannot be served: {REFUSED_ARCHITECTURES[name]}; "
+                              f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     raise ConfigError(f"{path}: unsupported architecture {names or raw.get('model_type')!r}; "
                       f"supported: {supported}")

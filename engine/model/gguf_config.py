@@ -19,7 +19,9 @@ from pdserve.engine.model.gguf_reader import GGUFFile
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM"}
-REFUSED = {"gpt-oss": "its mixture-of-experts MLP layers are not supported yet (issue 47)"}
+REFUSED = {"gpt-oss": "its mixture-of-experts MLP layers are not supported yet (issue 47)",
+           "gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
+                     "embeddings are not supported yet"}
 ROPE_FREQS = "rope_freqs.weight"
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 FOLDED = (ROPE_FREQS, *LONGROPE)               # tensors that are configuration: folded into config.json
