@@ -136,7 +136,7 @@ def prefill_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, cu_seq
 
 
 def triton_attention_supports(q: torch.Tensor) -> bool:
-    """The Triton attention kernels' tiles cover head sizes up to MAX_TRITON_HEAD_DIM; larger ones take the references."""
+    """The Triton attention kernels' tiles cover head sizes up to MAX_TRITON_HEAD_DIM (larger: the references)."""
     return q.shape[-1] <= MAX_TRITON_HEAD_DIM
 
 

@@ -131,10 +131,11 @@ def generate(cpu_kernels: str, mode: str, prompts=tuple(list(range(3, 3 + n)) fo
 def test_native_and_torch_kernels_generate_the_same_tokens(monkeypatch, mode):
     calls = []
     real = kernels.decode_attention_native
-    monkeypatch.setattr(kernels, "decode_attention_native", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "decode_attention_native", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ours = generate("native", mode)
     assert calls, "the native attention never ran"
-    monkeypatch.setattr(kernels, "decode_attention_native", lambda *a: pytest.fail("native with --cpu-kernels torch"))
+    monkeypatch.setattr(kernels, "decode_attention_native",
+                        lambda *a, **kw: pytest.fail("native with --cpu-kernels torch"))
     reference = generate("torch", mode)
     for a, b in zip(ours, reference):
         assert a.token_ids == b.token_ids

@@ -113,7 +113,8 @@ def _family(f: GGUFFile, d: Dims) -> dict:
     if arch == "gemma2":
         return config | {"attn_logit_softcapping": f.value(f.arch("attn_logit_softcapping"))}
     local = {"rope_type": "default", "rope_theta": f.number(f.arch("rope.freq_base_swa"), 10000.0)}
-    full = {"rope_theta": f.number(f.arch("rope.freq_base"), 1e6), **(rope_scaling(f, d, {}) or {"rope_type": "default"})}
+    scaling = rope_scaling(f, d, {}) or {"rope_type": "default"}
+    full = {"rope_theta": f.number(f.arch("rope.freq_base"), 1e6), **scaling}
     return config | {"attn_logit_softcapping": None, "rope_scaling": None,
                      "rope_parameters": {"sliding_attention": local, "full_attention": full}}
 
