@@ -11,15 +11,15 @@ import pytest
 import torch
 import transformers
 
-from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.config import parse_config
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.rope import cos_sin_table
-from pdserve.engine.topology import make_plan
 from pdserve.kernels.kv_layout import KVLayout
 from tests.hf_models import ARCHS, COMMON, WINDOW, transformers_config
-from tests.models import hf_checkpoint
+from tests.models import engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close
 
 SLIDING = "sliding_attention"
@@ -79,9 +79,12 @@ def test_qwen_slides_only_with_use_sliding_window(tmp_path):
 
 
 def test_a_sliding_window_does_not_cap_the_context():
-    config = ModelConfig.from_dir(hf_checkpoint("mistral-sliding"))
-    plan = make_plan(EngineConfig(model=str(config.model_dir), dtype="float32"), config)
-    assert config.windows == (WINDOW, WINDOW) and plan.max_model_len == config.max_position_embeddings == 2048
+    engine = Engine(engine_config(hf_checkpoint("mistral-sliding"), max_model_len=None, mode="colocated"))
+    try:
+        assert engine.max_model_len == ModelConfig.from_dir(hf_checkpoint("mistral-sliding")).max_position_embeddings
+        assert engine.max_model_len == 2048 > WINDOW
+    finally:
+        engine.close()
 
 
 def gpt_oss_checkpoint(tmp_path):
