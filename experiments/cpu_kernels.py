@@ -1,6 +1,6 @@
 """The native CPU kernels against the plain-torch paths, next to the machine's memory bandwidth.
 
-    python experiments/cpu_kernels.py attention --threads 2 [--dtype bfloat16] [--prefill 256x1024]
+    python experiments/cpu_kernels.py attention --threads 2 [--dtype bfloat16] [--prefill 256x1024] [--window 512]
     python experiments/cpu_kernels.py layers --model HF_DIR --dtype float32 --rows 1,8,32,512 --threads 2
     python experiments/cpu_kernels.py bandwidth --threads 2
 
@@ -8,6 +8,7 @@ attention: paged attention at SmolLM2-135M's shapes (9 query heads, 3 KV heads, 
 16), the native kernel that reads K/V in place against the reference that gathers them for SDPA. Decode:
 one query per sequence, (batch, context) pairs, with the K/V bandwidth achieved. Prefill: one causal
 chunk after cached context, the reference against the native decode kernel run once per query row.
+--window: a sliding-window layer's attention (only the last N positions read; the bandwidth counts them).
 
 layers: the dense part of every decoder layer in order (norms, projections, rotary, SiLU-and-mul;
 attention left out) eager, through torch.compile (dynamic rows; its compile time too) and through the
@@ -59,10 +60,11 @@ def paged(context_lens: list[int], dtype: torch.dtype):
 def decode_rows(args, batch: int, context: int) -> str:
     pool, tables, lens = paged([context] * batch, args.dtype)
     q = torch.randn(batch, HEADS, HEAD_DIM).to(args.dtype)
-    kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * pool.element_size()
+    kv_bytes = batch * min(context, args.window or context) * 2 * KV_HEADS * HEAD_DIM * pool.element_size()
     line = f"decode batch {batch:3} context {context:5}:"
     for name, fn in (("native", decode_attention_native), ("gather+SDPA", decode_attention_ref)):
-        seconds = best_seconds(lambda: fn(q, pool, 0, tables, lens, HEAD_DIM ** -0.5), args.repeats)
+        seconds = best_seconds(lambda: fn(q, pool, 0, tables, lens, HEAD_DIM ** -0.5, window=args.window),
+                               args.repeats)
         line += f"  {name} {seconds * 1e6:8.1f} us ({kv_bytes / seconds / 1e9:5.1f} GB/s)"
     return line
 
@@ -73,9 +75,10 @@ def prefill_rows(args, chunk: int, context: int) -> str:
     cu = torch.tensor([0, chunk], dtype=torch.int32)
     row_lens = torch.arange(context - chunk + 1, context + 1, dtype=torch.int32)
     row_tables = tables.expand(chunk, -1).contiguous()
-    reference = best_seconds(lambda: prefill_attention_ref(q, pool, 0, cu, lens, tables, HEAD_DIM ** -0.5),
+    scale, window = HEAD_DIM ** -0.5, args.window
+    reference = best_seconds(lambda: prefill_attention_ref(q, pool, 0, cu, lens, tables, scale, window=window),
                              args.repeats)
-    per_row = best_seconds(lambda: decode_attention_native(q, pool, 0, row_tables, row_lens, HEAD_DIM ** -0.5),
+    per_row = best_seconds(lambda: decode_attention_native(q, pool, 0, row_tables, row_lens, scale, window=window),
                            args.repeats)
     return (f"prefill chunk {chunk:5} after {context - chunk:5} cached:  gather+SDPA {reference * 1e3:8.2f} ms"
             f"  native row by row {per_row * 1e3:8.2f} ms")
@@ -188,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", default="1x192,1x1024,8x192,32x192,32x1024,16x4096")
     p.add_argument("--prefill", default="1024x1024,256x1024,128x4096")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--window", type=int, default=0, help="a sliding window of this many positions (0: none)")
     p.set_defaults(run=run_attention)
     p = probes.add_parser("layers", help="a model's dense layers: eager, torch.compile, native")
     p.add_argument("--model", default="demo:base")
