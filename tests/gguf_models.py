@@ -67,18 +67,30 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def k_quant_blocks(rows: int, cols: int, kind: Q, seed: int) -> np.ndarray:
-    """Random, well-formed Q4_K / Q6_K blocks for a [rows, cols] tensor (values of order 0.05)."""
+    """Random, well-formed blocks of a type gguf-py cannot quantize (the K types, IQ4_NL, IQ4_XS) for a
+    [rows, cols] tensor: random bytes, each block's f16 scales set to values of order 0.05 / (its
+    integer scale x quant), so that the weights are of order 0.05."""
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    if kind == Q.Q4_K:                                   # d, dmin (f16), scales[12], qs[128]
-        blocks[:, 0:2] = np.full((len(blocks), 1), 2e-4, np.float16).view(np.uint8)
-        blocks[:, 2:4] = np.full((len(blocks), 1), 1.5e-3, np.float16).view(np.uint8)
-    elif kind == Q.Q6_K:                                 # ql[128], qh[64], scales[16] (int8), d (f16)
-        blocks[:, 208:210] = np.full((len(blocks), 1), 2e-5, np.float16).view(np.uint8)
-    else:
-        raise ValueError(kind)
+    for offset, value in SCALE_FIELDS[kind]:
+        scales = rng.uniform(0.5, 1.5, (len(blocks), 1)) * value
+        blocks[:, offset:offset + 2] = scales.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, cols // block * size)
+
+
+SCALE_FIELDS = {Q.Q4_K: ((0, 2e-4), (2, 1.5e-3)), Q.Q5_K: ((0, 1e-4), (2, 1.5e-3)), Q.Q6_K: ((208, 2e-5),),
+                Q.IQ4_XS: ((0, 2e-5),), Q.IQ4_NL: ((0, 5e-4),)}          # (byte offset of an f16, its value)
+
+
+def random_blocks(kind: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A random [rows, cols] weight in `kind`'s blocks: quantized by gguf-py where it can, else
+    `k_quant_blocks`."""
+    if kind in SCALE_FIELDS:
+        return k_quant_blocks(rows, cols, kind, seed)
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((rows, cols)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))
+    return gguf.quants.quantize(weight.astype(np.float32), kind)
 
 
 def write_gguf(model, path: Path, types: dict[str, Q], pre: str = "qwen2", add_bos: bool = False,
@@ -122,7 +134,7 @@ def write_gguf(model, path: Path, types: dict[str, Q], pre: str = "qwen2", add_b
 
 def add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, types: dict[str, Q]) -> None:
     kind = next((t for key, t in types.items() if key in name), Q.F32) if values.ndim == 2 else Q.F32
-    if kind in (Q.Q4_K, Q.Q6_K):
+    if kind in SCALE_FIELDS:
         data = k_quant_blocks(*values.shape, kind, seed=len(name) * 7919 + sum(map(ord, name)))
     elif kind in QUANTIZABLE:
         data = gguf.quants.quantize(values.astype(np.float32), kind)
