@@ -4,7 +4,7 @@ The per-op path calls ten kernels a layer from Python (RMSNorm, QKV, rotary + KV
 O, RMSNorm, gate-up, SiLU-and-mul, down), and at one row each call's Python (checks, allocation,
 ctypes) costs about what its kernel does. This runs the same kernels in the same order from C++:
 the same numbers, one call a step. It serves Llama-style layers without q/k norms, float32 or
-bfloat16, whose projections are dense or quantized (quant_linear.c's blocks), at decode batches
+bfloat16, whose projections are dense, quantized (quant_linear.c's blocks) or GGUF blocks, at decode batches
 where the per-op path would run a native kernel for every projection (the quantized kernel up to its
 `max_rows`, the native linear over the dense weight above them and for dense projections, where it
 beats BLAS: `pdserve.kernels.native_linear.prefer_native`); everything else keeps the per-op path.
@@ -19,6 +19,9 @@ import torch
 
 from pdserve.kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
 from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits, table_runs
+from pdserve.kernels.gguf_formats import GGUFMatrix
+from pdserve.kernels.gguf_linear import native_available as gguf_available
+from pdserve.kernels.gguf_linear import supports as gguf_supports
 from pdserve.kernels.native_linear import MAX_NATIVE_ROWS, prefer_native, row_bucket
 from pdserve.kernels.quant_formats import FORMATS
 from pdserve.kernels.quant_linear import KernelWeight, quant_linear_address
@@ -28,17 +31,23 @@ from pdserve.kernels.quant_linear import supports as quant_supports
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 WORDS_PER_PROJECTION = 6   # Projection.words(); LayerWeights and Projection in decode_layers.cpp
 WORDS_PER_LAYER = 2 + 4 * WORDS_PER_PROJECTION   # two norms, then qkv, o, gate-up, down
+GGUF_FORMAT = 100          # NOTE: GGUF_FORMAT in decode_layers.cpp
 
 
 @dataclass(frozen=True, slots=True)
 class Projection:
     """One linear of a layer: its dense weight and bias, and, when quantized, its kernel blocks, which
-    serve batches up to `max_rows` (the per-op QuantizedLinear's rule)."""
+    serve batches up to `max_rows` (the per-op QuantizedLinear's rule). GGUF blocks have no dense weight:
+    the one-call step always computes from them."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None = None
-    packed: KernelWeight | None = None
+    packed: KernelWeight | GGUFMatrix | None = None
     max_rows: int = 0
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] if self.weight is None else self.weight.shape[1]
 
     def blocks_serve(self, rows: int) -> bool:
         """Whether a step of `rows` rows reads this projection's blocks (else its dense weight)."""
@@ -49,6 +58,8 @@ class Projection:
         the dense weight's words unless `blocks`."""
         bias = _address(self.bias)
         p = self.packed
+        if isinstance(p, GGUFMatrix):
+            return [GGUF_FORMAT, p.table.data_ptr(), bias, len(p.segments), 0, 0]
         if p is None or not blocks:
             return [0, self.weight.data_ptr(), bias, 0, 0, 0]
         block_scales, channel_scales = (0, p.scales.data_ptr()) if p.format == "int8" else (p.scales.data_ptr(), 0)
@@ -116,7 +127,7 @@ class DecodeLayers:
 
     @property
     def inner(self) -> int:
-        return self.layers[0].down.weight.shape[1]
+        return self.layers[0].down.in_features
 
     def serves(self, rows: int) -> bool:
         """Whether a decode step of `rows` sequences goes native: as timed at load for its row bucket
@@ -154,7 +165,7 @@ class DecodeLayers:
 
 def _native_linear_takes(projection: Projection, rows: int) -> bool:
     w = projection.weight
-    return prefer_native(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
+    return w is not None and prefer_native(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
 
 
 def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -162,10 +173,13 @@ def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, he
     dense = [t for layer in layers for t in (layer.input_norm, layer.post_norm,
                                              *(x for p in layer.projections for x in (p.weight, p.bias)))
              if t is not None]
-    packed = [p.packed for layer in layers for p in layer.projections if p.packed is not None]
+    packed = [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, KernelWeight)]
+    blocks = [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, GGUFMatrix)]
     return (dtype in NATIVE_DTYPES and all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense)
             and all(quant_supports(p.format, p.shape[1], dtype) for p in packed)
             and (not packed or quant_available())
+            and all(gguf_supports(m, dtype) and m.segments[0].data.is_cpu for m in blocks)
+            and (not blocks or gguf_available())
             and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP)
 

@@ -178,7 +178,7 @@ def _gguf_layout(hf_name: str, w: np.ndarray, c) -> np.ndarray:
     return w
 
 
-def model_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = "none") -> list[torch.Tensor]:
     """Every position's float32 logits from pdserve's model, each prompt prefilled in one step."""
     from pdserve.engine.actors.runner_rows import RunnerRows
     from pdserve.engine.config import ModelConfig
@@ -190,7 +190,7 @@ def model_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor
 
     longest = max(map(len, prompts))
     blocks = -(-longest // 16) * len(prompts)
-    model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), longest)
+    model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), longest, quantization)
     runner, manager = ModelRunner(model, blocks, 16, frozenset()), BlockManager(blocks, 16)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:

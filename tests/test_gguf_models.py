@@ -20,7 +20,10 @@ from pdserve.engine.model import gguf as gguf_model
 from pdserve.engine.model.gguf import converted_dir, find_gguf
 from pdserve.engine.model.gguf_config import llama3_factors
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.engine.model import quant_gguf
+from pdserve.engine.model.quant_probe import ProbeResult
 from tests.gguf_models import Q, make_transformers_model, model_logits, write_gguf
+from tests.quant_reference import Reference, gguf_types
 from tests.tolerance import assert_float32_close, reference_logits
 from tests.models import engine_config
 
@@ -86,9 +89,21 @@ def test_logits_match_transformers(case):
         assert_float32_close(ours, expected32, expected64)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_logits_from_the_blocks_within_the_activation_rounding_of_transformers(case, monkeypatch):
+    """Computed from the blocks (a q/k/v of Q4_K + Q8_0 + BF16 parts among them): tests/quant_reference.py."""
+    monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(256, ()))
+    path = gguf_file(case)
+    models = [transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+              for dtype in (torch.float32, torch.float64)]
+    reference = Reference(*models, gguf_types(path))
+    for prompt, ours in zip(random_prompts(0), model_logits(converted_dir(path), random_prompts(0), "gguf")):
+        reference.assert_logits_close(ours, prompt)
+
+
 @pytest.mark.parametrize("case", ["llama-untied", "qwen2-tied"])
 def test_greedy_tokens_match_transformers(case):
-    llm = LLM(config=engine_config(gguf_file(case)))
+    llm = LLM(config=engine_config(gguf_file(case), quantization="none"))   # NOTE: exact (tests/test_gguf_llama_quantize)
     try:
         outputs = llm.generate(random_prompts(1), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     finally:

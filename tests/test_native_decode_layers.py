@@ -16,7 +16,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.quant_probe import ProbeResult
-from pdserve.engine.model import quant
+from pdserve.engine.model import gguf_modules, quant, quant_gguf
 from pdserve.engine.worker.model_runner import load_model
 from pdserve.kernels import native
 from pdserve.kernels.native_decode_layers import DecodeLayers
@@ -58,11 +58,13 @@ def test_one_call_step_equals_the_per_op_path(name, dtype, monkeypatch):
 @pytest.mark.parametrize("scheme", ["gguf", "int8"])
 def test_quantized_projections_in_the_one_call_step(scheme, dtype, tmp_path, monkeypatch):
     monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(64, ()))
+    monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(64, ()))
     monkeypatch.setattr(kernels, "prefer_native", lambda x, weight: True)    # the layers the GGUF keeps dense
     model = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf") if scheme == "gguf" else hf_checkpoint("llama3")
     blocks = []
-    real = quant.quant_linear_native
-    monkeypatch.setattr(quant, "quant_linear_native", lambda *a: blocks.append(a[0].shape[0]) or real(*a))
+    module, name = (gguf_modules, "gguf_linear_native") if scheme == "gguf" else (quant, "quant_linear_native")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: blocks.append(a[0].shape[0]) or real(*a))
     ours = generate(model, dtype, True, monkeypatch, quantization=scheme)
     assert blocks and max(blocks) > 1                        # prefill chunks still run the per-op blocks
     assert ours == generate(model, dtype, False, monkeypatch, quantization=scheme)

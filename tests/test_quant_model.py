@@ -2,14 +2,18 @@
 
 The GGUF files are written here with gguf.GGUFWriter from the tiny checkpoints, q/k rows permuted as
 llama.cpp's converter does; the dequantized references are gguf.quants.dequantize un-permuted by
-transformers' own GGUF loader code. Every test runs in float32: the kernel then differs from the
-dense path only in the order of fp32 sums, so greedy tokens are equal and log-probs within 1e-4.
+transformers' own GGUF loader code. Every test runs in float32. int8: the kernel differs from the dense
+path only in the order of fp32 sums, so greedy tokens are equal and log-probs within 1e-4. GGUF blocks:
+the kernels quantize each projection's input per block (as llama.cpp does), so the reference is
+transformers on the dequantized weights rounding its projections' inputs the same way
+(tests/quant_reference.py), within tests/tolerance.py's float32 bound.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +26,19 @@ from pdserve import kernels
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
-from pdserve.engine.model import gguf_block_cache, quant, quant_probe
-from pdserve.engine.model.gguf_blocks import GGUFBlockError, read_gguf_projections, unpermute_rows
+from pdserve.engine.model import gguf_block_cache, gguf_modules, quant, quant_gguf, quant_probe
+from pdserve.engine.model.gguf_blocks import GGUFBlockError, unpermute_rows
+from pdserve.engine.model.gguf_modules import GGUFEmbedding, GGUFLinear
 from pdserve.engine.model.quant import QuantizedLinear, quantize_model
 from pdserve.engine.model.quant_probe import ProbeResult
 from pdserve.engine.worker.model_runner import load_model
 from pdserve.kernels import native
+from pdserve.kernels.gguf_formats import dequantize_reference
 from pdserve.kernels.quant_formats import dequantize, quantize_int8
 from pdserve.kernels.quant_linear import kernel_layout, native_available
+from tests.gguf_models import model_logits
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
+from tests.quant_reference import Reference, gguf_types
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler for the native kernel")
@@ -41,9 +49,9 @@ CHECKPOINTS = {"demo-llama": lambda: demo_checkpoint("llama"),           # untie
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
-LAYER_TYPES = [  # per layer: q, k, v, o, gate, up, down (F32 and a mixed gate/up stay dense)
-    ("Q4_1", "Q4_1", "Q4_1", "Q8_0", "Q4_0", "Q4_0", "Q4_1"),
-    ("Q8_0", "Q8_0", "Q8_0", "F32", "Q4_1", "Q8_0", "Q4_0"),
+LAYER_TYPES = [  # per layer: q, k, v, o, gate, up, down (an F32 projection stays dense; a mixed one is fused)
+    ("Q4_1", "Q4_1", "Q5_0", "Q8_0", "Q4_0", "Q4_0", "Q4_1"),
+    ("Q8_0", "Q8_0", "Q8_0", "F32", "Q4_1", "Q8_0", "Q5_1"),
 ]
 
 
@@ -116,18 +124,36 @@ def write_int8_model(src: Path, dst: Path) -> Path:
 
 @pytest.fixture
 def kernel_for_every_batch(monkeypatch):
-    """The probe's decision made here: every batch up to 64 rows takes the quantized kernel."""
+    """The probes' decisions made here: every batch up to 64 rows takes the quantized (block) kernel."""
     monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(64, ()))
+    monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(64, ()))
+
+
+PROMPTS = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 17, 40)]
 
 
 def greedy(model_dir: Path, quantization: str, **config) -> list:
     llm = LLM(config=engine_config(model_dir, quantization=quantization, max_prefill_tokens=16, **config))
-    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (3, 17, 40)]
+    prompts = PROMPTS
     try:
         return llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0))
     finally:
         llm.close()
+
+
+def reference_of(model_dir: Path) -> Reference:
+    """transformers on the directory's (dequantized) weights, with its GGUF's types (tests/quant_reference.py)."""
+    import transformers
+
+    return Reference(*(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+                       for dtype in (torch.float32, torch.float64)), gguf_types(model_dir / "model.gguf"))
+
+
+def assert_close_to_reference(outputs: list, model_dir: Path) -> None:
+    """GGUF generations within the activation quantization's divergence of the dequantized model."""
+    reference = reference_of(model_dir)
+    for prompt, output in zip(PROMPTS, outputs):
+        reference.assert_generation_close(output, prompt)
 
 
 def assert_same_generations(ours: list, expected: list) -> None:
@@ -138,9 +164,12 @@ def assert_same_generations(ours: list, expected: list) -> None:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_gguf_model_generates_as_its_dequantized_weights(name, tmp_path, kernel_for_every_batch):
+def test_gguf_model_computes_as_its_dequantized_weights_with_quantized_activations(name, tmp_path,
+                                                                                    kernel_for_every_batch):
     model_dir = write_gguf_model(CHECKPOINTS[name](), tmp_path / "gguf")
-    assert_same_generations(greedy(model_dir, "gguf"), greedy(model_dir, "none"))
+    reference = reference_of(model_dir)
+    for prompt, ours in zip(PROMPTS, model_logits(model_dir, PROMPTS, quantization="gguf")):
+        reference.assert_logits_close(ours, prompt)
 
 
 @pytest.mark.parametrize("name", ["demo-llama", "hf-llama3"])
@@ -157,16 +186,18 @@ def counted(monkeypatch, module, name: str) -> list:
 
 @pytest.mark.parametrize("mode", ["adaptive", "colocated", "disaggregated"])
 def test_native_cpu_kernels_compose_with_gguf_blocks(mode, tmp_path, monkeypatch, kernel_for_every_batch):
-    """gguf blocks with the native attention/norm/rotary/SiLU kernels, and dense weights through the native
-    GEMV, both generate what the dense model with the torch references does."""
+    """gguf blocks with the native attention/norm/rotary/SiLU kernels generate what they do with the torch
+    references (the same block kernels either way), and dense weights through the native GEMV what the
+    dense model with the torch references does."""
     if native.cpu_kernels() is None:
         pytest.skip("no C++ compiler for the native CPU kernels")
     model_dir = write_gguf_model(CHECKPOINTS["demo-llama"](), tmp_path / "gguf")
-    expected = greedy(model_dir, "none", cpu_kernels="torch", mode=mode)
-    blocks = counted(monkeypatch, quant, "quant_linear_native")
+    blocks = counted(monkeypatch, gguf_modules, "gguf_linear_native")
     attention = counted(monkeypatch, kernels, "decode_attention_native")
-    assert_same_generations(greedy(model_dir, "gguf", cpu_kernels="native", mode=mode), expected)
+    for cpu_kernels in ("torch", "native"):
+        assert_close_to_reference(greedy(model_dir, "gguf", cpu_kernels=cpu_kernels, mode=mode), model_dir)
     assert blocks and attention
+    expected = greedy(model_dir, "none", cpu_kernels="torch", mode=mode)
     gemv = counted(monkeypatch, kernels, "linear_native")
     monkeypatch.setattr(kernels, "prefer_native", lambda x, w: x.shape[0] <= 64)    # NOTE: not timing-dependent
     assert_same_generations(greedy(model_dir, "none", cpu_kernels="native", mode=mode), expected)
@@ -177,37 +208,72 @@ def test_gguf_blocks_land_in_the_fused_projections_in_hugging_face_row_order(tmp
     model_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
     config, dense = ModelConfig.from_dir(model_dir), read_tensors(model_dir)
     assert not config.tie_word_embeddings
-    read = read_gguf_projections(model_dir / "model.gguf", config, tied_head=False)
+    read = gguf_block_cache.cached_gguf_blocks(model_dir / "model.gguf", config, tied_head=False)
     qkv = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(dequantize(read.weights["layers.0.self_attn.qkv_proj"]), qkv)
-    assert torch.equal(dequantize(read.weights["lm_head"]), dense["lm_head.weight"])
-    assert set(read.skipped) == {"layers.1.self_attn.o_proj", "layers.1.mlp.gate_up_proj"}
-    assert read.skipped["layers.1.mlp.gate_up_proj"].endswith("Q4_1+Q8_0")
+    assert torch.equal(dequantize_reference(read.matrices["layers.0.self_attn.qkv_proj"]), qkv)
+    assert read.matrices["layers.0.self_attn.qkv_proj"].types == ("Q4_1", "Q4_1", "Q5_0")
+    assert torch.equal(dequantize_reference(read.matrices["lm_head"]), dense["lm_head.weight"])
+    gate_up = read.matrices["layers.1.mlp.gate_up_proj"]                       # mixed: one segment a part
+    assert gate_up.types == ("Q4_1", "Q8_0")
+    assert torch.equal(dequantize_reference(gate_up), torch.cat([dense[f"model.layers.1.mlp.{p}_proj.weight"]
+                                                                 for p in ("gate", "up")]))
+    assert set(read.skipped) == {"layers.1.self_attn.o_proj", "embed_tokens"}    # F32; no token_embd here
+    assert read.skipped["layers.1.self_attn.o_proj"].endswith("F32")
 
 
-def test_gguf_blocks_are_read_once_then_come_from_the_cache(tmp_path, monkeypatch):
+def test_gguf_blocks_are_read_once_then_mapped_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     model_dir = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf")
     config, path = ModelConfig.from_dir(model_dir), model_dir / "model.gguf"
-    first = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+    first = gguf_block_cache.cached_gguf_blocks(path, config, tied_head=True)
 
     def unread(*args):
         raise AssertionError("the GGUF was parsed again")
 
-    monkeypatch.setattr(gguf_block_cache, "read_gguf_projections", unread)
-    again = gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
-    assert again.skipped == first.skipped and again.weights.keys() == first.weights.keys()
-    for name, w in first.weights.items():
-        assert torch.equal(dequantize(again.weights[name]), dequantize(w)) and again.weights[name].format == w.format
+    monkeypatch.setattr(gguf_block_cache, "read_gguf_blocks", unread)
+    again = gguf_block_cache.cached_gguf_blocks(path, config, tied_head=True)
+    assert again.skipped == first.skipped and again.matrices.keys() == first.matrices.keys()
+    for name, matrix in first.matrices.items():
+        assert torch.equal(dequantize_reference(again.matrices[name]), dequantize_reference(matrix))
+        assert again.matrices[name].types == matrix.types
+        assert all(s.data.untyped_storage().filename for s in matrix.segments)     # mapped, not copied
     os.utime(path, ns=(1, 1))                                   # NOTE: a changed file is read again
     with pytest.raises(AssertionError, match="parsed again"):
-        gguf_block_cache.cached_gguf_projections(path, config, tied_head=True)
+        gguf_block_cache.cached_gguf_blocks(path, config, tied_head=True)
+
+
+def test_no_float_copy_of_the_blocks_is_loaded(tmp_path, monkeypatch, kernel_for_every_batch):
+    """Every quantized projection and the tied embedding hold only their blocks; the loader never reads
+    their float tensors from the checkpoint."""
+    model_dir = write_gguf_model(demo_checkpoint("qwen2"), tmp_path / "gguf")
+    read = []
+    real = quant.load_weights
+    monkeypatch.setattr(quant, "load_weights", lambda model, path, skip: read.append(skip) or real(model, path, skip))
+    model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), 64, "gguf")
+    held = {n for n, m in model.named_modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))}
+    assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
+    assert len(held) == 2 + 4 * model.config.num_layers - 1                # layer 1's F32 o_proj stays dense
+    assert {f"{n}.weight" for n in held} | {"lm_head.weight"} == set(read[0])
+    floats = [p for n, p in (*model.named_parameters(), *model.named_buffers())
+              if p.dim() == 2 and p.numel() > 0 and n != "cos_sin"]           # NOTE: cos_sin: the rotary table
+    assert [p.shape for p in floats] == [model.layers[1].self_attn.o_proj.weight.shape]
+
+
+def test_the_start_up_report_counts_every_tensor_type(tmp_path, caplog, kernel_for_every_batch):
+    model_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
+    with caplog.at_level("INFO", logger="pdserve.engine.model.quant"):
+        load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), 64, "gguf")
+    lines = [r.getMessage() for r in caplog.records if "quantization gguf" in r.getMessage()]
+    assert len(lines) == 1
+    for kind, count in Counter(kind for _, _, kind, _ in gguf_entries(demo_checkpoint("llama"))).items():
+        if kind != "F32":
+            assert f"{kind}: {count} from blocks" in lines[0]
+    assert "F32: 1 not" in lines[0] and "layers.1.self_attn.o_proj" in lines[0]
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():
     rows = np.arange(48 * 3, dtype=np.float32).reshape(48, 3)
-    permuted = torch.from_numpy(llama_cpp_permute(rows, 6))
-    assert torch.equal(permuted[unpermute_rows(48, 6)], torch.from_numpy(rows))
+    assert np.array_equal(llama_cpp_permute(rows, 6)[unpermute_rows(48, 6)], rows)
 
 
 def test_gguf_of_another_model_is_refused(tmp_path):
@@ -247,13 +313,21 @@ def test_decisions_without_a_win_or_a_source_keep_the_model_dense(tmp_path, monk
     assert "bfloat16" in quantize_model(tiny_model(torch.float16), "int8", None, 1).reason
     with pytest.raises(ValueError, match="needs the model's GGUF file"):
         quantize_model(model, "gguf", None, 1)
-    monkeypatch.setattr(quant, "probe_quantized", lambda dense, packed, threads: ProbeResult(0, ((1, 1.0, 2.0),)))
+    monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(0, ((1, 1.0, 2.0),)))
     gguf_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
     model = load_model(ModelConfig.from_dir(gguf_dir), torch.float32, torch.device("cpu"), 64)
     decision = quantize_model(model, "auto", gguf_dir / "model.gguf", 1)
-    assert decision.scheme == "none" and "not faster" in decision.reason
-    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
-    assert quantize_model(model, "gguf", gguf_dir / "model.gguf", 1).max_rows == 1   # asked for: batch 1
+    assert decision.scheme == "gguf" and decision.max_rows == 1     # tiles faster even at batch 1: blocks there
+    assert all(m.max_rows == 1 for m in model.modules() if isinstance(m, GGUFLinear))
+
+
+def test_probe_of_blocks_against_tiles_returns_timings(tmp_path):
+    model_dir = write_gguf_model(demo_checkpoint("llama"), tmp_path / "gguf")
+    read = gguf_block_cache.cached_gguf_blocks(model_dir / "model.gguf", ModelConfig.from_dir(model_dir), False)
+    matrices = [read.matrices[f"layers.{i}.mlp.gate_up_proj"] for i in range(2)]
+    result = quant_probe.probe_blocks(matrices, torch.float32, threads=1, batch_sizes=(1, 2))
+    assert result.timings and all(tiles > 0 and blocks > 0 for _, tiles, blocks in result.timings)
+    assert result.max_rows in (0, 1, 2)
 
 
 def test_probe_on_real_weights_returns_timings():

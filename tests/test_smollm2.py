@@ -2,6 +2,7 @@
 the same file: weights, logits, greedy tokens, and the tokenizer over a few thousand varied lines."""
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model.resolve import smollm2_gguf
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.engine.model import quant_gguf
+from pdserve.engine.model.quant_probe import ProbeResult
 from tests.gguf_models import model_logits
+from tests.quant_reference import Reference, gguf_types
 from tests.models import engine_config
 from tests.tolerance import assert_float32_close, reference_logits
 
@@ -84,7 +88,7 @@ def test_logits_match_transformers(smollm2, reference_model, reference_tokenizer
 def test_greedy_tokens_match_transformers(smollm2, reference_model, reference_tokenizer):
     """Up to 16 tokens or the first end-of-turn token (<|im_end|> or <|endoftext|>), which both keep."""
     batch = prompts(reference_tokenizer)
-    llm = LLM(config=engine_config(smollm2[1], mode="colocated"))
+    llm = LLM(config=engine_config(smollm2[1], mode="colocated", quantization="none"))   # NOTE: exact weights
     try:
         outputs = llm.generate(batch, SamplingParams(max_tokens=16, temperature=0.0))
     finally:
@@ -94,6 +98,23 @@ def test_greedy_tokens_match_transformers(smollm2, reference_model, reference_to
                                             eos_token_id=[2, 0], pad_token_id=2)[0, len(prompt):]
         assert list(output.token_ids) == expected.tolist()
     assert "Paris" in outputs[0].text and outputs[0].finish_reason == "stop"
+
+
+def test_gguf_blocks_generate_within_the_activation_rounding_of_transformers(smollm2, reference_model,
+                                                                          reference_tokenizer, monkeypatch):
+    """The default model from its Q4_1 / Q8_0 blocks (every step through the block kernels, which quantize
+    activations per block): log-probabilities within, and greedy tokens equal where the margin exceeds,
+    the divergence that rounding moves transformers' own logits by (tests/quant_reference.py)."""
+    monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(256, ()))
+    batch = prompts(reference_tokenizer)
+    llm = LLM(config=engine_config(smollm2[1], mode="colocated", quantization="gguf"))
+    try:
+        outputs = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0))
+    finally:
+        llm.close()
+    reference = Reference(reference_model, copy.deepcopy(reference_model).double(), gguf_types(smollm2_gguf()))
+    for prompt, output in zip(batch, outputs):
+        reference.assert_generation_close(output, prompt)
 
 
 def test_tokenizer_encodes_and_decodes_like_transformers(tokenizer, reference_tokenizer):

@@ -1,11 +1,12 @@
-"""Quantized weights where they pay: projections swapped for `QuantizedLinear` after loading.
+"""Quantized weights: the model's checkpoint loaded with a quantization scheme (`load_weights_quantized`).
 
-Schemes: `int8` quantizes every projection's float weight per output channel (lossy: the dense
-weight is replaced by its dequantization, so every batch size computes with the same weights); `gguf`
-keeps the Q8_0 / Q4_0 / Q4_1 blocks of the GGUF file the model came from as they are (the dense
-weights are those blocks dequantized, so nothing is lost); `auto` is `gguf` when the model has
-such a file and the probe finds the kernel faster, else dense. Each swapped projection keeps its
-dense weight for batches above the probe's crossover (prefill's large matmuls).
+Schemes: `gguf` computes from the blocks of the GGUF file the model came from, as they are (every block
+type with a kernel, kernels/gguf_formats.py): those projections and the embedding are swapped for
+modules holding the mapped blocks before the checkpoint is read, so no float copy of them is ever
+made (quant_gguf.py); `auto` is `gguf` where the model has such a file, else dense; `int8` quantizes
+every projection's float weight per output channel after loading (lossy: the dense weight is replaced
+by its dequantization, kept for batches above the probe's crossover, so every batch size computes
+with the same weights).
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from torch import nn
 from pdserve import kernels
 
 from pdserve.engine.model.gguf import SOURCE_FILE
-from pdserve.engine.model.gguf_block_cache import cached_gguf_projections
-from pdserve.engine.model.gguf_blocks import GGUFBlockError
 from pdserve.engine.model.layers import Linear
 from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.quant_gguf import hold_gguf_blocks
 from pdserve.engine.model.quant_probe import probe_bytes, probe_quantized
+from pdserve.engine.model.weights import load_weights
+from pdserve.kernels.gguf_linear import native_available as gguf_available
 from pdserve.kernels.native_decode_layers import Projection
 from pdserve.kernels.quant_formats import QuantizedWeight, dequantize, quantize_int8
 from pdserve.kernels.quant_linear import KernelWeight, kernel_layout, native_available, quant_linear_native, supports
@@ -32,18 +34,17 @@ from pdserve.kernels.quant_linear import KernelWeight, kernel_layout, native_ava
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "gguf", "auto")
-CHECKED_ROWS = 16                # rows of each GGUF projection compared with the loaded weight
 
 
 @dataclass(frozen=True, slots=True)
 class QuantDecision:
     scheme: str                  # none | int8 | gguf: what the model now runs
-    max_rows: int                # batches up to this many rows take the quantized kernel
+    max_rows: int                # batches up to this many rows take the quantized kernel (gguf: the blocks)
     reason: str
 
 
 class QuantizedLinear(nn.Module):
-    """Drop-in for `Linear`: up to `max_rows` rows through the quantized kernel, more through `weight`."""
+    """Drop-in for `Linear` (int8): up to `max_rows` rows through the quantized kernel, more through `weight`."""
 
     backend: kernels.Backend | None = None
 
@@ -87,101 +88,97 @@ def gguf_source(model_dir: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-def quantize_model(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) -> QuantDecision:
-    """Swap the projections that pay for QuantizedLinear; returns (and logs once) what was decided."""
-    decision = _decide(model, scheme, gguf_path, threads)
-    logger.info("quantization %s (batches <= %d rows): %s", decision.scheme, decision.max_rows, decision.reason)
+def load_weights_quantized(model: CausalLM, scheme: str, threads: int) -> QuantDecision:
+    """Fill `model` (built with empty parameters) from its checkpoint under `scheme`: GGUF blocks taken
+    before the checkpoint is read, so the float values of what they hold are never loaded; int8 after.
+    Returns (and logs once) what was decided."""
+    decision, skip = _hold(model, scheme, gguf_source(model.config.model_dir), threads)
+    load_weights(model, model.config.model_dir, skip=skip)
+    if scheme == "int8":
+        decision = _int8(model, threads)
+    if scheme != "none":
+        _log(decision)
     return decision
 
 
-def _decide(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) -> QuantDecision:
+def quantize_model(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) -> QuantDecision:
+    """`scheme` applied to a loaded model (the float weights of what GGUF blocks replace are dropped);
+    returns (and logs once) what was decided."""
+    decision = _int8(model, threads) if scheme == "int8" else _hold(model, scheme, gguf_path, threads)[0]
+    _log(decision)
+    return decision
+
+
+def _log(decision: QuantDecision) -> None:
+    if decision.scheme == "gguf":
+        logger.info("quantization gguf (from the blocks up to %d rows, dequantized tiles above): %s",
+                    decision.max_rows, decision.reason)
+    else:
+        logger.info("quantization %s (batches <= %d rows): %s", decision.scheme, decision.max_rows, decision.reason)
+
+
+def _hold(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) -> tuple[QuantDecision, frozenset]:
+    """GGUF blocks swapped in where `scheme` asks for them: (decision, parameters the loader must skip)."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if scheme == "none":
-        return QuantDecision("none", 0, "not requested")
-    if gguf_path is None and scheme != "int8":
+    if scheme in ("none", "int8"):
+        return QuantDecision("none", 0, "not requested"), frozenset()
+    if gguf_path is None:
         if scheme == "gguf":
             raise ValueError("--quantization gguf needs the model's GGUF file (--model FILE.gguf, "
                              "or one .gguf file in the model directory)")
         return QuantDecision("none", 0, "auto: no GGUF file (int8 changes the weights; "
-                                        "ask for it with --quantization int8)")
-    unavailable = _unavailable(model)
+                                        "ask for it with --quantization int8)"), frozenset()
+    unavailable = _unavailable(model, gguf_available)
     if unavailable:
-        return QuantDecision("none", 0, unavailable)
-    if scheme == "int8":
-        return _probe_and_swap(model, "int8", None, False, threads)
+        return QuantDecision("none", 0, unavailable), frozenset()
     try:
-        packed = _gguf_weights(model, gguf_path)
+        held = hold_gguf_blocks(model, gguf_path, threads)
     except (ValueError, OSError, ImportError) as e:          # NOTE: GGUFBlockError is a ValueError
         if scheme == "gguf":
             raise
-        return QuantDecision("none", 0, f"auto: {e}")
-    return _probe_and_swap(model, "gguf", packed, scheme == "auto", threads)
+        return QuantDecision("none", 0, f"auto: {e}"), frozenset()
+    if not held.skip:
+        return QuantDecision("none", 0, f"{scheme}: no tensor has a kernel for its blocks ({held.report})"), frozenset()
+    return QuantDecision("gguf", held.max_rows, held.report), held.skip
 
 
-def _unavailable(model: CausalLM) -> str:
+def _int8(model: CausalLM, threads: int) -> QuantDecision:
+    unavailable = _unavailable(model, native_available)
+    return QuantDecision("none", 0, unavailable) if unavailable else _probe_and_swap(model, threads)
+
+
+def _unavailable(model: CausalLM, built) -> str:
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         return f"the quantized kernels run on CPU, the model is on {weight.device}"
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return f"the quantized kernels take float32 or bfloat16 activations, not {weight.dtype}"
-    if not native_available():
+    if not built():
         return "the native kernel could not be built (no C compiler?)"
     return ""
 
 
-def _gguf_weights(model: CausalLM, path: Path) -> dict[str, QuantizedWeight]:
-    read = cached_gguf_projections(path, model.config, tied_head=model.lm_head is None)
-    if read.skipped:
-        shown = "; ".join(f"{name} ({why})" for name, why in list(read.skipped.items())[:3])
-        logger.info("quantization gguf: %d projections stay dense, no kernel for their blocks: %s%s",
-                    len(read.skipped), shown, " ..." if len(read.skipped) > 3 else "")
+def _probe_and_swap(model: CausalLM, threads: int) -> QuantDecision:
+    """int8: every projection quantized per output channel, its dense weight replaced by the dequantization."""
     dense = projections(model)
-    for name, packed in read.weights.items():
-        _check_matches(packed, dense[name].weight, name, path)
-    return read.weights
-
-
-def _check_matches(packed: QuantizedWeight, weight: torch.Tensor, name: str, path: Path) -> None:
-    if tuple(packed.shape) != tuple(weight.shape):
-        raise GGUFBlockError(f"{path}: {name} has shape {packed.shape}, the model's is {tuple(weight.shape)}")
-    rows = torch.arange(min(CHECKED_ROWS, weight.shape[0]))
-    expected, loaded = dequantize(packed.rows(rows)), weight[rows].float()
-    if not torch.allclose(expected, loaded, rtol=2 ** -7, atol=1e-6):
-        raise GGUFBlockError(f"{path}: {name} does not hold the model's loaded weights "
-                             f"(max difference {(expected - loaded).abs().max().item():.3g})")
-
-
-def _probe_and_swap(model: CausalLM, scheme: str, packed: dict[str, QuantizedWeight] | None, auto: bool,
-                    threads: int) -> QuantDecision:
-    dense = projections(model)
-    names = _with_kernel(dense, packed, model.embed_tokens.weight.dtype)
+    dtype = model.embed_tokens.weight.dtype
+    names = [n for n, m in dense.items() if supports("int8", m.weight.shape[1], dtype)]
     if not names:
-        return QuantDecision("none", 0, f"{scheme}: no projection has a kernel")
-    weights = packed or _LazyInt8(dense)
+        return QuantDecision("none", 0, "int8: no projection has a kernel")
+    weights = _LazyInt8(dense)
     tiled = {n: kernel_layout(weights[n]) for n in _probe_names(names, dense)}
     result = probe_quantized([dense[n].weight for n in tiled], list(tiled.values()), threads)
-    if result.max_rows == 0 and auto:
-        return QuantDecision("none", 0, f"auto: {scheme} kernel not faster here ({result.describe()})")
     max_rows = max(result.max_rows, 1)
     for name in names:
-        if packed is None:
-            with torch.no_grad():                   # NOTE: every batch size then sees the same weights
-                dense[name].weight.copy_(dequantize(weights[name]))
+        with torch.no_grad():                       # NOTE: every batch size then sees the same weights
+            dense[name].weight.copy_(dequantize(weights[name]))
         layout = tiled.get(name) or kernel_layout(weights[name])
         _swap(model, name, QuantizedLinear(dense[name].weight, dense[name].bias, layout, max_rows))
     streamed = sum(dense[n].weight.numel() * dense[n].weight.element_size() for n in tiled)
-    return QuantDecision(scheme, max_rows, f"{len(names)} projections; probe on {next(iter(tiled))} "
+    return QuantDecision("int8", max_rows, f"{len(names)} projections; probe on {next(iter(tiled))} "
                                            f"x{len(tiled)} ({streamed / 2**20:.0f} MiB) with {threads} threads: "
                                            f"{result.describe()}")
-
-
-def _with_kernel(dense: dict[str, Linear], packed: dict[str, QuantizedWeight] | None,
-                 dtype: torch.dtype) -> list[str]:
-    """The projections the kernel takes (all of them for int8; those the GGUF has blocks for)."""
-    if packed is None:
-        return [n for n, m in dense.items() if supports("int8", m.weight.shape[1], dtype)]
-    return [n for n in dense if n in packed and supports(packed[n].format, packed[n].shape[1], dtype)]
 
 
 class _LazyInt8(dict):

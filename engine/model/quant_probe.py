@@ -1,10 +1,11 @@
-"""Start-up probe: does the quantized kernel beat the dense matmul on this CPU, and up to what batch?
+"""Start-up probes: does the quantized kernel beat the dense matmul on this CPU, and up to what batch?
+For GGUF blocks: up to what batch do the block kernels beat dequantized tiles?
 
 Self-contained (weights in, decision out) so the machine-defaults probe can call it beside its
 dtype probe. It times one pass over enough layers' copies of one projection (the largest of a
 layer) to stream twice the CPU's last-level cache (`probe_bytes`; every layer's where the model has
 less), so the weights come from memory as in a real step rather than sitting in cache, at growing
-batch sizes, and stops at the first size where the quantized pass is not clearly faster.
+batch sizes, and stops at the first size where the quantized (block) pass is not clearly faster.
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from pathlib import Path
 import torch
 
 from pdserve import kernels
+from pdserve.kernels.gguf_formats import GGUFMatrix
+from pdserve.kernels.gguf_linear import gguf_linear_native, gguf_linear_tiled
 from pdserve.kernels.quant_linear import KernelWeight, quant_linear_native
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BLOCK_BATCH_SIZES = (1, 4, 16, 32, 64, 128, 256)     # past 64 rows: prefill chunks
 WIN_MARGIN = 0.9          # quantized must take at most 90% of the dense time to count as a win
 MIN_PROBE_BYTES = 48 << 20      # where the CPU reports no cache size: more than most CPUs' last-level cache
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -50,9 +54,9 @@ class ProbeResult:
     max_rows: int                                       # largest batch where quantized won (0: none)
     timings: tuple[tuple[int, float, float], ...]       # (rows, dense seconds, quantized seconds)
 
-    def describe(self) -> str:
-        return "; ".join(f"batch {rows}: dense {dense * 1e3:.2f} ms, quantized {quant * 1e3:.2f} ms"
-                         for rows, dense, quant in self.timings)
+    def describe(self, dense: str = "dense", quantized: str = "quantized") -> str:
+        return "; ".join(f"batch {rows}: {dense} {seconds * 1e3:.2f} ms, {quantized} {quant * 1e3:.2f} ms"
+                         for rows, seconds, quant in self.timings)
 
 
 def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threads: int,
@@ -70,6 +74,27 @@ def probe_quantized(dense: list[torch.Tensor], packed: list[KernelWeight], threa
                                             lambda x=x: [quant_linear_native(x, w, threads) for w in packed])
             timings.append((rows, dense_s, quant_s))
             if quant_s > WIN_MARGIN * dense_s:
+                break
+            max_rows = rows
+        return ProbeResult(max_rows, tuple(timings))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def probe_blocks(matrices: list[GGUFMatrix], dtype: torch.dtype, threads: int,
+                 batch_sizes: tuple[int, ...] = BLOCK_BATCH_SIZES) -> ProbeResult:
+    """Time dequantized tiles (the "dense" column of the result) against the block kernel over `matrices`
+    with activations of `dtype`, at each batch size in turn, up to the first where the blocks lose."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timings, max_rows = [], 0
+        for rows in batch_sizes:
+            x = torch.randn(rows, matrices[0].in_features, dtype=dtype)
+            tiles_s, blocks_s = _best_passes(lambda x=x: [gguf_linear_tiled(x, m, threads) for m in matrices],
+                                             lambda x=x: [gguf_linear_native(x, m, threads) for m in matrices])
+            timings.append((rows, tiles_s, blocks_s))
+            if blocks_s > tiles_s:
                 break
             max_rows = rows
         return ProbeResult(max_rows, tuple(timings))

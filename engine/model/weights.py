@@ -122,13 +122,15 @@ def _norm_names(c) -> dict[str, str]:
     return {"input_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 
 
-def load_weights(model: CausalLM, model_dir: str | Path) -> None:
-    """Fill every parameter of `model`; raises WeightError naming the tensor and file on any mismatch."""
+def load_weights(model: CausalLM, model_dir: str | Path, skip: frozenset[str] = frozenset()) -> None:
+    """Fill every parameter of `model` but those named in `skip` (held otherwise: GGUF blocks); raises
+    WeightError naming the tensor and file on any mismatch."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    expected = destinations(model, fused="model.layers.0.self_attn.qkv_proj.weight" in files)
+    everything = destinations(model, fused="model.layers.0.self_attn.qkv_proj.weight" in files)
+    expected = {name: dest for name, dest in everything.items() if dest.param not in skip}
     tied_head = model.lm_head is None and "lm_head.weight" in files
-    unexpected = sorted(n for n in files if n not in expected and not IGNORED.match(n)
+    unexpected = sorted(n for n in files if n not in everything and not IGNORED.match(n)
                         and not (tied_head and n == "lm_head.weight"))
     if unexpected:
         raise WeightError(f"{model_dir}: unexpected tensors for {model.config.architecture}: "

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 from pdserve import kernels
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model.quant import gguf_source, quantize_model
 from pdserve.engine.transfer.select import select_transfer
 from pdserve.engine.units.spec import Layout, UnitSpec
 from pdserve.engine.units.units import Units
@@ -56,12 +55,10 @@ def _models(config: EngineConfig, model_config: ModelConfig, layout: Layout, spe
     """One model per device, quantized where units that decode step on it."""
     models = {}
     for device in dict.fromkeys(spec.device for spec in specs):
-        models[device] = load_model(model_config, layout.dtype, device, layout.max_model_len)
-    for device in dict.fromkeys(spec.device for spec in specs if spec.decodes):
-        cores = {c for spec in specs if spec.decodes and spec.device == device for c in spec.cores}
-        if config.quantization != "none":
-            model = models[device]
-            quantize_model(model, config.quantization, gguf_source(model.config.model_dir), max(len(cores), 1))
+        decoding = [spec for spec in specs if spec.decodes and spec.device == device]
+        cores = {c for spec in decoding for c in spec.cores}
+        models[device] = load_model(model_config, layout.dtype, device, layout.max_model_len,
+                                    config.quantization if decoding else "none", max(len(cores), 1))
     return models
 
 

@@ -12,7 +12,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.llama import CausalLM
-from pdserve.engine.model.weights import load_weights
+from pdserve.engine.model.quant import load_weights_quantized
 from pdserve.engine.worker.sampling.constraints import RowConstraints
 from pdserve.engine.worker.cuda_graph import DecodeGraphs
 from pdserve.engine.transfer.host_copy import ReadBack, upload
@@ -39,11 +39,13 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
-    """Build the model with empty parameters on `device` and fill them from the checkpoint."""
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str = "none", threads: int = 1) -> CausalLM:
+    """Build the model with empty parameters on `device` and fill them from the checkpoint, quantized by
+    `quantization` (engine.model.quant; its start-up probes run with `threads`)."""
     with torch.device(device), default_dtype(dtype):
         model = CausalLM(config, max_positions)
-    load_weights(model, config.model_dir)
+    load_weights_quantized(model, quantization, threads)
     return model.eval()
 
 

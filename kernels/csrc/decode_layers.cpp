@@ -1,7 +1,8 @@
 // Every decoder layer of a decode step (one new token per sequence) in one call: the same kernels
 // the per-op path calls, in the same order on the same buffers, so the numbers are identical; what
 // goes is the Python between them (~10 kernel calls a layer, each with its checks and allocations).
-// A projection is dense (the native linear) or quantized (quant_linear.c, called by address).
+// A projection is dense (the native linear), quantized (quant_linear.c, called by address) or GGUF
+// blocks (gguf_linear.cpp).
 #include "common.h"
 
 extern "C" {
@@ -23,6 +24,7 @@ void pd_decode_attention_bf16(const pd::bf16*, const pd::bf16*, const int64_t*, 
                               int);
 void pd_silu_and_mul_f32(const float*, int64_t, float*, int64_t, int64_t, int);
 void pd_silu_and_mul_bf16(const pd::bf16*, int64_t, pd::bf16*, int64_t, int64_t, int);
+int pd_gguf_linear(const int64_t*, int64_t, int64_t, const void*, int, int64_t, void*, int);
 }
 
 namespace pd {
@@ -48,9 +50,11 @@ typedef int (*QuantLinear)(int fmt, int tile_rows, const uint8_t* q, const float
                            const float* channel_scales, const void* x, int bf16, void* y, int M, int N, int K,
                            int threads);
 constexpr int QUANT_TILE_ROWS = 4;
+constexpr int64_t GGUF_FORMAT = 100;  // NOTE: GGUF_FORMAT in native_decode_layers.py
 
-// A projection: dense (format 0: weight and bias of T) or quantized (format f + 1 of quant_linear.c's
-// formats: its tiled blocks, block scales and mins, channel scales; bias of T). Null pointers: absent.
+// A projection: dense (format 0: weight and bias of T), quantized (format f + 1 of quant_linear.c's
+// formats: its tiled blocks, block scales and mins, channel scales; bias of T) or GGUF blocks (GGUF_FORMAT:
+// weight is gguf_linear's segment table, block_scales holds the number of segments). Null pointers: absent.
 struct Projection {
   int64_t format;
   const void *weight, *bias, *block_scales, *mins, *channel_scales;
@@ -78,7 +82,10 @@ static int project(const Projection& p, const T* x, T* y, int64_t M, int64_t N, 
     Ops<T>::linear(x, K, static_cast<const T*>(p.weight), static_cast<const T*>(p.bias), y, N, M, N, K, threads);
     return 0;
   }
-  const int status = quant(int(p.format - 1), QUANT_TILE_ROWS, static_cast<const uint8_t*>(p.weight),
+  const int status = p.format == GGUF_FORMAT
+      ? pd_gguf_linear(static_cast<const int64_t*>(p.weight), reinterpret_cast<int64_t>(p.block_scales), K, x,
+                       sizeof(T) == 2, M, y, threads)
+      : quant(int(p.format - 1), QUANT_TILE_ROWS, static_cast<const uint8_t*>(p.weight),
                            static_cast<const float*>(p.block_scales), static_cast<const float*>(p.mins),
                            static_cast<const float*>(p.channel_scales), x, sizeof(T) == 2, y, int(M), int(N), int(K),
                            threads);

@@ -18,7 +18,6 @@ import torch
 
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.quant import gguf_source, quantize_model
 from pdserve.engine.transfer.select import select_transfer
 from pdserve.engine.worker.processes import wire
 from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
@@ -109,9 +108,8 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
         torch.set_num_threads(len(spec.cores))
     device = torch.device(spec.device)
     prepare_cpu_kernels(spec.cpu_kernels)               # NOTE: a spawned process starts with the default
-    model = load_model(spec.model_config, spec.dtype, device, spec.max_model_len)
-    if spec.quantization != "none":
-        quantize_model(model, spec.quantization, gguf_source(spec.model_config.model_dir), max(len(spec.cores), 1))
+    model = load_model(spec.model_config, spec.dtype, device, spec.max_model_len, spec.quantization,
+                       max(len(spec.cores), 1))
     pool = None if own_fd is None else open_shared(spec.pool, own_fd)
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
                          kv_pool=pool, **spec.step_sizes)
