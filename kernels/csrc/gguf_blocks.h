@@ -5,6 +5,9 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -66,7 +69,11 @@ inline float half_to_float(uint16_t h) {
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // NOTE: exact, as half_to_float
+#else
   return half_to_float(h);
+#endif
 }
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).

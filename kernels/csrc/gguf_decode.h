@@ -25,6 +25,9 @@ inline __m256i split_nibbles(const uint8_t* p) {  // byte j: elements j (low nib
 inline __m256i bits_to_bytes(const uint8_t* p, int value) {  // byte i: `value` where bit i of p is set, else 0
   uint32_t bits;
   std::memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(__mmask32(bits), _mm256_set1_epi8(char(value)));
+#endif
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(int(bits)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
   const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
@@ -111,7 +114,14 @@ struct BlockQ6K {
   }
   float d() const { return half_at(b + 208); }
   float offset_scale() const { return -32.0f * d(); }
-  __m256i scale(int sb) const { return pair_broadcast(scales[2 * sb], scales[2 * sb + 1]); }
+  __m256i scale(int sb) const {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(2 * sb + 1)), _mm_set1_epi16(short(2 * sb)));
+    return _mm256_permutexvar_epi16(pick, _mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));
+#else
+    return pair_broadcast(scales[2 * sb], scales[2 * sb + 1]);
+#endif
+  }
   __m256i offsets(const int16_t* bsum16) const {
     return _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales)),
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum16)));

@@ -93,6 +93,17 @@ static bool valid(const Segment* segs, int64_t count, int64_t K) {
   return count > 0 && K > 0;
 }
 
+constexpr int64_t OWN_ROWS = 4;  // up to this many rows of x, each thread quantizes them all (no barrier)
+
+template <typename X>
+static ActRows quantized(const X* x, int64_t M, int64_t K, bool need32, bool need256) {
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(size_t(ActRows::bytes(M, K)));
+  const ActRows a = ActRows::carve(scratch.data(), M, K);
+  for (int64_t m = 0; m < M; ++m) quantize_row(x, m, a, need32, need256);
+  return a;
+}
+
 template <typename X>
 static int linear(const Segment* segs, int64_t count, int64_t K, const X* x, int64_t M, X* y, int threads) {
   if (!valid(segs, count, K)) return -1;
@@ -103,14 +114,18 @@ static int linear(const Segment* segs, int64_t count, int64_t K, const X* x, int
     need256 |= is_k_type(segs[i].type);
     N += segs[i].rows;
   }
-  thread_local std::vector<uint8_t> scratch;
-  scratch.resize(size_t(ActRows::bytes(M, K)));
-  const ActRows a = ActRows::carve(scratch.data(), M, K);
+  std::vector<uint8_t> shared(M > OWN_ROWS ? size_t(ActRows::bytes(M, K)) : 0);
+  const ActRows common = ActRows::carve(shared.data(), M, K);
   const int64_t align = M == 1 ? R_ONE : R_MANY;
 #pragma omp parallel num_threads(threads)
   {
+    ActRows a = common;
+    if (M <= OWN_ROWS) {
+      a = quantized(x, M, K, need32, need256);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x, m, a, need32, need256);
+      for (int64_t m = 0; m < M; ++m) quantize_row(x, m, common, need32, need256);
+    }
     int64_t begin, end;
     team_range(N, align, &begin, &end);
     for (int64_t i = 0, column = 0; i < count; column += segs[i].rows, ++i) {
