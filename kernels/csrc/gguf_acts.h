@@ -19,13 +19,14 @@ struct ActRows {  // M rows of K activations
   float* x;          // [M, K] float32 (the input, widened where it is bfloat16)
   int8_t* q32;       // [M, K] q8 values
   float* d32;        // [M, K/32] their scales
-  float* dsum32;     // [M, K/32] d * (sum of the block's q): the weight blocks' offsets multiply it
+  float* dsum32;     // [M, K/32] d * (sum of the block's q): the weight blocks' mins multiply it
+  int32_t* sum32;    // [M, K/32] the sums themselves: a constant subtracted from the weights' quants meets them
   int8_t* q256;      // [M, K] q8_K values
   float* d256;       // [M, K/256]
   int16_t* bsum16;   // [M, K/16] sums of q8_K values per 16
 
   static int64_t bytes(int64_t M, int64_t K) {
-    return M * (K * 4 + 2 * K + K / 32 * 8 + K / 256 * 4 + K / 16 * 2) + 64;
+    return M * (K * 4 + 2 * K + K / 32 * 12 + K / 256 * 4 + K / 16 * 2) + 64;
   }
   static ActRows carve(uint8_t* p, int64_t M, int64_t K) {
     ActRows a;
@@ -33,7 +34,8 @@ struct ActRows {  // M rows of K activations
     a.x = reinterpret_cast<float*>(p);
     a.d32 = a.x + M * K;
     a.dsum32 = a.d32 + M * K / 32;
-    a.d256 = a.dsum32 + M * K / 32;
+    a.sum32 = reinterpret_cast<int32_t*>(a.dsum32 + M * K / 32);
+    a.d256 = reinterpret_cast<float*>(a.sum32 + M * K / 32);
     a.bsum16 = reinterpret_cast<int16_t*>(a.d256 + M * K / 256);
     a.q32 = reinterpret_cast<int8_t*>(a.bsum16 + M * K / 16);
     a.q256 = a.q32 + M * K;
@@ -104,14 +106,15 @@ inline float largest(const float* v, int n, float amax) {
 }
 #endif
 
-inline void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dsum) {
+inline void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dsum, int32_t* sum) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float amax = max_abs(x + 32 * b, 32);
     const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     int low, high;
     round32(x + 32 * b, inverse, q + 32 * b, &low, &high);
     d[b] = scale;
-    dsum[b] = scale * float(low + high);
+    sum[b] = low + high;
+    dsum[b] = scale * float(sum[b]);
   }
 }
 
@@ -136,7 +139,7 @@ inline void quantize_row(const T* x, int64_t m, const ActRows& a, bool need32, b
   const int64_t K = a.K;
   float* row = a.x + m * K;
   for (int64_t k = 0; k < K; ++k) row[k] = to_float(x[m * K + k]);
-  if (need32) quantize_q8(row, K, a.q32 + m * K, a.d32 + m * K / 32, a.dsum32 + m * K / 32);
+  if (need32) quantize_q8(row, K, a.q32 + m * K, a.d32 + m * K / 32, a.dsum32 + m * K / 32, a.sum32 + m * K / 32);
   if (need256)
     quantize_q8_k(row, K, a.q256 + m * K, a.d256 + m * K / 256, a.bsum16 + m * K / 16);
 }

@@ -95,7 +95,8 @@ inline int iq4_xs_scale(const uint8_t* b, int j) {  // the signed 6-bit scale of
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")  // NOTE: gguf.quants rounds each product and sum on its own
-// Block `b` of `type`: q[layout.block] integers, scale[g] and offset[g] per group of layout.group.
+// Block `b` of `type`: q[layout.block] integers (unless q is null), scale[g] and offset[g] per group of
+// layout.group.
 inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* offset) {
   switch (type) {
     case Q4_0: case Q4_1: case IQ4_NL: {
@@ -103,7 +104,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
       scale[0] = d;
       offset[0] = type == Q4_1 ? half_at(b + 2) : 0.0f;
       const uint8_t* qs = b + (type == Q4_1 ? 4 : 2);
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; q && j < 16; ++j) {
         int lo = qs[j] & 0xF, hi = qs[j] >> 4;
         q[j] = type == IQ4_NL ? IQ4_VALUES[lo] : type == Q4_0 ? lo - 8 : lo;
         q[j + 16] = type == IQ4_NL ? IQ4_VALUES[hi] : type == Q4_0 ? hi - 8 : hi;
@@ -117,7 +118,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
       uint32_t high;
       std::memcpy(&high, b + (has_min ? 4 : 2), 4);
       const uint8_t* qs = b + (has_min ? 8 : 6);
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; q && j < 16; ++j) {
         int lo = (qs[j] & 0xF) | (((high >> j) & 1) << 4), hi = (qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4);
         q[j] = has_min ? lo : lo - 16;
         q[j + 16] = has_min ? hi : hi - 16;
@@ -127,7 +128,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
     case Q8_0:
       scale[0] = half_at(b);
       offset[0] = 0.0f;
-      for (int j = 0; j < 32; ++j) q[j] = int8_t(b[2 + j]);
+      for (int j = 0; q && j < 32; ++j) q[j] = int8_t(b[2 + j]);
       return;
     case Q4_K: case Q5_K: {
       const float d = half_at(b), dmin = half_at(b + 2);
@@ -137,7 +138,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
         scale_min_k4(j, b + 4, &sc, &m);
         scale[j] = d * float(sc);
         offset[j] = -(dmin * float(m));
-        for (int l = 0; l < 32; ++l) {
+        for (int l = 0; q && l < 32; ++l) {
           int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
           q[32 * j + l] = type == Q5_K ? v | (((b[16 + l] >> j) & 1) << 4) : v;
         }
@@ -150,7 +151,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
         scale[g] = d * float(int8_t(b[192 + g]));
         offset[g] = 0.0f;
       }
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; q && half < 2; ++half) {
         const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
         for (int l = 0; l < 32; ++l) {
           int* out = q + 128 * half + l;
@@ -168,7 +169,7 @@ inline void decode(int64_t type, const uint8_t* b, int* q, float* scale, float* 
         scale[j] = d * float(iq4_xs_scale(b, j));
         offset[j] = 0.0f;
         const uint8_t* qs = b + 8 + 16 * j;
-        for (int l = 0; l < 16; ++l) {
+        for (int l = 0; q && l < 16; ++l) {
           q[32 * j + l] = IQ4_VALUES[qs[l] & 0xF];
           q[32 * j + l + 16] = IQ4_VALUES[qs[l] >> 4];
         }

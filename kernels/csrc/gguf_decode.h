@@ -2,7 +2,8 @@
 // gguf_dot.h. A decoder wraps one block (K types: a 256-weight super-block) of one weight row:
 //   quants(sb)  the 32 weights of sub-block sb as bytes: unsigned (the offset is applied through the
 //               activations' sums) or, for SIGNED types, int8;
-//   d()         the block's float scale; 32-weight types also offset() (w = d * q + offset);
+//   d()         the block's float scale; 32-weight types also BIAS (w = d * (q - BIAS)) or, with HAS_MIN,
+//               min() (w = d * q + min);
 //   K types:    scale(sb), 16 int16 multipliers of sub-block sb's pair products (its integer scale), and
 //               offsets(bsum16) (int32 lanes summing to the offset's dot product with the activation sums,
 //               which offset_scale() multiplies).
@@ -46,13 +47,11 @@ inline __m256i pair_broadcast(int16_t low, int16_t high) {  // lanes 0-7: low, 8
 template <Type T> struct Block32 {
   static constexpr int BYTES = layout(T).bytes;
   static constexpr bool SIGNED = T == Q8_0 || T == IQ4_NL;
-  static constexpr bool HAS_OFFSET = !SIGNED;
+  static constexpr bool HAS_MIN = T == Q4_1 || T == Q5_1;
+  static constexpr int BIAS = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
   const uint8_t* b;
   float d() const { return half_at(b); }
-  float offset() const {
-    if constexpr (T == Q4_1 || T == Q5_1) return half_at(b + 2);
-    return T == Q4_0 ? -8.0f * d() : T == Q5_0 ? -16.0f * d() : 0.0f;
-  }
+  float min() const { return half_at(b + 2); }
   __m256i quants() const {
     if constexpr (T == Q4_0) return split_nibbles(b + 2);
     if constexpr (T == Q4_1) return split_nibbles(b + 4);

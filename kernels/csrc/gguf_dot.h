@@ -47,35 +47,42 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// rows[r]: weight row r's first block; x rows m0.. of `a`; blocks: per row.
+// rows[r]: weight row r's first block; x rows m0.. of `a`; blocks: per row. A BIAS subtracted from the quants
+// is applied in int32 (8 lanes sum to the block: BIAS / 8 * the activations' sum from each); a min in float.
 template <Type T, int R, int MT>
 inline void tile32(const uint8_t* const* rows, int64_t blocks, const ActRows& a, int64_t m0, float* out) {
   using W = Block32<T>;
+  static_assert(W::BIAS % 8 == 0, "a bias spread evenly over 8 lanes");
   const int64_t K = a.K;
   __m256 acc[R][MT];
-  float offsets[R][MT];
+  float mins[R][MT];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps(), offsets[r][m] = 0.0f;
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i x[MT];
-    for (int m = 0; m < MT; ++m) x[m] = load32(reinterpret_cast<const uint8_t*>(a.q32 + (m0 + m) * K + 32 * b));
+    __m256i x[MT], bias[MT];
+    __m256 dx[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int64_t at = (m0 + m) * (K / 32) + b;
+      x[m] = load32(reinterpret_cast<const uint8_t*>(a.q32 + (m0 + m) * K + 32 * b));
+      dx[m] = _mm256_set1_ps(a.d32[at]);
+      if (W::BIAS) bias[m] = _mm256_set1_epi32(W::BIAS / 8 * a.sum32[at]);
+    }
     for (int r = 0; r < R; ++r) {
       const W w{rows[r] + b * W::BYTES};
       prefetch_ahead(w.b);
       const __m256i q = w.quants();
       const __m256 d = _mm256_set1_ps(w.d());
-      const float offset = W::HAS_OFFSET ? w.offset() : 0.0f;
+      const float min = W::HAS_MIN ? w.min() : 0.0f;
       for (int m = 0; m < MT; ++m) {
-        const int64_t at = (m0 + m) * (K / 32) + b;
-        const __m256i p = W::SIGNED ? dot_bytes(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x[m], q))
-                                    : dot_bytes(q, x[m]);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, _mm256_set1_ps(a.d32[at])), acc[r][m]);
-        if (W::HAS_OFFSET) offsets[r][m] += offset * a.dsum32[at];
+        __m256i p = W::SIGNED ? dot_bytes(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x[m], q)) : dot_bytes(q, x[m]);
+        if (W::BIAS) p = _mm256_sub_epi32(p, bias[m]);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, dx[m]), acc[r][m]);
+        if (W::HAS_MIN) mins[r][m] += min * a.dsum32[(m0 + m) * (K / 32) + b];
       }
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(acc[r][m]) + offsets[r][m];
+    for (int r = 0; r < R; ++r) out[m * R + r] = hsum8(acc[r][m]) + mins[r][m];
 }
 
 template <class W, int R, int MT>

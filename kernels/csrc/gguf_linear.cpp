@@ -14,13 +14,19 @@ struct Segment {  // the int64 words the Python side passes, four per segment
   int64_t row_bytes;
 };
 
-constexpr int MT = 4;  // rows of x per tile
-constexpr int R_ONE = 4;  // weight rows per tile against one row of x
-#if defined(__AVX512VL__)
-constexpr int R_MANY = 4;  // 32 vector registers hold 4 x 4 accumulators
-#else
-constexpr int R_MANY = 2;
+#ifndef PD_GGUF_MT
+#define PD_GGUF_MT 4
 #endif
+#ifndef PD_GGUF_R_MANY
+#if defined(__AVX512VL__)
+#define PD_GGUF_R_MANY 4  // 32 vector registers hold 4 x 4 accumulators
+#else
+#define PD_GGUF_R_MANY 2
+#endif
+#endif
+constexpr int MT = PD_GGUF_MT;  // rows of x per tile
+constexpr int R_ONE = 4;  // weight rows per tile against one row of x
+constexpr int R_MANY = PD_GGUF_R_MANY;
 
 template <typename Y> inline void put(Y* y, int64_t at, float v) { y[at] = from_float<Y>(v); }
 
@@ -153,7 +159,8 @@ extern "C" int pd_gguf_linear(const int64_t* segments, int64_t count, int64_t K,
 
 // The activation quantizers on their own (tests compare them with gguf.quants and ggml's reference).
 extern "C" void pd_gguf_quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dsum) {
-  pd::gguf::quantize_q8(x, K, q, d, dsum);
+  std::vector<int32_t> sum(size_t(K / 32));
+  pd::gguf::quantize_q8(x, K, q, d, dsum, sum.data());
 }
 
 extern "C" void pd_gguf_quantize_q8_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum16) {
