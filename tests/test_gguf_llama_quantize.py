@@ -18,6 +18,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model import quant_gguf
 from pdserve.engine.model.gguf import converted_dir
+from pdserve.engine.model.gguf_modules import GGUFLinear
 from pdserve.engine.model.quant_probe import ProbeResult
 from pdserve.kernels.gguf_linear import native_available
 from tests.gguf_models import model_logits
@@ -67,3 +68,22 @@ def test_the_fixtures_mix_types_within_a_fused_projection():
     types = gguf_types(FIXTURES / "tiny-Q4_K_M.gguf")
     assert {types[f"blk.1.attn_{p}.weight"] for p in "qkv"} == {"Q4_K", "Q6_K"}
     assert types["token_embd.weight"] == "Q6_K"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", FILES)
+def test_on_cuda_the_blocks_go_through_the_triton_kernels(kind):
+    """The same files on a GPU: the blocks copied there, dequantized as they are multiplied (no activation
+    rounding, so well inside the bound)."""
+    llm = LLM(config=engine_config(FIXTURES / f"tiny-{kind}.gguf", quantization="gguf", mode="colocated"))
+    try:
+        model = llm.engine.actors[-1].runner.model
+        held = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        assert held and all(s.data.is_cuda for m in held for s in m.matrix.segments)
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0))
+    finally:
+        llm.close()
+    ref = reference(kind)
+    for prompt, output in zip(PROMPTS, outputs):
+        ref.assert_generation_close(output, prompt)

@@ -111,7 +111,7 @@ def quantize_model(model: CausalLM, scheme: str, gguf_path: Path | None, threads
 
 def _log(decision: QuantDecision) -> None:
     if decision.scheme == "gguf":
-        logger.info("quantization gguf (from the blocks up to %d rows, dequantized tiles above): %s",
+        logger.info("quantization gguf (CPU: from the blocks up to %d rows, dequantized tiles above): %s",
                     decision.max_rows, decision.reason)
     else:
         logger.info("quantization %s (batches <= %d rows): %s", decision.scheme, decision.max_rows, decision.reason)
@@ -129,7 +129,7 @@ def _hold(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) ->
                              "or one .gguf file in the model directory)")
         return QuantDecision("none", 0, "auto: no GGUF file (int8 changes the weights; "
                                         "ask for it with --quantization int8)"), frozenset()
-    unavailable = _unavailable(model, gguf_available)
+    unavailable = _gguf_unavailable(model)
     if unavailable:
         return QuantDecision("none", 0, unavailable), frozenset()
     try:
@@ -146,6 +146,15 @@ def _hold(model: CausalLM, scheme: str, gguf_path: Path | None, threads: int) ->
 def _int8(model: CausalLM, threads: int) -> QuantDecision:
     unavailable = _unavailable(model, native_available)
     return QuantDecision("none", 0, unavailable) if unavailable else _probe_and_swap(model, threads)
+
+
+def _gguf_unavailable(model: CausalLM) -> str:
+    """Why GGUF blocks cannot serve this model ('' when they can): CPU through the native kernels, CUDA
+    through the Triton ones."""
+    weight = model.embed_tokens.weight
+    if weight.device.type == "cuda":
+        return "" if kernels.use_triton(weight) else "the GGUF kernels on CUDA need triton"
+    return _unavailable(model, gguf_available)
 
 
 def _unavailable(model: CausalLM, built) -> str:

@@ -39,12 +39,15 @@ def hold_gguf_blocks(model: CausalLM, path: Path, threads: int) -> Held:
     """Swap the modules whose GGUF tensors have kernels; raises GGUFBlockError for a GGUF that does not
     hold the model's weights, ValueError / OSError for one that cannot be read."""
     blocks = cached_gguf_blocks(path, model.config, tied_head=model.lm_head is None)
-    if not blocks.matrices:
-        return Held(0, frozenset(), describe(blocks))
-    _check_against_checkpoint(model, blocks.matrices, path)
+    device = model.embed_tokens.weight.device
+    matrices = _on_device(blocks, device)
+    if not matrices:
+        return Held(0, frozenset(), describe(blocks, set()))
+    _check_against_checkpoint(model, matrices, path)
+    matrices = {n: m.to(device) for n, m in matrices.items()}
     dtype = model.embed_tokens.weight.dtype
     skip = set()
-    for name, matrix in blocks.matrices.items():
+    for name, matrix in matrices.items():
         skip.add(f"{name}.weight")
         if name == EMBEDDING:
             model.embed_tokens = GGUFEmbedding(matrix, dtype, model.embed_tokens.weight.device)
@@ -55,10 +58,19 @@ def hold_gguf_blocks(model: CausalLM, path: Path, threads: int) -> Held:
             model.set_submodule(name, GGUFLinear(matrix, model.get_submodule(name).bias))
     model.forget_native_decode_layers()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
-    max_rows, probed = _probe(linears, dtype, threads) if linears else (0, "")
+    max_rows, probed = _probe(linears, dtype, threads) if linears and device.type == "cpu" else \
+        (0, f"On {device}: every batch through the Triton kernels")
     for module in linears.values():
         module.max_rows = max_rows
-    return Held(max_rows, frozenset(skip), f"{describe(blocks)}. {probed}")
+    return Held(max_rows, frozenset(skip), f"{describe(blocks, set(matrices))}. {probed}")
+
+
+def _on_device(blocks: CachedBlocks, device: torch.device) -> dict[str, GGUFMatrix]:
+    """The modules held in blocks on `device`: every one on CPU; on CUDA those without an F32 / F16 / BF16
+    part (the Triton kernels decode quantized blocks only)."""
+    if device.type == "cpu":
+        return dict(blocks.matrices)
+    return {n: m for n, m in blocks.matrices.items() if not set(m.types) & {"F32", "F16", "BF16"}}
 
 
 def _probe(linears: dict[str, GGUFLinear], dtype: torch.dtype, threads: int) -> tuple[int, str]:
@@ -74,10 +86,11 @@ def _probe(linears: dict[str, GGUFLinear], dtype: torch.dtype, threads: int) -> 
                                      f"{result.describe('tiles', 'blocks')}")
 
 
-def describe(blocks: CachedBlocks) -> str:
-    """Per GGUF tensor type: how many tensors run from blocks (the embedding's rows gathered from them) and
-    how many do not (1-D norms and biases, which are float, and the modules left dense, named)."""
-    in_blocks = {n for names in blocks.names.values() for n in names}
+def describe(blocks: CachedBlocks, held: set[str]) -> str:
+    """Per GGUF tensor type: how many tensors run from blocks (the `held` modules'; the embedding's rows are
+    gathered from them) and how many do not (1-D norms and biases, which are float, and the modules left
+    dense, named)."""
+    in_blocks = {n for module in held for n in blocks.names[module]}
     counts = Counter((kind, name in in_blocks) for name, kind in blocks.types.items())
     parts = []
     for kind in sorted({k for k, _ in counts}):
@@ -86,9 +99,10 @@ def describe(blocks: CachedBlocks) -> str:
         if other:
             text += f"{',' if blocks_n else ''} {other} not"
         parts.append(text)
-    dense = "; ".join(f"{m} ({why})" for m, why in list(blocks.skipped.items())[:3])
-    more = f" (+{len(blocks.skipped) - 3} more)" if len(blocks.skipped) > 3 else ""
-    return "; ".join(parts) + (f". Dense (no kernel for their types): {dense}{more}" if blocks.skipped else "")
+    skipped = {**blocks.skipped, **{m: "+".join(blocks.matrices[m].types) for m in blocks.matrices if m not in held}}
+    dense = "; ".join(f"{m} ({why})" for m, why in list(skipped.items())[:3])
+    more = f" (+{len(skipped) - 3} more)" if len(skipped) > 3 else ""
+    return "; ".join(parts) + (f". Dense (no kernel for their types here): {dense}{more}" if skipped else "")
 
 
 def _check_against_checkpoint(model: CausalLM, matrices: dict[str, GGUFMatrix], path: Path) -> None:
