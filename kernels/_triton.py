@@ -1,6 +1,6 @@
 """Optional Triton import, and what the kernels need to know about the GPU they compile for.
 
-Without Triton, `HAS_TRITON` is False, `jit` returns the function unchanged and
+Triton is imported where it can run (`_wanted`). Without it, `HAS_TRITON` is False, `jit` returns the function unchanged and
 `tl` is a stand-in that only lets the kernel definitions import (their
 `tl.constexpr` annotations are never evaluated); the reference path is then
 always used. `INTERPRETED` records whether Triton was imported with
@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+
+def _wanted() -> bool:
+    """Triton is imported only where its kernels can run: with a CUDA device, under its interpreter, or when
+    PDSERVE_KERNELS=triton forces it (its import alone holds ~80 MB a CPU-only server has no use for)."""
+    return (os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PDSERVE_KERNELS") == "triton"
+            or torch.cuda.is_available())
+
+
 try:
+    if not _wanted():
+        raise ImportError("not imported: no CUDA device, no TRITON_INTERPRET=1, PDSERVE_KERNELS is not triton")
     import triton
     import triton.language as tl
 

@@ -68,7 +68,10 @@ def gguf_linear_tiled(x: torch.Tensor, matrix: GGUFMatrix, threads: int | None =
         for first in range(0, segment.rows, rows_per_tile):
             count = min(rows_per_tile, segment.rows - first)
             part = dequantize_rows(segment, first, count, tile[:count], threads)
-            y[:, column + first:column + first + count] = torch.mm(x, part.t())
+            if count == matrix.out_features:                        # NOTE: one tile: no temporary
+                torch.mm(x, part.t(), out=y)
+            else:
+                y[:, column + first:column + first + count] = torch.mm(x, part.t())
         column += segment.rows
     return y
 

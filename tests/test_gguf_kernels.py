@@ -159,11 +159,14 @@ def test_gathered_rows_are_gguf_dequantized_rows(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_matmul_is_the_dequantized_matmul(dtype, monkeypatch):
+@pytest.mark.parametrize("parts", [2, 1])
+def test_tiled_matmul_is_the_dequantized_matmul(dtype, parts, monkeypatch):
     from pdserve.kernels import gguf_linear
 
-    monkeypatch.setattr(gguf_linear, "TILE_BYTES", 7 * 512 * 4)   # several tiles a segment
-    matrix = GGUFMatrix((matrix_of("Q5_K", 20, 512, 1).segments[0], matrix_of("Q4_1", 9, 512, 2).segments[0]), 512)
+    if parts == 2:
+        monkeypatch.setattr(gguf_linear, "TILE_BYTES", 7 * 512 * 4)   # several tiles a segment
+    segments = (matrix_of("Q5_K", 20, 512, 1).segments[0], matrix_of("Q4_1", 9, 512, 2).segments[0])
+    matrix = GGUFMatrix(segments[:parts], 512)                          # one part in one tile: y in place
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(0)).to(dtype)
     w = dequantize_reference(matrix).double()
     expected = x.double() @ w.T
