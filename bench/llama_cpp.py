@@ -49,8 +49,9 @@ def llama_server_argv(binary: str, gguf: Path | str, threads: int, context: int,
 
 @contextlib.contextmanager
 def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int,
-                 kv_type: str = "f32", extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """A running llama-server on 127.0.0.1; yields its base URL; stops it on exit."""
+                 kv_type: str = "f32", extra: tuple[str, ...] = (), memory: dict | None = None) -> Iterator[str]:
+    """A running llama-server on 127.0.0.1; yields its base URL; stops it on exit, first recording its peak
+    resident bytes (VmHWM) in `memory["peak_rss_bytes"]` when given a dict."""
     port = _free_port()
     command = llama_server_argv(binary, gguf, threads, context, slots, kv_type, str(port), extra)
     log = tempfile.TemporaryFile("w+")      # NOTE: a pipe nobody drains fills up and stalls the server
@@ -59,6 +60,8 @@ def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int
     try:
         _wait_ready(url, process, log)
         yield url
+        if memory is not None:
+            memory["peak_rss_bytes"] = peak_rss_bytes(process.pid)
     finally:
         process.terminate()
         try:
@@ -67,6 +70,14 @@ def llama_server(binary: str, gguf: Path, threads: int, context: int, slots: int
             process.kill()
             process.wait()
         log.close()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """A running process's peak resident memory (VmHWM in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _wait_ready(url: str, process: subprocess.Popen, log) -> None:

@@ -51,12 +51,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rows", type=int, default=12, help="profiler rows to print")
+    p.add_argument("--quantization", default="none", help="as pdserve's --quantization (gguf: the file's blocks)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory_in_process()
     config = ModelConfig.from_dir(resolve_model(args.model).path)
     num_blocks = args.batch * (-(-(args.context + 1) // 16))
-    runner = ModelRunner(load_model(config, DTYPES[args.dtype], torch.device("cpu"), args.context + 16),
+    runner = ModelRunner(load_model(config, DTYPES[args.dtype], torch.device("cpu"), args.context + 16,
+                                    args.quantization, args.threads),
                          num_blocks, 16, frozenset())
     runner.kv_pool.normal_()                     # touch the pool as a real run's prefill would
     step = make_step(args.phase, args.batch, args.context, BlockManager(num_blocks, 16))

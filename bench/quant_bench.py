@@ -4,7 +4,7 @@
     python -m pdserve.bench.quant_bench --model DIR --threads 1 2
 
 Configurations: float32 and bfloat16 dense; int8 per channel and the GGUF's own blocks (Q4_1
-layers, Q8_0 tied head) with float32 and bfloat16 activations, all loaded at once and measured in
+layers, Q8_0 tied head: the GGUF kernels, activations quantized per block) with float32 and bfloat16 inputs, all loaded at once and measured in
 turn, `--rounds` times per cell (the best round counts: this VM's neighbours add noise). The
 quantized ones run the kernel at every measured decode batch (the probe's own crossover is printed
 and used for the prefill). Each row gives the step time, tokens/s, and the weight bytes a step
@@ -30,6 +30,7 @@ from pdserve.bench.installed_names import prefer_installed
 from pdserve.bench.profile_step import make_step
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.model.gguf_modules import GGUFLinear
 from pdserve.engine.model.quant import QuantizedLinear, gguf_source, projections, quantize_model
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.step import StepInput
@@ -84,7 +85,8 @@ def _timed(fn) -> float:
 def weight_bytes(model) -> int:
     """Bytes of projection weights one decode step reads (packed ones where quantized)."""
     dense = sum(m.weight.numel() * m.weight.element_size() for m in projections(model).values())
-    return dense + sum(m.packed.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    return dense + sum(m.packed.nbytes if isinstance(m, QuantizedLinear) else m.matrix.nbytes
+                       for m in model.modules() if isinstance(m, (QuantizedLinear, GGUFLinear)))
 
 
 def step_seconds(runner: ModelRunner, phase: str, batch: int, context: int, iters: int) -> float:
@@ -108,7 +110,7 @@ def build(model_dir: Path, dtype: str, scheme: str, args) -> tuple[ModelRunner, 
         print(f"{dtype} {scheme} probe ({min(args.threads)} thread(s)): up to {decision.max_rows} rows; "
               f"{decision.reason}", flush=True)
         for module in model.modules():
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, (QuantizedLinear, GGUFLinear)):
                 module.max_rows = 1 << 30               # NOTE: the kernel at every measured batch
     blocks = max(max(args.batches) * -(-(args.context + 1) // 16), -(-(args.prefill + 1) // 16))
     runner = ModelRunner(model, blocks, 16, frozenset())
@@ -133,7 +135,7 @@ def measure(runners: dict, args) -> list[dict]:
     for name, (runner, info) in runners.items():
         if info["scheme"] != "int8":                    # NOTE: prefill takes the dense weights anyway
             for module in runner.model.modules():
-                if isinstance(module, QuantizedLinear):
+                if isinstance(module, (QuantizedLinear, GGUFLinear)):
                     module.max_rows = info["probe_max_rows"]
             seconds = min(step_seconds(runner, "prefill", 1, args.prefill, 1) for _ in range(args.rounds))
             rows.append(_row(info, max(args.threads), "prefill", args.prefill, seconds, args.prefill, None))

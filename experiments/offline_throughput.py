@@ -3,12 +3,16 @@
     python experiments/offline_throughput.py --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
     python experiments/offline_throughput.py --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
         --batches 1,8,32 --prefill-len 1024          # llama.cpp too when llama-server is on PATH
+    python -m pdserve.bench.offline_throughput --model Q4_K_M.gguf --llama-gguf Q4_K_M.gguf --quantization gguf \\
+        --batches 1,8,32 --prefill-len 512 --rounds 3          # the same GGUF blocks, engines alternating
 
 For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the rest; decode
 tokens/s is batch * (output_len - 1) over the difference, and a decode step's time follows. With
 --prefill-len, one prompt of that length is prefilled alone (tokens/s). Each engine runs in its own
 fresh subprocess, one after the other in the same run (a CPU thread team one engine leaves behind
-slows the other: commit 823867d). The machine's memory bandwidth (experiments/cpu_kernels.py bandwidth) is
+slows the other: commit 823867d); with --rounds N the engines take turns N times and every figure is
+the median of its N runs, printed with their spread. Each engine's peak resident memory is recorded
+(pdserve's process; llama-server's). The machine's memory bandwidth (experiments/cpu_kernels.py bandwidth) is
 measured in the same run, and every decode figure is printed with the bandwidth it achieved: the
 weights plus the K/V read per step, over the step time. Writes the full result as JSON.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +91,7 @@ def bench_pdserve(args, prompts, long_prompt) -> dict:
     finally:
         llm.close()
     return {"engine": f"pdserve-{llm.engine.mode}", "dtype": str(llm.engine.layout.dtype), **result,
-            **_step_split(decode_actor)}
+            **_step_split(decode_actor), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def _step_split(actor) -> dict:
@@ -114,10 +120,11 @@ def bench_llama_cpp(args, prompts, long_prompt) -> dict:
     from pdserve.bench.llama_cpp import llama_server, timed_completions
 
     context = max(args.batches) * (args.input_len + args.output_len) + (args.prefill_len or 0) + 64
+    memory = {}
     with llama_server(args.llama_server, Path(args.llama_gguf), args.threads, context,
-                      max(args.batches), args.llama_kv_type) as url:
+                      max(args.batches), args.llama_kv_type, memory=memory) as url:
         result = measure(lambda p, n: timed_completions(url, p, n), args, prompts, long_prompt)
-    return {"engine": "llama.cpp-server", "dtype": f"gguf weights, kv {args.llama_kv_type}", **result}
+    return {"engine": "llama.cpp-server", "dtype": f"gguf weights, kv {args.llama_kv_type}", **result, **memory}
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -158,11 +165,33 @@ def report(args, results: list[dict], bandwidth: dict) -> None:
         for batch, b in r["batches"].items():
             achieved = bytes_per_step(args, config, int(batch)) / (b["step_ms"] / 1e3) / 1e9
             print(f"{r['engine']:<24} {r['dtype']:<22} batch {int(batch):>3}: prefill {b['prefill_tok_s']:8.1f} tok/s  "
-                  f"decode {b['decode_tok_s']:8.1f} tok/s  step {b['step_ms']:7.1f} ms  "
+                  f"decode {b['decode_tok_s']:8.1f} tok/s  step {b['step_ms']:7.1f} ms{_spread(b, 'step_ms')}  "
                   f"{achieved:5.1f} GB/s of {ceiling:.1f}")
         if "long_prefill_tok_s" in r:
             print(f"{r['engine']:<24} {r['dtype']:<22} one {args.prefill_len}-token prompt: "
-                  f"prefill {r['long_prefill_tok_s']:8.1f} tok/s")
+                  f"prefill {r['long_prefill_tok_s']:8.1f} tok/s{_spread(r, 'long_prefill_tok_s')}")
+        if "peak_rss_bytes" in r:
+            print(f"{r['engine']:<24} peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+    _versus_llama_cpp(results)
+
+
+def _spread(figures: dict, key: str) -> str:
+    low, high = figures.get(f"{key}_spread", (None, None))
+    return "" if low is None else f" ({low:.1f}-{high:.1f})"
+
+
+def _versus_llama_cpp(results: list[dict]) -> None:
+    """pdserve's time per token and prefill rate over llama.cpp's, per batch (targets: at most 1x, at least 1x)."""
+    ours = next((r for r in results if r["engine"].startswith("pdserve")), None)
+    theirs = next((r for r in results if r["engine"].startswith("llama.cpp")), None)
+    if ours is None or theirs is None:
+        return
+    for batch, b in ours["batches"].items():
+        ratio = b["step_ms"] / theirs["batches"][batch]["step_ms"]
+        print(f"pdserve / llama.cpp, batch {int(batch):>3}: time per token {ratio:.2f}x (target <= 1)")
+    if "long_prefill_tok_s" in ours and "long_prefill_tok_s" in theirs:
+        print(f"pdserve / llama.cpp, one long prompt: prefill rate "
+              f"{ours['long_prefill_tok_s'] / theirs['long_prefill_tok_s']:.2f}x (target >= 1)")
 
 
 def main(argv=None) -> int:
@@ -182,6 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--repeats", type=int, default=1, help="passes per figure; the best is kept")
+    p.add_argument("--rounds", type=int, default=1, help="times the engines take turns; figures are the medians")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's -t")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -201,13 +231,32 @@ def main(argv=None) -> int:
     args.llama_server = find_llama_server(args.llama_server) if args.llama_gguf else None
     engines = (["pdserve"] + (["transformers"] if args.compare_transformers else [])
                + (["llama.cpp"] if args.llama_server else []))
-    results = [_in_subprocess(args, engine) for engine in engines]
+    rounds = [[_in_subprocess(args, engine) for engine in engines] for _ in range(args.rounds)]
+    results = [median_result([r[i] for r in rounds]) for i in range(len(engines))]
     bandwidth = measure_bandwidth(args.threads)
     report(args, results, bandwidth)
-    record = {"args": vars(args), "machine": {"description": machine_description(), "capability": torch.backends.cpu.get_cpu_capability()}, "memory_bandwidth": bandwidth, "results": results}
+    record = {"args": vars(args), "machine": {"description": machine_description(), "capability": torch.backends.cpu.get_cpu_capability()}, "memory_bandwidth": bandwidth, "results": results,
+              "rounds": rounds}
     if args.result_json:
         write_json(args.result_json, record)
     return 0
+
+
+def median_result(runs: list[dict]) -> dict:
+    """One engine's runs as one result: every number the median of the runs' (a dict per batch likewise),
+    with "<name>_spread": [min, max] beside it where there were several runs; text from the first run."""
+    merged = {}
+    for key, first in runs[0].items():
+        values = [run[key] for run in runs]
+        if isinstance(first, dict):
+            merged[key] = median_result(values)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            merged[key] = statistics.median(values)
+            if len(runs) > 1:
+                merged[f"{key}_spread"] = [min(values), max(values)]
+        else:
+            merged[key] = first
+    return merged
 
 
 def _run_one(args: argparse.Namespace) -> int:
@@ -222,7 +271,7 @@ def _run_one(args: argparse.Namespace) -> int:
 
 
 def _in_subprocess(args: argparse.Namespace, engine: str) -> dict:
-    skip = ("result_json", "compare_transformers", "engine", "batches")
+    skip = ("result_json", "compare_transformers", "engine", "batches", "rounds")
     child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
              if value is not None and name not in skip]
     child.append("--batches=" + ",".join(map(str, args.batches)))
