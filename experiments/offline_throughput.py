@@ -3,7 +3,7 @@
     python experiments/offline_throughput.py --num-prompts 32 --input-len 128 --output-len 128 --compare-transformers
     python experiments/offline_throughput.py --model HF_DIR --llama-gguf F32.gguf --dtype float32 --mode colocated \\
         --batches 1,8,32 --prefill-len 1024          # llama.cpp too when llama-server is on PATH
-    python -m pdserve.bench.offline_throughput --model Q4_K_M.gguf --llama-gguf Q4_K_M.gguf --quantization gguf \\
+    python experiments/offline_throughput.py --model Q4_K_M.gguf --llama-gguf Q4_K_M.gguf --quantization gguf \\
         --batches 1,8,32 --prefill-len 512 --rounds 3          # the same GGUF blocks, engines alternating
 
 For each batch size: a max_tokens=1 pass gives the prefill time, a full pass the rest; decode

@@ -178,8 +178,10 @@ def _gguf_layout(hf_name: str, w: np.ndarray, c) -> np.ndarray:
     return w
 
 
-def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = "none") -> list[torch.Tensor]:
-    """Every position's float32 logits from pdserve's model, each prompt prefilled in one step."""
+def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = "none",
+                 prepare=None) -> list[torch.Tensor]:
+    """Every position's float32 logits from pdserve's model, each prompt prefilled in one step; `prepare`
+    (when given) is called with the loaded model first."""
     from pdserve.engine.actors.runner_rows import RunnerRows
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.core.batch import Batch, ScheduledChunk
@@ -191,6 +193,8 @@ def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = 
     longest = max(map(len, prompts))
     blocks = -(-longest // 16) * len(prompts)
     model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), longest, quantization)
+    if prepare is not None:
+        prepare(model)
     runner, manager = ModelRunner(model, blocks, 16, frozenset()), BlockManager(blocks, 16)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:

@@ -23,7 +23,7 @@ from tests.tolerance import SLACK, float32_error_bound
 
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 BLOCK = {t.name: gguf.GGML_QUANT_SIZES[t][0] for t in gguf.GGMLQuantizationType}
 
 
@@ -116,3 +116,15 @@ class Reference:
             excess = (ours - expected).abs() - 2 * bound
             assert (excess <= 0).all(), f"a log-probability exceeds its bound by {excess.max().item():.3g}"
         return int(decided.sum())
+
+
+def quantizing_projection_inputs(block: int):
+    """For tests/gguf_models.model_logits' `prepare`: every decoder-layer projection of a pdserve model
+    (dense weights) rounds its input per `block` values, as the GGUF kernels do for one block type."""
+    from pdserve.engine.model.layers import Linear
+
+    def prepare(model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name.startswith("layers."):
+                module.register_forward_pre_hook(lambda m, args: (quantize(args[0], block),))
+    return prepare
