@@ -268,7 +268,7 @@ def test_the_start_up_report_counts_every_tensor_type(tmp_path, caplog, kernel_f
     for kind, count in Counter(kind for _, _, kind, _ in gguf_entries(demo_checkpoint("llama"))).items():
         if kind != "F32":
             assert f"{kind}: {count} from blocks" in lines[0]
-    assert "F32: 1 not" in lines[0] and "layers.1.self_attn.o_proj" in lines[0]
+    assert "F32: 1 not from blocks" in lines[0] and "layers.1.self_attn.o_proj" in lines[0]
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():

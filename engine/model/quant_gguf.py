@@ -97,7 +97,7 @@ def describe(blocks: CachedBlocks, held: set[str]) -> str:
         blocks_n, other = counts[(kind, True)], counts[(kind, False)]
         text = f"{kind}: {blocks_n} from blocks" if blocks_n else f"{kind}:"
         if other:
-            text += f"{',' if blocks_n else ''} {other} not"
+            text += f"{',' if blocks_n else ''} {other} not from blocks"
         parts.append(text)
     skipped = {**blocks.skipped, **{m: "+".join(blocks.matrices[m].types) for m in blocks.matrices if m not in held}}
     dense = "; ".join(f"{m} ({why})" for m, why in list(skipped.items())[:3])
