@@ -1,4 +1,4 @@
-"""Regenerate tests/fixtures/gguf/: a tiny Llama quantized by llama.cpp's own tools (Q4_K_M, Q5_K_M, Q6_K, Q8_0).
+"""Regenerate tests/fixtures/gguf/quantized/: a tiny Llama quantized by llama.cpp's own tools (Q4_K_M, Q5_K_M, Q6_K, Q8_0).
 
 CI cannot build llama.cpp, so the files it writes are committed (~1 MB each) and this script is how they
 were made. It needs a llama.cpp source tree and its tools built:
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "tests" / "fixtures" / "gguf"
+OUT = REPO / "tests" / "fixtures" / "gguf" / "quantized"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 TRAIN_STEPS = 150              # the loss is below 0.05 after 100
 CONVERT = """

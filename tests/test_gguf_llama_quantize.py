@@ -4,7 +4,7 @@ tensor, a q/k/v of Q4_K + Q6_K) computed from their blocks, against transformers
 transformers dequantizes; pdserve's kernels quantize each projection's input per block as llama.cpp does,
 so the comparison allows the divergence that rounding causes and no more (tests/quant_reference.py: the
 bound is how far the same rounding moves transformers' own float64 logits). The files and the script that
-made them: tests/fixtures/gguf, experiments/llama_quantize_fixtures.py.
+made them: tests/fixtures/gguf/quantized, experiments/llama_quantize_fixtures.py.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.models import engine_config
 from tests.quant_reference import Reference, gguf_types
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler for the native kernels")
-FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf" / "quantized"
 FILES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 PROMPTS = [torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 19, 45)]
 
