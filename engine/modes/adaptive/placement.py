@@ -48,7 +48,7 @@ class Placement:
         queued there, no prediction: the step carries none whatever the budget)."""
         if self.planner is None:
             return None
-        if not actor.queued():
+        if not actor.queue_lengths()[1]:                     # no prompt waits there for its prefill
             return self.planner.max_prefill_tokens
         decision = self.planner.step_budget(self.load(actor, decode_rows), actor.priced()[0])
         self._log("step budget", decision)
