@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve import kernels
+from pdserve.engine.model.config import ModelConfig
 from pdserve.kernels.native_decode_layers import Projection
 
 
@@ -27,6 +28,22 @@ class Linear(nn.Module):
     def native_projection(self) -> Projection:
         """This linear as the one-call decode step runs it."""
         return Projection(self.weight.data, None if self.bias is None else self.bias.data)
+
+
+class MLP(nn.Module):
+    backend: kernels.Backend | None = None
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.activation = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_up_proj(x), self.backend))
+
+
+ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
 
 
 class RMSNorm(nn.Module):

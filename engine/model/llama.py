@@ -8,25 +8,9 @@ from pdserve import kernels
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
-from pdserve.engine.model.layers import Embedding, Linear, RMSNorm
+from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.kernels.native_decode_layers import DecodeLayers, LayerTensors
-
-
-class MLP(nn.Module):
-    backend: kernels.Backend | None = None
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-        self.activation = ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_up_proj(x), self.backend))
-
-
-ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
 
 
 class DecoderLayer(nn.Module):
