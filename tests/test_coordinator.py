@@ -10,12 +10,12 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
+from tests.hf_models import reference_model as hf_reference
 from tests.hf_models import transformers_greedy
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
 from tests.test_engine_modes import (
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 @functools.cache
 def reference(arch: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+    return hf_reference(hf_checkpoint(arch))
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.config import ModelConfig
+from tests.hf_models import reference_model as hf_reference
 from tests.hf_models import transformers_greedy
 from tests.models import SLOS_SET, demo_checkpoint, engine_config, hf_checkpoint
 
@@ -167,7 +168,7 @@ def test_small_decode_pool_preempts_and_every_request_completes(mode):
 
 @functools.cache
 def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+    model = hf_reference(hf_checkpoint(arch))
     return transformers_greedy(model, prompt, new_tokens)
 
 

@@ -31,12 +31,15 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), gate and up fused; `intermediate_size` default: the config's."""
+
     backend: kernels.Backend | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int = 0) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
+        self.down_proj = Linear(inter, config.hidden_size)
         self.activation = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
