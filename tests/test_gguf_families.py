@@ -24,7 +24,7 @@ from pdserve.engine.model.weights import checkpoint_files
 from pdserve.engine.text.tokenizer import Tokenizer
 from tests.fixtures.gguf import make_fixtures
 from tests.gguf_models import model_logits
-from tests.hf_models import transformers_greedy
+from tests.hf_models import reference_model, transformers_greedy
 from tests.models import engine_config
 from tests.test_quant_model import assert_same_generations, counted, kernel_for_every_batch  # noqa: F401
 from tests.tolerance import assert_float32_close, reference_logits
@@ -45,7 +45,7 @@ def gguf_file(name: str) -> Path:
 
 @functools.cache
 def reference(name: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype=torch.float32).eval()
+    return reference_model(FIXTURES / name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,11 +129,12 @@ def requantized(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral"])
 def test_quantized_blocks_of_every_layout_generate_as_their_dequantized_weights(name, tmp_path, monkeypatch,
                                                                                 kernel_for_every_batch):
-    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms: the GGUF's own Q8_0
-    blocks (--quantization gguf) give the dense model's tokens."""
+    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Qwen2-MoE's shared expert
+    and Mixtral's permuted q/k beside dense experts: the GGUF's own Q8_0 blocks (--quantization gguf) give the
+    dense model's tokens."""
     path = requantized(gguf_file(name), tmp_path / f"{name}.Q8_0.gguf")
     calls = counted(monkeypatch, quant, "quant_linear_native")
     blocks = generate(path, "gguf")
