@@ -67,13 +67,20 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     (gate rows then up rows), w2 [E, H, I], topk_ids / topk_weights [T, k]; returns [T, H] in x's dtype.
     `linear` and `silu_and_mul` run each expert's projections and activation (a backend's kernels)."""
     check_experts(x, w13, w2, topk_ids, topk_weights, b13, b2)
-    top_k = topk_ids.shape[1]
+
+    def expert_mlp(h: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = linear(h, w13[expert], None if b13 is None else b13[expert])
+        return linear(expert_activation(gate_up, activation, alpha, limit, silu_and_mul), w2[expert],
+                      None if b2 is None else b2[expert])
+
     out = torch.zeros_like(x)
-    weights = topk_weights.reshape(-1)
+    if x.shape[0] == 1:                        # one row (one-stream decode): its experts in turn, nothing gathered
+        for expert, weight in sorted(zip(topk_ids[0].tolist(), topk_weights[0].tolist())):
+            out += (expert_mlp(x, expert).float() * weight).to(x.dtype)     # NOTE: weighted in float32
+        return out
+    top_k, weights = topk_ids.shape[1], topk_weights.reshape(-1)
     for expert, pairs in expert_groups(topk_ids, w13.shape[0]):
         rows = pairs // top_k
-        gate_up = linear(x.index_select(0, rows), w13[expert], None if b13 is None else b13[expert])
-        y = linear(expert_activation(gate_up, activation, alpha, limit, silu_and_mul), w2[expert],
-                   None if b2 is None else b2[expert])
+        y = expert_mlp(x.index_select(0, rows), expert)
         out.index_add_(0, rows, (y * weights[pairs, None]).to(x.dtype))     # NOTE: weighted in float32
     return out

@@ -2,10 +2,13 @@
 parameters, the router against transformers' router, and a decode step reading only the chosen experts."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.bench import moe_bench
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.moe import route
@@ -82,3 +85,19 @@ def test_a_decode_step_reads_only_the_experts_its_rows_chose(monkeypatch, backen
     per_expert = (model.layers[0].mlp.w13[0].numel() + model.layers[0].mlp.w2[0].numel()) * 4
     assert touched == config.num_layers * len(chosen) * per_expert
     assert {w.data_ptr() for w in expert_reads} == {p[e].data_ptr() for p in stacks.values() for e in chosen}
+
+
+def test_the_moe_bench_compares_checkpoints_of_the_same_active_weights(tmp_path):
+    """`python -m pdserve.bench.moe_bench` at toy sizes: the two checkpoints it writes read the same weights a token
+    (the router aside), and each dtype's row times both."""
+    out = tmp_path / "moe_bench.json"
+    argv = ["--dir", str(tmp_path), "--threads", "1", "--dtypes", "float32", "--context", "20", "--iters", "1",
+            "--rounds", "1", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
+            "--experts", "8", "--expert-size", "32", "--top-k", "2", "--out", str(out)]
+    assert moe_bench.main(argv) == 0
+    moe, dense = (ModelConfig.from_dir(tmp_path / name) for name in ("moe", "dense"))
+    assert moe.experts.num_experts == 8 and dense.experts is None
+    assert moe.weight_params - dense.weight_params == moe.num_layers * moe.hidden_size * 8      # the routers
+    row, = json.loads(out.read_text())["rows"]
+    assert row["moe"]["ms"] > 0 and row["dense"]["ms"] > 0
+    assert row["ratio"] == pytest.approx(row["moe"]["ms"] / row["dense"]["ms"])
