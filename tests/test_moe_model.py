@@ -13,6 +13,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.moe import route
 from pdserve.engine.worker.model_runner import load_model
+from pdserve.engine.worker.startup.warmup import warm_cpu_linears
+from pdserve.kernels import native_linear
 from pdserve.kernels.kv_layout import KVLayout
 from tests.hf_models import MOE_ARCHS, reference_model
 from tests.models import hf_checkpoint
@@ -101,3 +103,17 @@ def test_the_moe_bench_compares_checkpoints_of_the_same_active_weights(tmp_path)
     row, = json.loads(out.read_text())["rows"]
     assert row["moe"]["ms"] > 0 and row["dense"]["ms"] > 0
     assert row["ratio"] == pytest.approx(row["moe"]["ms"] / row["dense"]["ms"])
+
+
+def test_start_up_decides_the_native_linear_for_every_expert_and_router_shape(monkeypatch):
+    """After the CPU warm-up no decode step times BLAS against the native linear for an expert's matrices."""
+    model = load_model(ModelConfig.from_dir(hf_checkpoint("qwen2-moe")), torch.float32, torch.device("cpu"), 64)
+    if not kernels.use_native(model.embed_tokens.weight):
+        pytest.skip("no native CPU kernels here")
+    model.use_backend(kernels.Backend.NATIVE)
+    assert warm_cpu_linears(model, (torch.get_num_threads(),)) > 0
+    timed = []
+    monkeypatch.setattr(native_linear, "_measure", lambda x, w, key: timed.append(key) or True)
+    for rows in (1, 3):
+        decode_step(model, rows)
+    assert timed == []

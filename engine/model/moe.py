@@ -60,6 +60,11 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(config, e.shared_intermediate_size) if e.shared_intermediate_size else None
         self.shared_gate = empty_parameter(1, hidden) if e.shared_gate else None
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every matrix this block hands `kernels.linear` (each expert's, the router's, the shared gate's)."""
+        gates = [] if self.shared_gate is None else [self.shared_gate]
+        return [self.router.weight, *self.w13.unbind(0), *self.w2.unbind(0), *gates]
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(h)
         e = self.config
