@@ -21,10 +21,11 @@ SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64     # the larger row tile once experts ave
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_ids [slots] int32: the pairs sorted by expert, each expert's run padded to a multiple of block_m
     with the filler `num_pairs`; block_experts [slots / block_m] int32: each block's expert, -1 past the last).
-    Sized by the bound (every expert touched pads block_m - 1 slots at most), so nothing waits for the device."""
+    Sized by the bound (every expert touched pads block_m - 1 slots at most), so nothing waits for the device and
+    a CUDA graph can hold it (torch.bincount would read its maximum back)."""
     flat = topk_ids.reshape(-1)
     num_pairs, device = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)

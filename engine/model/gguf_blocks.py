@@ -75,7 +75,7 @@ def _projection_sources(config: ModelConfig, tied_head: bool, fused: bool) -> di
         sources[f"{attn}.qkv_proj"] = ([f"{blk}.attn_qkv.weight"] if fused else
                                        [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"])
         sources[f"{attn}.o_proj"] = [f"{blk}.attn_output.weight"]
-        if config.layer_kinds[i].experts:         # NOTE: the stacked experts stay dense; a shared expert is a projection
+        if config.layer_kinds[i].experts:         # NOTE: stacked experts stay dense; a shared expert is a projection
             if config.experts.shared_intermediate_size:
                 sources[f"{mlp}.shared_expert.gate_up_proj"] = [f"{blk}.ffn_gate_shexp.weight",
                                                                 f"{blk}.ffn_up_shexp.weight"]

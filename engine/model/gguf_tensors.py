@@ -78,7 +78,7 @@ def _layer_specs(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
         specs |= {"attn_output.bias": ("self_attn.o_proj.bias", (hidden,), a("embedding_length")),
                   "attn_sinks.weight": ("self_attn.sinks", (d.num_heads,), a("attention.head_count"))}
     return ({b + name: _spec(arch, d, m + hf, shape, keys) for name, (hf, shape, keys) in specs.items()}
-            | {b + name: TensorSpec(hf, shape, keys, **options) for name, (hf, shape, keys, options) in experts.items()})
+            | {b + name: TensorSpec(hf, shape, keys, **opts) for name, (hf, shape, keys, opts) in experts.items()})
 
 
 def _spec(arch: str, d: Dims, hf_name: str, shape: tuple[int, ...], keys: str) -> TensorSpec:
