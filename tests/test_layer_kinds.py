@@ -109,6 +109,12 @@ def test_gpt_oss_is_served_with_its_experts(tmp_path):
     assert (config.experts.num_experts, config.experts.top_k, config.experts.routing) == (4, 2, "topk_softmax")
 
 
+def test_mxfp4_gpt_oss_is_refused_naming_what_to_serve_instead(tmp_path):
+    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4': gpt-oss's quantized expert blocks are not read; "
+                                          r"serve a bfloat16 copy"):
+        rewritten(tmp_path, "gpt-oss", quantization_config={"quant_method": "mxfp4"})
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_expert_layers_and_routing_are_the_ones_transformers_builds(arch):
     """Which layers transformers gives a sparse MLP, and the routing numbers it reads."""

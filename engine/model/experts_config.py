@@ -60,6 +60,11 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
     if experts <= 0 or not 0 < top_k <= experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})")
     if architecture == "gpt_oss":
+        method = (raw.get("quantization_config") or {}).get("quant_method")
+        if method is not None:
+            raise ValueError(f"quantization_config.quant_method {method!r}: gpt-oss's quantized expert blocks are "
+                             f"not read; serve a bfloat16 copy (transformers: Mxfp4Config(dequantize=True), then "
+                             f"save_pretrained)")
         return ExpertsConfig(experts, top_k, int(raw["intermediate_size"]), routing="topk_softmax",
                              router_bias=True, expert_bias=True, activation="swiglu_clamped",
                              swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
