@@ -1,4 +1,4 @@
-"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul and GeGLU, linear.
+"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul and GeGLU, linear, MoE experts.
 
 Each function has a plain-torch reference (`<name>_ref`) beside its Triton version (`<name>_triton`,
 used on CUDA tensors) and, for CPU tensors, a native C++ version (`<name>_native`, kernels/csrc,
@@ -31,6 +31,8 @@ from pdserve.kernels.activation import (
 )
 from pdserve.kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pdserve.kernels.grouped_gemm import moe_experts_triton
+from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.native_decode_attention import decode_attention_native
 from pdserve.kernels.native_decode_attention import supports as native_attention_supports
 from pdserve.kernels.native_decode_layers import DecodeLayers, decode_layers_native
@@ -45,7 +47,8 @@ from pdserve.kernels.rotary import rotary_ref, rotary_triton
 from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "Backend", "choose_backend",
+           "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "moe_experts", "Backend",
+           "choose_backend",
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -199,6 +202,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and prefer_native(x, weight)):
         return linear_native(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
+                activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                backend: Backend | None = None) -> torch.Tensor:
+    """A mixture-of-experts layer's experts over x [T, H]: each row's top-k experts (topk_ids [T, k]) weighted
+    by topk_weights [T, k]; w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; returns [T, H]. Rows are
+    grouped by expert and only the experts chosen are read (one grouped-GEMM launch per projection on Triton;
+    per expert touched, this backend's linear, elsewhere)."""
+    backend = backend or choose_backend(x)
+    options = dict(activation=activation, alpha=alpha, limit=limit)
+    if backend is Backend.TRITON:
+        with _INTERPRETER_LOCK:
+            return moe_experts_triton(x, w13, w2, topk_ids, topk_weights, b13, b2, **options)
+    return moe_experts_ref(x, w13, w2, topk_ids, topk_weights, b13, b2, **options,
+                           linear=lambda a, w, b: linear(a, w, b, backend),
+                           silu_and_mul=lambda a: silu_and_mul(a, backend))
 
 
 def decode_layers(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,

@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
+MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")
+EXPERTS = dict(num_experts_per_tok=2)        # of 8: routing decides which weights a token reads
 LONGROPE_ORIGINAL = 64     # "phi3-longrope": prompts past this take LongRoPE's long factors in transformers too
 COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08,
@@ -55,7 +57,44 @@ def transformers_config(arch: str):
     if arch == "smollm3":                            # every fourth layer without rotary embedding, and sliding
         return transformers.SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, use_sliding_window=True,
                                           sliding_window=WINDOW), transformers.SmolLM3ForCausalLM
+    return moe_config(arch)
+
+
+def moe_config(arch: str):
+    """(config, model class) of a mixture-of-experts `arch`: 8 experts, top 2."""
+    import transformers
+
+    if arch == "mixtral":                            # renormalised top 2, every layer sliding
+        return transformers.MixtralConfig(**COMMON, **EXPERTS, num_local_experts=8, sliding_window=WINDOW), \
+            transformers.MixtralForCausalLM
+    if arch == "qwen2-moe":                          # a shared expert with its gate; one dense layer between
+        return transformers.Qwen2MoeConfig(**{**COMMON, "num_hidden_layers": 3}, **EXPERTS, num_experts=8,
+                                           moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                           mlp_only_layers=[1], norm_topk_prob=False), \
+            transformers.Qwen2MoeForCausalLM
+    if arch == "qwen3-moe":                          # q/k norms, renormalised top 2
+        return transformers.Qwen3MoeConfig(**COMMON, **EXPERTS, num_experts=8, head_dim=32, moe_intermediate_size=64,
+                                           norm_topk_prob=True), transformers.Qwen3MoeForCausalLM
+    if arch == "gpt-oss":                            # top-2 logits then softmax, clamped SwiGLU, sinks, windows
+        rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "rope_theta": 150000.0, "original_max_position_embeddings": 256}
+        return transformers.GptOssConfig(**COMMON, **EXPERTS, num_local_experts=8, head_dim=16, sliding_window=WINDOW,
+                                         swiglu_limit=1.0, rope_parameters=rope), transformers.GptOssForCausalLM
     raise ValueError(arch)
+
+
+def reference_model(path: Path):
+    """transformers' float32 model of the checkpoint at `path`, experts run by its own eager loop (its grouped
+    matmul takes no float64, which the tolerance's float64 copy needs)."""
+    import transformers
+
+    options = {}
+    if transformers.AutoConfig.from_pretrained(path).model_type in MOE_MODEL_TYPES:
+        options["experts_implementation"] = "eager"
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options).eval()
+
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def transformers_greedy(model, prompt, new_tokens: int) -> list[int]:
@@ -86,5 +125,7 @@ def _perturb_norms(model, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias")):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+            elif name.endswith("sinks"):
+                param.add_(torch.randn(param.shape, generator=generator))

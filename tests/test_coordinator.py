@@ -10,13 +10,13 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
-from tests.hf_models import transformers_greedy
+from tests.hf_models import reference_model as hf_reference
+from tests.hf_models import MOE_ARCHS, transformers_greedy
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
 from tests.test_engine_modes import (
     abort_after,
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 @functools.cache
 def reference(arch: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+    return hf_reference(hf_checkpoint(arch))
 
 
 @functools.cache
@@ -69,7 +69,7 @@ async def two_waves(engine: Engine, batch: list[tuple[int, ...]]) -> tuple[list[
 
 
 # every family in every mode with thread workers; with process workers, each family in one mode
-FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
+FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3") + MOE_ARCHS
 CASES = [(arch, mode, "thread") for arch in FAMILIES for mode in MODES] + [
     (arch, MODES[i % len(MODES)], "process") for i, arch in enumerate(FAMILIES)] + [
     ("llama3", mode, "process") for mode in MODES[1:]]

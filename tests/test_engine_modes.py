@@ -15,7 +15,8 @@ from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.config import ModelConfig
-from tests.hf_models import transformers_greedy
+from tests.hf_models import reference_model as hf_reference
+from tests.hf_models import MOE_ARCHS, transformers_greedy
 from tests.models import SLOS_SET, demo_checkpoint, engine_config, hf_checkpoint
 
 MODES = ("disaggregated", "colocated")
@@ -167,12 +168,12 @@ def test_small_decode_pool_preempts_and_every_request_completes(mode):
 
 @functools.cache
 def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(arch), dtype=torch.float32).eval()
+    model = hf_reference(hf_checkpoint(arch))
     return transformers_greedy(model, prompt, new_tokens)
 
 
-@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3", *MOE_ARCHS])
+@pytest.mark.parametrize("mode", MODES + ("adaptive",))
 def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
     """Sequences grow past their sliding windows in a pool too small for all of them: some are preempted,
     prefilled again (prompt and tokens so far) and finish with transformers' tokens."""
@@ -184,7 +185,7 @@ def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
     got = asyncio.run(run_engine(tight, staggered(tight, requests)))
     assert got == [expected_tokens(arch, r.prompt_token_ids, 100) for r in requests]
     decode = tight.actors[-1]
-    assert (decode.scheduler if mode == "disaggregated" else decode.decode).num_preemptions > 0
+    assert (decode.decode if mode == "colocated" else decode.scheduler).num_preemptions > 0
     assert_pools_free(tight)
     tight.close()
 

@@ -25,7 +25,7 @@ from pdserve.engine.model.weights import checkpoint_files
 from pdserve.engine.text.tokenizer import Tokenizer
 from tests.fixtures.gguf import make_fixtures
 from tests.gguf_models import model_logits
-from tests.hf_models import transformers_greedy
+from tests.hf_models import reference_model, transformers_greedy
 from tests.models import engine_config
 from tests.quant_reference import quantizing_projection_inputs
 from tests.test_quant_model import counted
@@ -47,7 +47,7 @@ def gguf_file(name: str) -> Path:
 
 @functools.cache
 def reference(name: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype=torch.float32).eval()
+    return reference_model(FIXTURES / name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,9 +131,10 @@ def requantized(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3"])
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral"])
 def test_quantized_blocks_of_every_layout_compute_as_their_dequantized_weights(name, tmp_path, monkeypatch):
-    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms: the GGUF's own Q8_0
+    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Qwen2-MoE's shared expert
+    and Mixtral's permuted q/k beside dense experts: the GGUF's own Q8_0
     blocks (--quantization gguf, which rounds each projection's input per 32 values as llama.cpp does)
     give the dense model's logits, within SLACK times how far that rounding moves the dense model's own
     (tests/quant_reference.py)."""

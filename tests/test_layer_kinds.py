@@ -1,6 +1,6 @@
 """Each family's layer kinds as transformers reads them (windows, rotary per layer, old and new config
 spellings), the context a sliding window leaves alone, and gpt-oss: its attention (sinks, alternating
-windows, YaRN) against transformers' own layer, and its refusal until its experts are supported."""
+windows, YaRN) against transformers' own layer; the expert layers of each mixture-of-experts family."""
 from __future__ import annotations
 
 import copy
@@ -18,20 +18,20 @@ from pdserve.engine.model.config import parse_config
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.kernels.kv_layout import KVLayout
-from tests.hf_models import ARCHS, COMMON, WINDOW, transformers_config
+from tests.hf_models import ARCHS, COMMON, MOE_ARCHS, WINDOW, transformers_config
 from tests.models import engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close
 
 SLIDING = "sliding_attention"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_each_layers_window_is_the_one_transformers_gives_it(arch):
     hf, _ = transformers_config(arch)
     config = ModelConfig.from_dir(hf_checkpoint(arch))
     window = getattr(hf, "sliding_window", None)
     types = getattr(hf, "layer_types", None) or [SLIDING if window else "full"] * len(config.layer_kinds)
-    if arch in ("mistral-sliding", "phi3"):                  # every layer slides (their attention reads no types)
+    if arch in ("mistral-sliding", "phi3", "mixtral"):       # every layer slides (their attention reads no types)
         types = [SLIDING] * len(config.layer_kinds)
     assert config.windows == tuple(window if t == SLIDING and window else 0 for t in types)
 
@@ -102,11 +102,31 @@ def gpt_oss_checkpoint(tmp_path):
     return model, tmp_path / "gpt-oss"
 
 
-def test_gpt_oss_is_refused_naming_its_architecture_and_why(tmp_path):
+def test_gpt_oss_is_served_with_its_experts(tmp_path):
     _, path = gpt_oss_checkpoint(tmp_path)
-    with pytest.raises(ConfigError, match=r"'gpt_oss' cannot be served: its mixture-of-experts MLP layers are "
-                                          r"not supported yet \(issue 47\); supported: .*Gemma3ForCausalLM"):
-        ModelConfig.from_dir(path)
+    config = ModelConfig.from_dir(path)
+    assert all(kind.experts for kind in config.layer_kinds)
+    assert (config.experts.num_experts, config.experts.top_k, config.experts.routing) == (4, 2, "topk_softmax")
+
+
+def test_mxfp4_gpt_oss_is_refused_naming_what_to_serve_instead(tmp_path):
+    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4': gpt-oss's quantized expert blocks are not read; "
+                                          r"serve a bfloat16 copy"):
+        rewritten(tmp_path, "gpt-oss", quantization_config={"quant_method": "mxfp4"})
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_expert_layers_and_routing_are_the_ones_transformers_builds(arch):
+    """Which layers transformers gives a sparse MLP, and the routing numbers it reads."""
+    hf, cls = transformers_config(arch)
+    model = cls(hf)
+    config = ModelConfig.from_dir(hf_checkpoint(arch))
+    sparse = tuple(not hasattr(layer.mlp, "down_proj") for layer in model.model.layers)
+    assert tuple(kind.experts for kind in config.layer_kinds) == sparse and any(sparse)
+    router = next(layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "down_proj"))
+    router = getattr(router, "gate", None) or router.router
+    assert (config.experts.num_experts, config.experts.top_k) == (router.num_experts, router.top_k)
+    assert config.experts.norm_topk_prob == getattr(router, "norm_topk_prob", True)
 
 
 def test_gemma4_is_refused_naming_its_architecture_and_why(tmp_path):

@@ -5,7 +5,6 @@ import functools
 
 import pytest
 import torch
-import transformers
 
 from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.config import ModelConfig
@@ -16,12 +15,13 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from tests.hf_models import ARCHS, LONGROPE_ORIGINAL, transformers_greedy
+from tests.hf_models import ARCHS, LONGROPE_ORIGINAL, MOE_ARCHS, transformers_greedy
+from tests.hf_models import reference_model as hf_reference
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
 CHECKPOINTS = {
-    **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS},
+    **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS + MOE_ARCHS},
     "demo-llama": lambda: demo_checkpoint("llama"),
     "demo-qwen2": lambda: demo_checkpoint("qwen2"),
     "phi3-longrope": functools.partial(hf_checkpoint, "phi3-longrope"),    # long prompts only
@@ -42,7 +42,7 @@ def lengths_for(name: str) -> tuple[int, ...]:
 
 @functools.cache
 def reference_model(name: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINTS[name](), dtype=torch.float32).eval()
+    return hf_reference(CHECKPOINTS[name]())
 
 
 def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:

@@ -57,6 +57,21 @@ def test_roofline_of_llama_8b_on_h200_matches_the_figures_worked_by_hand():
     assert roofline.transfer_seconds(131_072 * 1024) == pytest.approx(131_072 * 1024 / 450e9)
 
 
+@pytest.mark.parametrize("name, active, total", [("mixtral-8x7b", 12.9e9, 46.7e9), ("qwen3-30b-a3b", 3.3e9, 30.5e9)])
+def test_an_expert_layer_is_priced_by_the_experts_its_tokens_read(name, active, total):
+    """The shapes' parameters as their model cards count them (active / total, embeddings included): a one-row
+    decode step reads the active weights, a 256-row one every expert; the pool is sized after all of them."""
+    shape = NAMED_SHAPES[name]
+    embedding = shape.vocab_size * shape.hidden_size
+    assert shape.weight_params + embedding == pytest.approx(active, rel=0.02)     # cards round to one decimal
+    assert shape.stored_params + embedding == pytest.approx(total, rel=0.01)
+    roofline, kv = Roofline(shape, H200, dtype_bytes=2, overhead=0.0), shape.kv_elements_per_token() * 2
+    assert roofline.bytes(StepShape(decode_rows=1, decode_context=1, sampled=1)) == shape.weight_params * 2 + kv
+    many = StepShape(decode_rows=256, decode_context=256, sampled=256)
+    assert roofline.bytes(many) == pytest.approx(shape.stored_params * 2 + 256 * kv, rel=1e-3)
+    assert roofline.flops(many) == pytest.approx(256 * 2 * shape.weight_params, rel=0.01)
+
+
 def test_a_fit_recovers_linear_step_costs_and_never_goes_negative():
     truth = (2e-3, 5e-5, 1e-8, 3e-4, 2e-7, 8e-3)
     shapes = [StepShape(prefill_tokens=n, prompt_chunks=int(n > 0), prefill_pairs=n * (n + 1) // 2 + n * c,

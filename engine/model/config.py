@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.model.experts_config import ExpertsConfig, experts_config
 from pdserve.engine.model.families import (
     ConfigError,
     RopeConfig,
@@ -25,11 +26,13 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-# parsed (their attention is built and tested) but not served: the reason a start is refused
-UNSERVABLE_ARCHITECTURES = {
-    "GptOssForCausalLM": ("gpt_oss", "its mixture-of-experts MLP layers are not supported yet (issue 47)"),
-}
+# parsed but not served: the reason a start is refused
+UNSERVABLE_ARCHITECTURES: dict[str, tuple[str, str]] = {}
 
 # not parsed: the reason a start is refused
 REFUSED_ARCHITECTURES = dict.fromkeys(
@@ -39,13 +42,13 @@ REFUSED_ARCHITECTURES = dict.fromkeys(
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["ConfigError", "LayerKind", "ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ConfigError", "ExpertsConfig", "LayerKind", "ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_dir: Path
-    architecture: str                      # SUPPORTED_ARCHITECTURES' values (gpt_oss only where parsed, unserved)
+    architecture: str                      # SUPPORTED_ARCHITECTURES' values
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,16 +74,27 @@ class ModelConfig:
     norm_offset: float = 0.0               # RMSNorm scales by (offset + weight): Gemma's 1.0
     sandwich_norms: bool = False           # RMSNorm on the attention's and the MLP's outputs too (Gemma 2/3)
     embed_scale: float = 1.0               # embeddings times this (Gemma: sqrt(hidden_size))
+    experts: ExpertsConfig | None = None   # the expert layers' (LayerKind.experts) mixture of experts
 
     @property
     def name(self) -> str:
         return self.model_dir.name
 
     @property
-    def layer_params(self) -> int:
-        """Weights of one layer: q, k, v, o projections and the gated MLP (norms left out)."""
+    def attention_params(self) -> int:
+        """One layer's q, k, v and o projections."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q_out + 2 * kv_out) + 3 * self.hidden_size * self.intermediate_size
+        return self.hidden_size * (2 * q_out + 2 * kv_out)
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        """Weights one token reads in a layer (the mean over the layers): attention and the MLP, an expert
+        layer's active parameters (router, top-k experts, shared expert); norms left out."""
+        return self._layers_params(1) // self.num_layers
 
     @property
     def lm_head_params(self) -> int:
@@ -88,8 +102,32 @@ class ModelConfig:
 
     @property
     def weight_params(self) -> int:
-        """Every weight a step reads: the layers and the LM head (the embedding lookup reads a row per token)."""
-        return self.num_layers * self.layer_params + self.lm_head_params
+        """Every weight a one-token step reads: the layers (an expert layer's active parameters) and the LM head
+        (the embedding lookup reads a row per token)."""
+        return self._layers_params(1) + self.lm_head_params
+
+    def params_read(self, tokens: int) -> float:
+        """The weights a step of `tokens` tokens reads: the dense ones, and each expert layer's experts those
+        tokens touch (expected under uniform routing)."""
+        return self._layers_params(tokens) + self.lm_head_params
+
+    @property
+    def stored_params(self) -> int:
+        """Every weight held: each expert layer's experts all count."""
+        return self._layers_params(None) + self.lm_head_params
+
+    def _layers_params(self, tokens: int | None) -> float | int:
+        """Weights of every layer read by a step of `tokens` tokens (None: every expert)."""
+        experts = sum(kind.experts for kind in self.layer_kinds)
+        dense = self.num_layers * self.attention_params + (self.num_layers - experts) * self.dense_mlp_params
+        if not experts:
+            return dense
+        e, hidden = self.experts, self.hidden_size
+        if tokens is None:
+            return dense + experts * e.stored_params(hidden)
+        if tokens == 1:
+            return dense + experts * e.active_params(hidden)
+        return dense + experts * (e.fixed_params(hidden) + e.experts_touched(tokens) * e.expert_params(hidden))
 
     def kv_elements_per_token(self) -> int:
         """K and V of every layer for one token."""
@@ -158,6 +196,7 @@ def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
             checkpoint_dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                                         torch.float32),
             layer_kinds=layer_kinds(raw, architecture, num_layers, rope),
+            experts=experts_config(raw, architecture),
             **family_features(raw, architecture, hidden),
         )
     except KeyError as e:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.engine.model.experts_config import expert_layers
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROPE_ALIASES = {"su": "longrope"}       # early Phi-3 128k checkpoints
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -42,10 +45,11 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class LayerKind:
-    """How one decoder layer attends: its window and its rotary embedding."""
+    """How one decoder layer attends (its window and rotary embedding) and what its MLP is."""
 
     window: int = 0                             # the last `window` tokens, itself included (0: every token)
     rope: RopeConfig | None = None              # None: no rotary embedding (SmolLM3's NoPE layers)
+    experts: bool = False                       # the MLP is a mixture of experts (ModelConfig.experts)
 
 
 def rope_config(raw: dict, params: dict | None = None) -> RopeConfig:
@@ -90,15 +94,16 @@ def layer_kinds(raw: dict, architecture: str, num_layers: int, rope: RopeConfig)
     types = _layer_types(raw, architecture, num_layers)
     window = int(raw.get("sliding_window") or 0)
     ropes = _layer_ropes(raw, architecture, num_layers, types, rope)
-    return tuple(LayerKind(window if t == SLIDING else 0, r) for t, r in zip(types, ropes))
+    experts = expert_layers(raw, architecture, num_layers)
+    return tuple(LayerKind(window if t == SLIDING else 0, r, e) for t, r, e in zip(types, ropes, experts))
 
 
 def _layer_types(raw: dict, architecture: str, n: int) -> list[str]:
     if not raw.get("sliding_window"):
         return [FULL] * n
-    if architecture in ("qwen2", "qwen3", "smollm3") and not raw.get("use_sliding_window", False):
+    if architecture in QWEN + ("smollm3",) and not raw.get("use_sliding_window", False):
         return [FULL] * n
-    if architecture in ("mistral", "phi3"):          # every layer (Mistral reads no layer_types)
+    if architecture in ("mistral", "mixtral", "phi3", "qwen3_moe"):   # every layer (they read no layer_types)
         return [SLIDING] * n
     types = raw.get("layer_types")
     if types is not None:
@@ -107,6 +112,9 @@ def _layer_types(raw: dict, architecture: str, n: int) -> list[str]:
         return list(types)
     if architecture in ("qwen2", "qwen3"):
         return [SLIDING if i >= int(raw.get("max_window_layers", 28)) else FULL for i in range(n)]
+    if architecture == "qwen2_moe":
+        last = int(raw.get("max_window_layers", 28))
+        return [SLIDING if (i + 1) % 2 and i < last else FULL for i in range(n)]
     if architecture == "smollm3":
         return [FULL if uses_rope else SLIDING for uses_rope in _smollm3_rope_layers(raw, n)]
     if architecture in ("gemma2", "gpt_oss"):
@@ -148,11 +156,13 @@ def family_features(raw: dict, architecture: str, hidden: int) -> dict:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
     bias = bool(raw.get("attention_bias", architecture in ("qwen2", "gpt_oss")))
+    if architecture == "qwen2_moe":
+        bias = bool(raw.get("qkv_bias", True))
     scalar = raw.get("query_pre_attn_scalar") if gemma else None
     return dict(
-        attention_bias=bias and architecture not in ("mistral", "phi3"),
-        o_proj_bias=bias and architecture not in ("qwen2", "mistral", "phi3"),
-        qk_norm=architecture in ("qwen3", "gemma3"),
+        attention_bias=bias and architecture not in ("mistral", "mixtral", "phi3"),
+        o_proj_bias=bias and architecture not in ("qwen2", "qwen2_moe", "mistral", "mixtral", "phi3"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3"),
         attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
         attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
         final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,

@@ -50,6 +50,12 @@ def module_sources(config: ModelConfig, tied_head: bool, fused: bool = False) ->
         sources[f"{attn}.qkv_proj"] = ([f"{blk}.attn_qkv.weight"] if fused else
                                        [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"])
         sources[f"{attn}.o_proj"] = [f"{blk}.attn_output.weight"]
+        if config.layer_kinds[i].experts:         # NOTE: stacked experts stay dense; a shared expert is a projection
+            if config.experts.shared_intermediate_size:
+                sources[f"{mlp}.shared_expert.gate_up_proj"] = [f"{blk}.ffn_gate_shexp.weight",
+                                                                f"{blk}.ffn_up_shexp.weight"]
+                sources[f"{mlp}.shared_expert.down_proj"] = [f"{blk}.ffn_down_shexp.weight"]
+            continue
         sources[f"{mlp}.gate_up_proj"] = [f"{blk}.ffn_up.weight"] if fused else [f"{blk}.ffn_gate.weight",
                                                                                  f"{blk}.ffn_up.weight"]
         sources[f"{mlp}.down_proj"] = [f"{blk}.ffn_down.weight"]

@@ -1,7 +1,8 @@
 """What a GGUF file's metadata says the model is: its `config.json` (its tensors: gguf_tensors.py).
 
-Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, as llama.cpp's converter writes
-them and llama.cpp reads them. Keys follow llama.cpp's names (`llama.embedding_length`, ...). What the
+Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, and the mixture-of-experts ones
+(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py), as llama.cpp's converter writes them and llama.cpp
+reads them. Keys follow llama.cpp's names (`llama.embedding_length`, ...). What the
 file leaves to llama.cpp's model code is taken from there: Gemma's sliding-window pattern (every 2nd /
 6th layer global) and attention scale (head_dim, hidden / heads for the 27B models), SmolLM3's every
 4th layer without rotary embedding. Phi-3's sliding window is kept (llama.cpp runs Phi-3 without it;
@@ -14,19 +15,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine.model.gguf_experts import expert_config
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
-REFUSED = {"gpt-oss": "its mixture-of-experts MLP layers are not supported yet (issue 47)",
-           "gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
+                 "smollm3": "SmolLM3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+REFUSED = {"gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
                      "embeddings are not supported yet"}
 ROPE_FREQS = "rope_freqs.weight"
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 FOLDED = (ROPE_FREQS, *LONGROPE)               # tensors that are configuration: folded into config.json
 GEMMA = ("gemma2", "gemma3")
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}       # llama.cpp's default: every n-th layer global, the rest sliding
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}   # llama.cpp's: every n-th layer global, the rest sliding
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}   # llama.cpp scales these by hidden / heads, others by head_dim
 NO_ROPE_STEP = {"smollm3": 4}                  # llama.cpp: every n-th layer without rotary embedding
 
@@ -46,10 +48,13 @@ class Dims:
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     hf_name: str
-    shape: tuple[int, ...]                 # as Hugging Face stores it: [out, in]
+    shape: tuple[int, ...]                 # in the file, row-major: [out, in] (stacked experts: [experts, out, in])
     keys: str                              # the metadata keys the shape comes from, for errors
     unpermute_heads: int | None = None     # undo llama.cpp's Q/K row permutation over this many heads
     offset: float = 0.0                    # subtract: llama.cpp stores Gemma's norms as 1 + weight
+    experts: bool = False                  # one Hugging Face tensor per expert: hf_name.format(expert=e)
+    transposed: bool = False               # Hugging Face stores it [.., in, out] (gpt-oss's experts)
+    part: tuple[int, int] = (0, 1)         # (i, n): every n-th column of the Hugging Face tensor from i (interleaved)
 
 
 def read_dims(f: GGUFFile) -> Dims:
@@ -88,7 +93,7 @@ def hf_config(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray], special_ids: 
     }
     if d.rotary_dim != d.head_dim:
         config["partial_rotary_factor"] = d.rotary_dim / d.head_dim
-    return config | _family(f, d)
+    return config | _family(f, d) | expert_config(f, d)
 
 
 def _family(f: GGUFFile, d: Dims) -> dict:
@@ -96,8 +101,11 @@ def _family(f: GGUFFile, d: Dims) -> dict:
     arch, window = f.architecture, f.value(f.arch("attention.sliding_window"), 0)
     if arch == "llama":
         return {"attention_bias": False, "mlp_bias": False}
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         return {"use_sliding_window": False, "sliding_window": None}
+    if arch == "gpt-oss":                              # NOTE: transformers' YaRN for gpt-oss does not truncate
+        return {"sliding_window": window, "layer_types": _layer_types(f, d), "attention_bias": True,
+                "rope_scaling": (rope_scaling(f, d, {}) or {"rope_type": "default"}) | {"truncate": False}}
     if arch == "smollm3":
         step = NO_ROPE_STEP[arch]
         return {"no_rope_layers": [int((i + 1) % step != 0) for i in range(d.num_layers)], "use_sliding_window": False}

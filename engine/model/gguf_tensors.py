@@ -2,16 +2,19 @@
 
 Per family, as llama.cpp's converter writes them: Phi-3's fused `attn_qkv` and `ffn_up` (gate and up),
 Gemma's four norms a layer (stored as 1 + weight: `TensorSpec.offset`), Qwen3's and Gemma 3's q/k
-norms, Qwen2's q/k/v biases. The converter permutes the rows of the Q and K projections of the
+norms, Qwen2's q/k/v biases, gpt-oss's biases and sinks; the experts of a mixture-of-experts layer
+(gguf_experts.py). The converter permutes the rows of the Q and K projections of the
 architectures llama.cpp rotates interleaved (Llama, SmolLM3); `TensorSpec.unpermute_heads` undoes it.
 """
 from __future__ import annotations
 
 from pdserve.engine.model.gguf_config import GEMMA, Dims, TensorSpec
+from pdserve.engine.model.gguf_experts import expert_tensors, is_expert_layer
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 PERMUTED_QK = ("llama", "smollm3")
-QK_NORM = ("qwen3", "gemma3")
+QK_NORM = ("qwen3", "gemma3", "qwen3moe")
+QKV_BIAS = ("qwen2", "qwen2moe", "gpt-oss")
 
 
 def tensor_specs(f: GGUFFile, d: Dims) -> dict[str, TensorSpec]:
@@ -39,7 +42,6 @@ def _layer_specs(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
     specs = {
         "attn_norm.weight": ("input_layernorm.weight", *norm),
         "attn_output.weight": ("self_attn.o_proj.weight", (hidden, q), q_keys),
-        "ffn_down.weight": ("mlp.down_proj.weight", (hidden, ffn), ffn_keys),
     }
     if arch == "phi3":                                  # fused, as the Hugging Face checkpoint stores them
         specs |= {"attn_qkv.weight": ("self_attn.qkv_proj.weight", (q + 2 * kv, hidden), q_keys),
@@ -47,24 +49,36 @@ def _layer_specs(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
     else:
         specs |= {"attn_q.weight": ("self_attn.q_proj.weight", (q, hidden), q_keys),
                   "attn_k.weight": ("self_attn.k_proj.weight", (kv, hidden), kv_keys),
-                  "attn_v.weight": ("self_attn.v_proj.weight", (kv, hidden), kv_keys),
-                  "ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, hidden), ffn_keys),
-                  "ffn_up.weight": ("mlp.up_proj.weight", (ffn, hidden), ffn_keys)}
+                  "attn_v.weight": ("self_attn.v_proj.weight", (kv, hidden), kv_keys)}
+    if is_expert_layer(f, i):
+        experts = expert_tensors(f, d, i)
+    else:
+        experts = {}
+        specs["ffn_down.weight"] = ("mlp.down_proj.weight", (hidden, ffn), ffn_keys)
+        if arch != "phi3":
+            specs |= {"ffn_gate.weight": ("mlp.gate_proj.weight", (ffn, hidden), ffn_keys),
+                      "ffn_up.weight": ("mlp.up_proj.weight", (ffn, hidden), ffn_keys)}
     if arch in GEMMA:
         specs |= {"post_attention_norm.weight": ("post_attention_layernorm.weight", *norm),
                   "ffn_norm.weight": ("pre_feedforward_layernorm.weight", *norm),
                   "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", *norm)}
+    elif arch == "gpt-oss":
+        specs["post_attention_norm.weight"] = ("post_attention_layernorm.weight", *norm)
     else:
         specs["ffn_norm.weight"] = ("post_attention_layernorm.weight", *norm)
     if arch in QK_NORM:
         head = (d.head_dim,), a("attention.key_length")
         specs |= {"attn_q_norm.weight": ("self_attn.q_norm.weight", *head),
                   "attn_k_norm.weight": ("self_attn.k_norm.weight", *head)}
-    if arch == "qwen2":
+    if arch in QKV_BIAS:
         specs |= {"attn_q.bias": ("self_attn.q_proj.bias", (q,), q_keys),
                   "attn_k.bias": ("self_attn.k_proj.bias", (kv,), kv_keys),
                   "attn_v.bias": ("self_attn.v_proj.bias", (kv,), kv_keys)}
-    return {b + name: _spec(arch, d, m + hf, shape, keys) for name, (hf, shape, keys) in specs.items()}
+    if arch == "gpt-oss":
+        specs |= {"attn_output.bias": ("self_attn.o_proj.bias", (hidden,), a("embedding_length")),
+                  "attn_sinks.weight": ("self_attn.sinks", (d.num_heads,), a("attention.head_count"))}
+    return ({b + name: _spec(arch, d, m + hf, shape, keys) for name, (hf, shape, keys) in specs.items()}
+            | {b + name: TensorSpec(hf, shape, keys, **opts) for name, (hf, shape, keys, opts) in experts.items()})
 
 
 def _spec(arch: str, d: Dims, hf_name: str, shape: tuple[int, ...], keys: str) -> TensorSpec:

@@ -44,7 +44,9 @@ def check_tensors(f: GGUFFile, specs: dict[str, TensorSpec], block_key: str) -> 
 
 
 def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for every spec, in file order, values exactly as stored."""
+    """(Hugging Face name, tensor) for every spec, in file order, values exactly as stored; stacked experts split
+    one per expert, or the parts of an interleaved tensor (gpt-oss's gate_up_proj) joined once all are read."""
+    parts: dict[str, list[torch.Tensor | None]] = {}
     for name, spec in specs.items():
         tensor = dequantized(f.tensors[name]).reshape(spec.shape)
         if spec.unpermute_heads:
@@ -53,7 +55,19 @@ def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tup
             tensor = (tensor.float() - spec.offset).to(tensor.dtype)     # NOTE: exact: 1 + w is within 2x of 1
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise f.error(f"tensor {name} holds non-finite values: the file is corrupt")
-        yield spec.hf_name, tensor.contiguous()
+        if spec.transposed:
+            tensor = tensor.transpose(-1, -2)
+        index, count = spec.part
+        if count > 1:
+            joined = parts.setdefault(spec.hf_name, [None] * count)
+            joined[index] = tensor
+            if any(p is None for p in joined):
+                continue
+            tensor = torch.stack(parts.pop(spec.hf_name), dim=-1).flatten(-2)      # every count-th column
+        if spec.experts:
+            yield from ((spec.hf_name.format(expert=e), t.contiguous()) for e, t in enumerate(tensor))
+        else:
+            yield spec.hf_name, tensor.contiguous()
 
 
 def dequantized(t) -> torch.Tensor:

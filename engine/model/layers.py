@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve import kernels
+from pdserve.engine.model.config import ModelConfig
 from pdserve.kernels.native_decode_layers import Projection
 
 
@@ -27,6 +28,25 @@ class Linear(nn.Module):
     def native_projection(self) -> Projection:
         """This linear as the one-call decode step runs it."""
         return Projection(self.weight.data, None if self.bias is None else self.bias.data)
+
+
+class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), gate and up fused; `intermediate_size` default: the config's."""
+
+    backend: kernels.Backend | None = None
+
+    def __init__(self, config: ModelConfig, intermediate_size: int = 0) -> None:
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter)
+        self.down_proj = Linear(inter, config.hidden_size)
+        self.activation = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_up_proj(x), self.backend))
+
+
+ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,5 @@
-"""The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3) over a paged KV pool."""
+"""The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3; Mixtral, Qwen2/3-MoE and
+gpt-oss with their experts) over a paged KV pool."""
 from __future__ import annotations
 
 import torch
@@ -8,25 +9,10 @@ from pdserve import kernels
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
-from pdserve.engine.model.layers import Embedding, Linear, RMSNorm
+from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm
+from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.kernels.native_decode_layers import DecodeLayers, LayerTensors
-
-
-class MLP(nn.Module):
-    backend: kernels.Backend | None = None
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-        self.activation = ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_up_proj(x), self.backend))
-
-
-ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
 
 
 class DecoderLayer(nn.Module):
@@ -36,7 +22,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.layer_kinds[layer_index].experts else MLP(config)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sandwich = config.sandwich_norms
@@ -141,7 +127,8 @@ class CausalLM(nn.Module):
 def _one_call_serves(c: ModelConfig) -> bool:
     """Whether the one-call native decode step (Llama-style layers, one window and rotary table) fits the model."""
     kinds = set(c.layer_kinds)
-    plain = not (c.qk_norm or c.sandwich_norms or c.attention_sinks or c.attn_softcap or c.attention_scale)
+    plain = not (c.qk_norm or c.sandwich_norms or c.attention_sinks or c.attn_softcap or c.attention_scale
+                 or c.experts)
     return plain and c.hidden_act == "silu" and len(kinds) == 1 and c.layer_kinds[0].rope is not None
 
 

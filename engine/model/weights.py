@@ -1,8 +1,9 @@
 """Load Hugging Face safetensors straight into the model's (empty) parameters.
 
 Each checkpoint tensor is read from its memory-mapped file and copied into its
-destination (a slice of a fused parameter where q/k/v or gate/up are fused), so
-the peak is the model plus one tensor, never a second full copy.
+destination (a slice of a fused parameter where q/k/v or gate/up are fused, one
+expert of a layer's stacked experts), so the peak is the model plus one tensor,
+never a second full copy.
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class Destination:
     param: str
     start: int | None = None            # row range inside a fused parameter
     stop: int | None = None
-    rows: torch.Tensor | None = None    # the checkpoint rows, in the order the model stores them
+    rows: torch.Tensor | None = None    # the checkpoint rows (along rows_dim), in the order the model stores them
     offset: float = 0.0                 # added to every value (Gemma's norms scale by 1 + weight)
+    expert: int | None = None           # one expert of a stacked [experts, ...] parameter
+    transposed: bool = False            # the checkpoint stores the matrix as [in, out] (gpt-oss's experts)
+    rows_dim: int = 0
 
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -61,7 +65,7 @@ def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]
     if model.lm_head is not None:
         names["lm_head.weight"] = Destination("lm_head.weight")
     for i in range(c.num_layers):
-        names |= _attention(c, i, fused) | _mlp(c, i, fused)
+        names |= _attention(c, i, fused) | (_experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused))
         for ours, theirs in _norm_names(c).items():
             names[f"model.layers.{i}.{theirs}.weight"] = Destination(f"layers.{i}.{ours}.weight", offset=offset)
     return names
@@ -113,6 +117,41 @@ def _mlp(c, i: int, fused: bool) -> dict[str, Destination]:
                     f"model.{mlp}.up_proj.weight": Destination(f"{mlp}.gate_up_proj.weight", inter, 2 * inter)}
 
 
+def _experts(c, i: int) -> dict[str, Destination]:
+    """A mixture-of-experts layer: gpt-oss's stacked experts (gate and up interleaved, [in, out]), else one
+    gate, up and down tensor per expert (Mixtral's w1, w3, w2), the router and Qwen2-MoE's shared expert."""
+    e, ours = c.experts, f"layers.{i}.mlp"
+    if c.architecture == "gpt_oss":
+        theirs, width = f"model.layers.{i}.mlp", 2 * e.intermediate_size
+        deinterleave = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])   # gate rows, up rows
+        return {f"{theirs}.router.weight": Destination(f"{ours}.router.weight"),
+                f"{theirs}.router.bias": Destination(f"{ours}.router.bias"),
+                f"{theirs}.experts.gate_up_proj": Destination(f"{ours}.w13", rows=deinterleave, transposed=True,
+                                                              rows_dim=1),
+                f"{theirs}.experts.gate_up_proj_bias": Destination(f"{ours}.b13", rows=deinterleave, rows_dim=1),
+                f"{theirs}.experts.down_proj": Destination(f"{ours}.w2", transposed=True),
+                f"{theirs}.experts.down_proj_bias": Destination(f"{ours}.b2")}
+    mixtral = c.architecture == "mixtral"
+    theirs = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    inter = e.intermediate_size
+    names = {f"{theirs}.gate.weight": Destination(f"{ours}.router.weight")}
+    for x in range(e.num_experts):
+        expert = f"{theirs}.experts.{x}"
+        names |= {f"{expert}.{gate}.weight": Destination(f"{ours}.w13", 0, inter, expert=x),
+                  f"{expert}.{up}.weight": Destination(f"{ours}.w13", inter, 2 * inter, expert=x),
+                  f"{expert}.{down}.weight": Destination(f"{ours}.w2", expert=x)}
+    if e.shared_intermediate_size:
+        shared, size = f"{ours}.shared_expert", e.shared_intermediate_size
+        names |= {f"{theirs}.shared_expert.gate_proj.weight": Destination(f"{shared}.gate_up_proj.weight", 0, size),
+                  f"{theirs}.shared_expert.up_proj.weight": Destination(f"{shared}.gate_up_proj.weight", size,
+                                                                         2 * size),
+                  f"{theirs}.shared_expert.down_proj.weight": Destination(f"{shared}.down_proj.weight")}
+    if e.shared_gate:
+        names[f"{theirs}.shared_expert_gate.weight"] = Destination(f"{ours}.shared_gate")
+    return names
+
+
 def _norm_names(c) -> dict[str, str]:
     """The model's norms and the checkpoint's names for them (Gemma's post_attention_layernorm is the
     attention's output norm; Llama's is the MLP's input norm)."""
@@ -152,11 +191,15 @@ def load_weights(model: CausalLM, model_dir: str | Path, skip: frozenset[str] = 
 
 def _copy_tensor(tensor: torch.Tensor, params: dict, dest: Destination, name: str, path: Path) -> None:
     target = params[dest.param]
+    if dest.expert is not None:
+        target = target[dest.expert]
     if dest.start is not None:
         target = target[dest.start:dest.stop]
+    if dest.transposed:
+        tensor = tensor.transpose(-1, -2)
     if tuple(tensor.shape) != tuple(target.shape):
         raise WeightError(f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
                           f"expected {tuple(target.shape)}")
     if dest.rows is not None:
-        tensor = tensor[dest.rows]
+        tensor = tensor.index_select(dest.rows_dim, dest.rows)
     target.copy_(tensor.float() + dest.offset if dest.offset else tensor)

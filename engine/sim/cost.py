@@ -44,8 +44,9 @@ def step_shape(step: StepInput) -> StepShape:
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """max(FLOPs / peak, bytes / bandwidth) + a fixed overhead per step: the weights are read once per step,
-    each decode row reads its context's KV, a chunk reads its prefix's KV and every new token writes its own."""
+    """max(FLOPs / peak, bytes / bandwidth) + a fixed overhead per step: the weights are read once per step (an
+    expert layer's: the experts its tokens touch; its FLOPs: the active parameters), each decode row reads its
+    context's KV, a chunk reads its prefix's KV and every new token writes its own."""
 
     shape: ModelConfig
     hardware: Hardware
@@ -61,7 +62,7 @@ class Roofline:
     def bytes(self, s: StepShape) -> float:
         kv_token = self.shape.kv_elements_per_token() * self.dtype_bytes
         kv = kv_token * (s.decode_context + s.prefix_tokens + s.prefill_tokens)
-        return float(self.shape.weight_params * self.dtype_bytes + kv)
+        return float(self.shape.params_read(s.tokens) * self.dtype_bytes + kv)
 
     def seconds(self, s: StepShape, threads: int | None = None) -> float:
         hw = self.hardware

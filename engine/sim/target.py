@@ -57,7 +57,7 @@ def named_pool_blocks(config: EngineConfig, layout: Layout, target: Target) -> t
     on CUDA) less one copy of the weights per device, shared between the units on a device as the pool rule says."""
     absolute, fraction = parse_memory(config.cache.kv_cache_memory or DEFAULT_KV_BUDGET["cuda"])
     fraction = config.cache.gpu_memory_utilization or fraction          # of the device's memory, as here
-    weights = target.shape.weight_params * target.dtype_bytes
+    weights = target.shape.stored_params * target.dtype_bytes
     budget = absolute if absolute is not None else fraction * target.hardware.memory - weights
     block = block_bytes(target, config.cache.block_size)
     blocks = tuple(blocks_within(budget, spec.pool_share, spec.pool_cap, block) for spec in layout.units)

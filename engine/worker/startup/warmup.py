@@ -19,6 +19,7 @@ from pdserve import kernels
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.layers import Linear
+from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.quant import QuantizedLinear
 from pdserve.engine.model.quant_probe import probe_bytes
 from pdserve.engine.worker.cuda_graph import batch_buckets
@@ -90,10 +91,12 @@ def warm_up_for_serving(runner: ModelRunner, role: str, sched: SchedulerConfig, 
 def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> int:
     """`pdserve.kernels.native_linear.warm_prefer_native` over every weight `pdserve.kernels.linear` can be handed: the
     projections (a quantized one's dense weight serves its larger batches) and a tied head's embedding, streaming
-    as many bytes as the quantization probe does (twice the CPU's largest cache)."""
+    as many bytes as the quantization probe does (twice the CPU's largest cache); an expert layer's router and
+    each expert's matrices too."""
     if not kernels.use_native(model.embed_tokens.weight):
         return 0
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
+    weights += [w for m in model.modules() if isinstance(m, SparseMoE) for w in m.linear_weights()]
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)
     return warm_prefer_native(weights, thread_counts, probe_bytes())

@@ -1,0 +1,88 @@
+"""What a mixture-of-experts family's config.json says about its expert layers, as transformers reads it.
+
+Mixtral and Qwen2/3-MoE score every expert with a softmax and keep the top k (Mixtral renormalises them;
+Qwen by `norm_topk_prob`); gpt-oss keeps the top k router logits (its router has a bias) and takes their
+softmax. Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate; gpt-oss's experts
+have biases and a clamped SwiGLU. Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some layers dense.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int                 # each expert's
+    routing: str = "softmax_topk"          # ROUTINGS: softmax over all then top k, or top k logits then softmax
+    norm_topk_prob: bool = True            # softmax_topk: the k probabilities renormalised to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False              # gate/up and down projections of each expert have biases
+    activation: str = "silu"               # EXPERT_ACTIVATIONS: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0      # a dense expert every token takes (0: none)
+    shared_gate: bool = False              # the shared expert's output times sigmoid(x . gate)
+
+    def expert_params(self, hidden: int) -> int:
+        """One expert's weights: its gate, up and down projections."""
+        return 3 * hidden * self.intermediate_size
+
+    def fixed_params(self, hidden: int) -> int:
+        """What every token reads whichever experts it takes: the router and the shared expert with its gate."""
+        return hidden * self.num_experts + 3 * hidden * self.shared_intermediate_size + hidden * self.shared_gate
+
+    def active_params(self, hidden: int) -> int:
+        """The weights one token reads: the router, its top_k experts, the shared expert."""
+        return self.fixed_params(hidden) + self.top_k * self.expert_params(hidden)
+
+    def stored_params(self, hidden: int) -> int:
+        return self.fixed_params(hidden) + self.num_experts * self.expert_params(hidden)
+
+    def experts_touched(self, tokens: int) -> float:
+        """The experts a step of `tokens` tokens reads, expected under uniform routing."""
+        if tokens <= 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
+
+
+def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
+    """The expert layers' configuration (None: a dense family)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    top_k = int(raw["num_experts_per_tok"])
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})")
+    if architecture == "gpt_oss":
+        method = (raw.get("quantization_config") or {}).get("quant_method")
+        if method is not None:
+            raise ValueError(f"quantization_config.quant_method {method!r}: gpt-oss's quantized expert blocks are "
+                             f"not read; serve a bfloat16 copy (transformers: Mxfp4Config(dequantize=True), then "
+                             f"save_pretrained)")
+        return ExpertsConfig(experts, top_k, int(raw["intermediate_size"]), routing="topk_softmax",
+                             router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                             swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
+    if architecture == "mixtral":
+        return ExpertsConfig(experts, top_k, int(raw["intermediate_size"]))
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture == "qwen2_moe" else 0
+    return ExpertsConfig(experts, top_k, int(raw["moe_intermediate_size"]),
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                         shared_intermediate_size=shared, shared_gate=shared > 0)
+
+
+def expert_layers(raw: dict, architecture: str, n: int) -> list[bool]:
+    """Which layers' MLP is a mixture of experts (Qwen: not `mlp_only_layers`, every `decoder_sparse_step`-th)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return [False] * n
+    if architecture in ("mixtral", "gpt_oss"):
+        return [True] * n
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = int(raw.get("decoder_sparse_step") or 1)
+    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
