@@ -70,7 +70,12 @@ class PrefillActor(Actor):
         if reservation is None:
             return False
         self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit)
+        if reservation.evicted and self.tier_plan is not None:     # NOTE: saved before this step copies into them
+            self.tier_plan.peer_evicted(reservation.unit, reservation.evicted)
         return True
+
+    def prefill_schedulers(self) -> list[PrefillScheduler]:
+        return [self.scheduler]
 
     def schedule(self) -> Batch | None:
         self._retire_landed()

@@ -93,8 +93,8 @@ class UnitView:
         return self.backlog_tokens() + self.prefill_tokens_in_flight
 
     def uncached_tokens(self, seq: Sequence) -> int:
-        """Tokens of `seq` this unit's prefix cache does not hold."""
-        return uncached_tokens(self.blocks, seq)
+        """Tokens of `seq` this unit would compute: neither in its prefix cache nor, after that, in a KV tier."""
+        return uncached_tokens(self.blocks, seq, self.tier_plan and self.tier_plan.tiers)
 
     def cached_blocks(self, seq: Sequence) -> int:
         """Blocks of `seq`'s tokens this unit's prefix cache holds."""
