@@ -1,4 +1,4 @@
-"""The KV tier options of the engine (`--kv-offload-memory`, `--kv-offload-disk`)."""
+"""The KV tier options of the engine (`--kv-offload-memory`, `--kv-offload-disk`, `--kv-verify`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,9 @@ def add_tier_args(g: argparse._ArgumentGroup) -> None:
                    help="a KV tier in a file of at most SIZE in folder PATH (default folder: kv-tiers in the cache "
                         "folder), written through with the memory tier and kept across restarts; every block is "
                         "checked on read, one that fails is recomputed (default: off)")
+    g.add_argument("--kv-verify", action="store_true",
+                   help="checksum each prefill-to-decode KV copy at both ends; a copy that differs is made again, "
+                        "and a request whose copy fails twice ends with an error (default: off)")
 
 
 def tier_options(args: argparse.Namespace) -> dict:
@@ -27,4 +30,4 @@ def tier_options(args: argparse.Namespace) -> dict:
     if (memory or disk) and args.distributed_executor_backend == "ray":
         raise ValueError("--kv-offload-memory and --kv-offload-disk are one host's store: not with "
                          "--distributed-executor-backend ray")
-    return {"kv_offload_memory": memory, "kv_offload_disk": disk}
+    return {"kv_offload_memory": memory, "kv_offload_disk": disk, "kv_verify": args.kv_verify}

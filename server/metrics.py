@@ -75,6 +75,9 @@ class EngineCollector(Collector):
         }
         counters["lent_steps"] = CounterMetricFamily("pdserve_lent_steps", "Steps an actor ran with cores "
                                                      "borrowed from the other actor", labels=labels)
+        counters["kv_verify_mismatches"] = CounterMetricFamily(
+            "pdserve_kv_verify_mismatches", "Prefill-to-decode KV copies --kv-verify found different at the two ends "
+            "(made again; a request whose copy differed twice failed)", labels=labels)
         for actor in stats.actors:
             for name, family in {**families, **counters}.items():
                 family.add_metric([actor.name, actor.unit or actor.name], float(getattr(actor, name)))

@@ -25,11 +25,11 @@ def parse(*argv: str):
 
 
 def test_the_options_give_sizes_in_bytes_and_the_disk_folder():
-    cache = parse("--kv-offload-memory", "8GiB", "--kv-offload-disk", "/srv/kv:1.5GiB").cache
-    assert cache.kv_offload_memory == 8 << 30 and cache.kv_offload_disk == ("/srv/kv", 3 << 29)
+    cache = parse("--kv-offload-memory", "8GiB", "--kv-offload-disk", "/srv/kv:1.5GiB", "--kv-verify").cache
+    assert cache.kv_offload_memory == 8 << 30 and cache.kv_offload_disk == ("/srv/kv", 3 << 29) and cache.kv_verify
     assert parse("--kv-offload-disk", "20GiB").cache.kv_offload_disk == (str(cache_root() / "kv-tiers"), 20 << 30)
     off = parse().cache
-    assert (off.kv_offload_memory, off.kv_offload_disk) == (None, None)
+    assert (off.kv_offload_memory, off.kv_offload_disk, off.kv_verify) == (None, None, False)
 
 
 @pytest.mark.parametrize("argv, option", [

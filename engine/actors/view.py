@@ -40,6 +40,8 @@ class PrefillStep(NamedTuple):
 class UnitView:
     """Mixed into the Actor."""
 
+    kv_verify_mismatches = 0         # hand-off copies --kv-verify found different (a prefill actor counts them)
+
     @property
     def step_started_at(self) -> float | None:
         return self._in_flight[0].started if self._in_flight else None
@@ -68,7 +70,7 @@ class UnitView:
                           role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
                           remote_prefills=self.remote_prefills, unit=self.unit_name,
                           routed_prefill=self.routed_prefill, routed_decode=self.routed_decode,
-                          **self._spec_stats())
+                          kv_verify_mismatches=self.kv_verify_mismatches, **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:

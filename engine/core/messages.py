@@ -176,6 +176,7 @@ class ActorStats:
     routed_prefill: int = 0         # prompts the coordinator routed to this unit (to prefill)
     routed_decode: int = 0          # prefilled sequences it routed here (decode blocks reserved)
     retired: bool = False           # its unit failed and could not be restarted: it serves no more
+    kv_verify_mismatches: int = 0   # its hand-off copies that --kv-verify found different at the two ends
 
 
 @dataclass(frozen=True, slots=True)

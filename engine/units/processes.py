@@ -64,7 +64,8 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, layout: 
                 shared[i] = share_pool(pools[i], spec.device, spec.name)
         tickets, decode_pools = tuple(s.ticket for s in shared.values()), tuple(pools[i] for i in shared)
         computes = tuple(ProcessCompute(worker, own_pool=shared[i].ticket if i in shared else None) if spec.decodes
-                         else ProcessCompute(replace(worker, peer_pools=decode_pools, kv_transfer=config.kv_transfer),
+                         else ProcessCompute(replace(worker, peer_pools=decode_pools, kv_transfer=config.kv_transfer,
+                                                     kv_verify=config.cache.kv_verify),
                                              peer_pools=tickets)
                          for i, (spec, worker) in enumerate(zip(layout.units, specs)))
         kept = (*shared.values(), *((store,) if store else ()), SpawnTracker())

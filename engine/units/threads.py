@@ -47,7 +47,7 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
     store = make_tier_store(config.cache, model_config, layout,
                             tier_key(model_config, layout, config.quantization, cpu_kernels), shared=False)
     computes = tuple(ThreadCompute(StepRunner(runner, () if spec.decodes else _peers(config, spec, decoding),
-                                              store and store.copier(spec.device)),
+                                              store and store.copier(spec.device), config.cache.kv_verify),
                                    spec.name, spec.cores) for spec, runner in zip(specs, runners))
     share_cores(computes)
     return Units(layout.units, computes, shared=(store,) if store else (), tiers=store)

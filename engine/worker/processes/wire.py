@@ -26,6 +26,7 @@ from pdserve.engine.worker.step import (
     StepWork,
     VerifyInput,
 )
+from pdserve.engine.worker.kv_verify import CopyCheck
 from pdserve.engine.worker.step_runner import StepOutcome
 from pdserve.engine.worker.tiers.copier import TierOutcome
 
@@ -162,7 +163,8 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
            "verified_logprobs": verified_logprobs, "mask_seconds": outcome.mask_seconds,
            "faults": [list(fault) for fault in result.faults], "prompt_logprobs": prompt_logprobs,
-           "tier": [list(outcome.tier.bad_loads), list(outcome.tier.failed_saves), outcome.tier.load_seconds]}
+           "tier": [list(outcome.tier.bad_loads), list(outcome.tier.failed_saves), outcome.tier.load_seconds],
+           "check": [outcome.check.mismatches, list(outcome.check.failed)]}
     verified = result.verified
     return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
@@ -182,9 +184,11 @@ def decode_outcome(data: bytes) -> StepOutcome:
                                                    tuple(tuple(tuple(t) for t in top) for top in tops)))
                             for index, ids, lps, ranks, tops in doc["prompt_logprobs"])
     bad_loads, failed_saves, load_seconds = doc["tier"]
+    mismatches, failed = doc["check"]
     return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs, faults,
                                   prompt_logprobs), copies, doc["seconds"], doc["threads"], doc["mask_seconds"],
-                       TierOutcome(tuple(bad_loads), tuple(failed_saves), load_seconds))
+                       TierOutcome(tuple(bad_loads), tuple(failed_saves), load_seconds),
+                       CopyCheck(mismatches, tuple(failed)))
 
 
 def encode_error(error: BaseException) -> bytes:

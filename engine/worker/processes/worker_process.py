@@ -55,6 +55,7 @@ class WorkerSpec:
     cpu_kernels: str = "auto"        # the coordinator's --cpu-kernels decision (native | torch), applied here
     thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
     tiers: TierTicket | None = None  # the KV tiers this worker copies blocks to and from
+    kv_verify: bool = False          # check each KV hand-off at both ends (--kv-verify)
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
@@ -124,7 +125,8 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
         check_pools_agree(spec.pool, peer_spec)
         peer_pool = open_shared(peer_spec, peer_fd)
         peers.append(Peer(select_transfer(device, peer_pool.device, spec.kv_transfer), peer_pool))
-    return StepRunner(runner, tuple(peers), tier_copier(open_tiers(spec.tiers), device) if spec.tiers else None)
+    return StepRunner(runner, tuple(peers), tier_copier(open_tiers(spec.tiers), device) if spec.tiers else None,
+                      spec.kv_verify)
 
 
 def _die_with_parent(parent: int) -> None:
