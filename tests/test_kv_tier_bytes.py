@@ -178,3 +178,47 @@ def test_on_a_gpu_a_save_is_read_before_the_step_overwrites_and_a_load_lands_bef
         assert loaded.finish().bad_loads == ()
         assert torch.equal(pool[4].cpu(), expected[2])
         assert races(cuda.copies) == []
+
+
+def test_a_gpu_step_with_tier_copies_never_makes_the_host_wait(monkeypatch):
+    """Saves and loads ride in the step's launch (inside the step window), their host side after it."""
+    from pdserve.engine.worker.step import StepInput, StepWork
+    from pdserve.engine.worker.step_runner import StepRunner
+    from tests.test_step_sync import CUDA1, runner_on
+
+    with fake_cuda(monkeypatch) as cuda:
+        torch.cuda.set_device(CUDA1)
+        torch.cuda.set_stream(torch.cuda.Stream(CUDA1))
+        runner = runner_on(CUDA1)
+        runner.kv_pool.copy_(torch.randn(runner.kv_pool.shape).to(CUDA1))
+        block_bytes = runner.kv_pool[0].numel() * runner.kv_pool.element_size()
+        host = HostTier.allocate(4, block_bytes, KEY, pin=True)
+        step_runner = StepRunner(runner, (), CudaTierCopier((host,), CUDA1))
+        saved = StepWork(StepInput(), tier_saves=(TierCopy(3, 0, 1, digest(3)),))
+        step_runner.launch(saved).result()
+        with cuda.step_window():
+            pending = step_runner.launch(StepWork(StepInput(), tier_saves=(TierCopy(5, 0, 2, digest(5)),),
+                                                  tier_loads=(TierCopy(7, 0, 1, digest(3)),)))
+        outcome = pending.result()
+        assert cuda.syncs == [] and outcome.tier.bad_loads == () and outcome.tier.failed_saves == ()
+        assert torch.equal(runner.kv_pool[7].cpu(), runner.kv_pool[3].cpu())
+        assert not torch.equal(runner.kv_pool[5].cpu(), runner.kv_pool[3].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_real_gpu_blocks_round_trip_through_both_tiers_while_the_step_overwrites_them(tmp_path, disk):
+    device = torch.device("cuda:0")
+    stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(stream)
+    host = HostTier.allocate(4, BLOCK_BYTES, KEY, pin=True)
+    copier = CudaTierCopier((host, disk), device)
+    expected = pools(5)
+    pool = expected.to(device)
+    copies = copier.start([TierCopy(2, 0, 1, digest(2)), TierCopy(2, 1, 3, digest(2))], [], {-1: pool}.__getitem__)
+    pool[2].fill_(0.0)                                          # the forward overwrites the block at once
+    assert copies.finish().failed_saves == ()
+    loaded = copier.start([], [TierCopy(4, 0, 1, digest(2)), TierCopy(5, 1, 3, digest(2))], {-1: pool}.__getitem__)
+    assert loaded.finish().bad_loads == ()
+    torch.cuda.synchronize()
+    assert torch.equal(pool[4].cpu(), expected[2]) and torch.equal(pool[5].cpu(), expected[2])

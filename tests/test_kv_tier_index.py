@@ -195,6 +195,21 @@ def test_a_load_that_fails_its_check_is_recomputed_from_that_block_on():
     tiers.check_consistency()
 
 
+def test_an_eviction_waits_for_no_later_step():
+    blocks = BlockManager(2, BLOCK, enable_caching=True)
+    plan = TierPlan(KVTiers([TierIndex("host", 4)], BLOCK, 1024), blocks)
+    seq = sequence("s", tuple(range(32)))
+    seq.block_table = blocks.grow("s", 32)
+    blocks.register("s", seq.block_hashes)
+    blocks.free("s")
+    assert not plan.has_work
+    blocks.grow("t", 16)                                    # evicts one, whatever the step comes to
+    blocks.free("t")
+    assert plan.has_work
+    assert [(c.block, c.digest) for c in plan.take(0).saves] == [(1, seq.block_hashes[1])]   # the tail first
+    assert not plan.has_work
+
+
 def test_an_abandoned_step_gives_back_its_pending_writes_and_pins():
     blocks = BlockManager(6, BLOCK, enable_caching=True)
     tiers = KVTiers([TierIndex("host", 8)], BLOCK, 1024)

@@ -65,8 +65,12 @@ class TierPlan:
 
     @property
     def has_work(self) -> bool:
-        """Loads or peer saves wait for a step (own evictions ride with whatever step comes next)."""
-        return bool(self._loading or self._peer_saves)
+        """Copies wait for a step, even one with nothing to compute.
+
+        NOTE: own evictions too: a block evicted by a schedule that ended up running nothing (its sequence
+        preempted at once) is free again, and a reservation may hand it to a prefill unit whose copy would
+        overwrite it before a later step of this actor saved it."""
+        return bool(self._loading or self._peer_saves or self.blocks.evicted)
 
     def take(self, step_id: int) -> TierStep | None:
         """The copies step `step_id` makes (None: none); its loading sequences are fenced by it."""

@@ -45,7 +45,10 @@ class HostTier:
 
     @classmethod
     def allocate(cls, num_slots: int, block_bytes: int, key: bytes, pin: bool = False) -> HostTier:
-        buffer = torch.zeros(host_tier_bytes(num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
+        """A tier in this process's memory: its headers blank, its blocks' pages taken only as they are written
+        (unless pinned)."""
+        buffer = torch.empty(host_tier_bytes(num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
+        buffer[:_blocks_offset(num_slots)].zero_()
         return cls(buffer, num_slots, block_bytes, key)
 
     def write(self, slot: int, digest: bytes, data: np.ndarray, crc: int, written_ns: int) -> None:
