@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.units.spec import Layout, UnitSpec
-from pdserve.engine.units.tiers import make_tier_store, tier_key
+from pdserve.engine.units.tiers import make_tier_store
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
 from pdserve.engine.worker.processes.process import ProcessCompute, SpawnTracker
@@ -53,8 +53,7 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, layout: 
     pools = worker_pools(config, model_config, layout)
     cpu_kernels = prepare_cpu_kernels(config.cpu_kernels, model_config, layout.dtype,
                                       max(len(layout.cores), 1)).value
-    store = make_tier_store(config.cache, model_config, layout,
-                            tier_key(model_config, layout, config.quantization, cpu_kernels), shared=True)
+    store = make_tier_store(config, model_config, layout, shared=True)
     specs = [replace(worker_spec(config, model_config, layout, eos, spec, pool, cpu_kernels),
                      tiers=store and store.ticket) for spec, pool in zip(layout.units, pools)]
     shared: dict[int, object] = {}

@@ -9,7 +9,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model.quant import gguf_source, quantize_model
 from pdserve.engine.transfer.select import select_transfer
 from pdserve.engine.units.spec import Layout, UnitSpec
-from pdserve.engine.units.tiers import make_tier_store, tier_key
+from pdserve.engine.units.tiers import make_tier_store
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import ThreadCompute, share_cores
 from pdserve.engine.worker.device import with_index
@@ -29,10 +29,8 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
         keep_freed_memory_in_process()
     for device in dict.fromkeys(spec.device for spec in specs):
         kernels.check_backend(device)
-    cpu_kernels = "none"
     if any(spec.device.type == "cpu" for spec in specs):
-        cpu_kernels = prepare_cpu_kernels(config.cpu_kernels, model_config, layout.dtype,
-                                          max(len(layout.cores), 1)).value
+        prepare_cpu_kernels(config.cpu_kernels, model_config, layout.dtype, max(len(layout.cores), 1))
     sizer = PoolSizer(config.cache, config.scheduler, model_config, layout.dtype, layout.max_model_len,
                       {spec.device for spec in specs})          # NOTE: before any weights are loaded
     models = _models(config, model_config, layout, specs)
@@ -44,8 +42,7 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
     for spec, runner in zip(specs, runners):
         warm_up_for_serving(runner, spec.warmup_role, config.scheduler, layout.max_model_len, spec.thread_counts)
     decoding = [(spec, runner) for spec, runner in zip(specs, runners) if spec.decodes]
-    store = make_tier_store(config.cache, model_config, layout,
-                            tier_key(model_config, layout, config.quantization, cpu_kernels), shared=False)
+    store = make_tier_store(config, model_config, layout, shared=False)
     computes = tuple(ThreadCompute(StepRunner(runner, () if spec.decodes else _peers(config, spec, decoding),
                                               store and store.copier(spec.device), config.cache.kv_verify),
                                    spec.name, spec.cores) for spec, runner in zip(specs, runners))

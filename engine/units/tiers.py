@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.kv_tiers import KVTiers
 from pdserve.engine.core.tier_index import TierIndex
 from pdserve.engine.model.cache import cache_root
@@ -65,21 +65,27 @@ class TierStore:
                 segment.fd = -1
 
 
-def tier_key(model_config: ModelConfig, layout: Layout, quantization: str, cpu_kernels: str) -> bytes:
-    """Everything that makes a block's KV bytes valid here: a block written under another key is never read."""
+def tier_key(config: EngineConfig, model_config: ModelConfig, layout: Layout) -> bytes:
+    """Everything that makes a block's KV bytes valid here: a block written under another key is never read.
+
+    NOTE: --quantization and --cpu-kernels as given, not what their start-up probes chose: a probe that changes its
+    mind at a restart changes the numerics no more than the pool's own prefix cache already mixes (KV computed by
+    decode steps, read by prefill), and keying on it would turn a kept tier cold at random."""
     return validity_key({"model": model_files(model_config.model_dir), "dtype": str(layout.dtype),
-                         "quantization": quantization, "cpu_kernels": cpu_kernels, "block_size": layout.block_size,
+                         "quantization": config.quantization, "cpu_kernels": config.cpu_kernels,
+                         "block_size": layout.block_size,
                          "kv_layout": repr(kv_layout(model_config, layout.block_size)),
                          "devices": sorted({device.type for device in layout.devices})})
 
 
-def make_tier_store(cache: CacheConfig, model_config: ModelConfig, layout: Layout, key: bytes,
-                    shared: bool) -> TierStore | None:
+def make_tier_store(config: EngineConfig, model_config: ModelConfig, layout: Layout, shared: bool) -> TierStore | None:
     """The tiers the options ask for (None: none): the host tier in a memfd segment where worker processes share it
     (`shared`), pinned where a GPU copies through it; the disk tier's file locked, its records indexed (a record
     that fails its header check is dropped and counted). Raises ValueError when a size holds no block."""
+    cache = config.cache
     if cache.kv_offload_memory is None and cache.kv_offload_disk is None:
         return None
+    key = tier_key(config, model_config, layout)
     block_bytes = kv_layout(model_config, layout.block_size).block_bytes(layout.dtype)
     indexes, tiers, tickets, segments = [], [], [], []
     if cache.kv_offload_memory is not None:
