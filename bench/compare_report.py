@@ -112,7 +112,9 @@ def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
                   f"range ratio {w.random_range_ratio:g}",
         "sharegpt": f"ShareGPT file {w.dataset_path}",
         "multiturn": f"{w.num_turns} turns each, shared system prompt {w.system_prompt_len} {unit}, user messages "
-                     f"{w.user_message_len} {unit}, {w.output_len} output tokens, think time {w.think_time:g} s",
+                     f"{w.user_message_len} {unit}" + (f" (the first with a document of {w.document_len} {unit})"
+                                                        if w.document_len else "") +
+                     f", {w.output_len} output tokens, think time {w.think_time:g} s",
     }[w.name]
     multiturn = w.name == "multiturn"
     api = "chat/completions" if args.endpoint == "chat" or multiturn else "completions"
