@@ -116,6 +116,10 @@ def test_a_truncated_file_reads_as_missing_or_bad_never_as_a_block(tmp_path, dis
     assert os.path.getsize(path) == disk_tier_bytes(6, BLOCK_BYTES)
     assert [read(again, slot, slot) is not None for slot in range(6)] == [True] * 3 + [False] * 3
     again.close()
+    with open(path, "ab") as f:
+        f.write(b"grown past its size" * 1000)
+    DiskTier.own(tmp_path, 6, BLOCK_BYTES, KEY).close()
+    assert os.path.getsize(path) == disk_tier_bytes(6, BLOCK_BYTES)      # never more than its size
 
 
 def test_a_file_for_another_key_or_size_is_never_read(tmp_path, disk):

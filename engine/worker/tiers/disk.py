@@ -88,7 +88,7 @@ class DiskTier:
                 logger.warning("disk tier %s was written for another size or format: started again, empty", path)
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(tier._expected_meta()).encode().ljust(PAGE, b" "), 0)
-        if os.fstat(fd).st_size < disk_tier_bytes(num_slots, block_bytes):
+        if os.fstat(fd).st_size != disk_tier_bytes(num_slots, block_bytes):
             os.ftruncate(fd, disk_tier_bytes(num_slots, block_bytes))    # NOTE: a truncated file's cut reads as zeros
         return tier
 
