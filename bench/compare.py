@@ -17,8 +17,10 @@ import contextlib
 import datetime
 import re
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -30,6 +32,8 @@ from pdserve.bench.documents import arguments_dict, machine_description, write_j
 from pdserve.bench.metrics import BenchResult, markdown_comparison
 from pdserve.bench.server_metrics import PlacementSampler
 from pdserve.bench.servers import (
+    KV_TIERS_AB,
+    KV_TIERS_POOL,
     OPTIONAL_SERVERS,
     PREFIX_CACHING_AB,
     REPO,
@@ -105,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching-ab", action="store_true",
                         help="pdserve with --enable-prefix-caching against --no-enable-prefix-caching, by default on "
                              "the multiturn workload, as the run 'prefix-caching'")
+    parser.add_argument("--kv-tiers-ab", action="store_true",
+                        help="pdserve with KV tiers (--kv-offload-memory, --kv-offload-disk in a fresh folder) against "
+                             "without, both with prefix caching, by default on the multiturn workload with a pool "
+                             f"it does not fit ({KV_TIERS_POOL}, unless --pdserve-args is given), as the run 'kv-tiers'")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -193,7 +201,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"pdserve.bench.compare: error: {error}", file=sys.stderr)
         return 2
     command = shlex.join(["python", "-m", "pdserve.bench.compare", *(sys.argv[1:] if argv is None else argv)])
-    return run_comparison(specs, args, options, model_dir, command)
+    try:
+        return run_comparison(specs, args, options, model_dir, command)
+    finally:
+        if args.kv_tiers_ab:
+            shutil.rmtree(args.kv_tiers_folder, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,13 +220,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _apply_presets(args: argparse.Namespace) -> None:
     """Fill the defaults that depend on --prefix-caching-ab (its two servers, workload and section) and the
     output paths: --report under bench/out/, the JSON and plot beside it."""
-    ab = args.prefix_caching_ab
-    if ab:
+    ab = args.prefix_caching_ab or args.kv_tiers_ab
+    if args.prefix_caching_ab:
         args.pdserve_variant = [f"{name}={flags}" for name, flags in PREFIX_CACHING_AB] + args.pdserve_variant
+    if args.kv_tiers_ab:
+        folder = args.kv_tiers_folder = tempfile.mkdtemp(prefix="pdserve-kv-tiers-")   # NOTE: a cold disk tier
+        args.pdserve_variant = [f"{name}={flags.format(folder=folder)}" for name, flags in KV_TIERS_AB] + \
+            args.pdserve_variant
+        args.pdserve_args = args.pdserve_args or KV_TIERS_POOL
     if args.servers is None:
         args.servers = "" if args.pdserve_variant else ",".join(SERVER_NAMES)
     args.dataset_name = args.dataset_name or ("multiturn" if ab else "mixed")
-    args.section = args.section or ("prefix-caching" if ab else "default")
+    args.section = args.section or ("kv-tiers" if args.kv_tiers_ab else "prefix-caching" if ab else "default")
     stem = "compare" if args.section == "default" else "compare_" + re.sub(r"[^A-Za-z0-9]+", "_", args.section)
     args.report = args.report or str(OUT_DIR / f"{stem}.md")
     args.result_json = args.result_json or str(Path(args.report).with_suffix(".json"))

@@ -10,13 +10,14 @@ from pdserve.bench import loadtest
 from pdserve.bench.documents import machine_description
 from pdserve.bench.metrics import markdown_comparison
 from pdserve.bench.server_metrics import timeline_summary
-from pdserve.bench.servers import OPTIONAL_SERVERS, PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
+from pdserve.bench.servers import KV_TIERS_AB, OPTIONAL_SERVERS, PREFIX_CACHING_AB, REPO, SERVER_NAMES, ServerOutcome
 from pdserve.bench.turn_metrics import markdown_turns
 
 
 ADAPTIVE, DISAGG, COLOC, HF = SERVER_NAMES
 (LLAMA_CPP,) = OPTIONAL_SERVERS
 AB_ON, AB_OFF = (name for name, _ in PREFIX_CACHING_AB)
+TIERS_ON, TIERS_OFF = (name for name, _ in KV_TIERS_AB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,9 @@ TARGETS = (
     *(Target(f"pdserve {mode} {label} <= llama.cpp's", server, (LLAMA_CPP,), key, 1.0, "le")
       for mode, server in (("adaptive", ADAPTIVE), ("colocated", COLOC))
       for label, key in (("median ITL", "median_itl_ms"), ("p99 ITL", "p99_itl_ms"))),
+    Target("turn >= 2 median TTFT with KV tiers <= 0.3 x without", TIERS_ON, (TIERS_OFF,),
+           "median_ttft_later_turns_ms", 0.3, "le"),
+    Target("output tok/s with KV tiers >= 0.97 x without", TIERS_ON, (TIERS_OFF,), "output_throughput", 0.97, "ge"),
     Target("turn >= 2 median TTFT with prefix caching <= 0.3 x without", AB_ON, (AB_OFF,),
            "median_ttft_later_turns_ms", 0.3, "le"),
 )
@@ -108,7 +112,9 @@ def _workload_line(args: argparse.Namespace, options: loadtest.Options) -> str:
                   f"range ratio {w.random_range_ratio:g}",
         "sharegpt": f"ShareGPT file {w.dataset_path}",
         "multiturn": f"{w.num_turns} turns each, shared system prompt {w.system_prompt_len} {unit}, user messages "
-                     f"{w.user_message_len} {unit}, {w.output_len} output tokens, think time {w.think_time:g} s",
+                     f"{w.user_message_len} {unit}" + (f" (the first with a document of {w.document_len} {unit})"
+                                                        if w.document_len else "") +
+                     f", {w.output_len} output tokens, think time {w.think_time:g} s",
     }[w.name]
     multiturn = w.name == "multiturn"
     api = "chat/completions" if args.endpoint == "chat" or multiturn else "completions"

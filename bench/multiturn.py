@@ -60,13 +60,19 @@ def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
            spec.output_len) < 1:
         raise ValueError("multiturn: conversations, turns, system prompt, user message and output lengths "
                          "must be at least 1")
-    if spec.think_time < 0:
-        raise ValueError("multiturn: think_time must be non-negative")
+    if spec.think_time < 0 or spec.document_len < 0:
+        raise ValueError("multiturn: think_time and document_len must be non-negative")
     rng = random.Random(spec.seed)
     system = word_prompt(rng, spec.system_prompt_len, spec.tokens_per_word)
-    return [Conversation(index, system, tuple(word_prompt(rng, spec.user_message_len, spec.tokens_per_word)
-                                              for _ in range(spec.num_turns)))
-            for index in range(spec.num_conversations)]
+    return [Conversation(index, system, _messages(spec, rng)) for index in range(spec.num_conversations)]
+
+
+def _messages(spec: WorkloadSpec, rng: random.Random) -> tuple[str, ...]:
+    """One conversation's user messages; the first pastes its document, if the workload has one."""
+    messages = [word_prompt(rng, spec.user_message_len, spec.tokens_per_word) for _ in range(spec.num_turns)]
+    if spec.document_len:
+        messages[0] = word_prompt(rng, spec.document_len, spec.tokens_per_word) + "\n\n" + messages[0]
+    return tuple(messages)
 
 
 def turn_request(spec: WorkloadSpec, conversation: Conversation, answers: Sequence[str]) -> SampleRequest:
@@ -78,7 +84,7 @@ def turn_request(spec: WorkloadSpec, conversation: Conversation, answers: Sequen
 
 def history_len(spec: WorkloadSpec, turn: int) -> int:
     """About how many tokens turn `turn` sends (the server's usage.prompt_tokens has the real count)."""
-    return spec.system_prompt_len + turn * spec.user_message_len + (turn - 1) * spec.output_len
+    return spec.system_prompt_len + spec.document_len + turn * spec.user_message_len + (turn - 1) * spec.output_len
 
 
 SendTurn = Callable[[SampleRequest, int], Awaitable[tuple[RequestRecord, str]]]

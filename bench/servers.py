@@ -147,6 +147,9 @@ def transformers_unavailable() -> str:
 PDSERVE_DEVICES = ("--prefill-device", "cpu", "--decode-device", "cpu")
 PREFIX_CACHING_AB = (("prefix-caching-on", "--enable-prefix-caching"),
                      ("prefix-caching-off", "--no-enable-prefix-caching"))
+KV_TIERS_AB = (("kv-tiers-on", "--kv-offload-memory 2GiB --kv-offload-disk {folder}:8GiB"),   # a fresh folder per run
+               ("kv-tiers-off", ""))
+KV_TIERS_POOL = "--kv-cache-memory 28MiB"   # a pool the multiturn load's KV is several times (demo base model)
 
 
 def pdserve_argv(model_dir: str) -> list[str]:

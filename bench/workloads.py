@@ -94,6 +94,7 @@ class WorkloadSpec:
     system_prompt_len: int = 512  # between an answer and the next turn
     user_message_len: int = 64
     think_time: float = 0.0
+    document_len: int = 0         # multiturn: tokens of a document of its own each conversation's first message pastes
 
 
 def word_prompt(rng: random.Random, num_tokens: int, tokens_per_word: float = 1.0) -> str:
@@ -286,6 +287,8 @@ def add_multiturn_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--system-prompt-len", type=int, default=512, help="tokens of the system prompt they share")
     group.add_argument("--user-message-len", type=int, default=64, help="tokens of each user message")
     group.add_argument("--think-time", type=float, default=0.0, help="seconds between an answer and the next turn")
+    group.add_argument("--document-len", type=int, default=0,
+                       help="tokens of a document of its own that each conversation's first message pastes (0: none)")
 
 
 def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
@@ -312,7 +315,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         tokens_per_word=tokens_per_word(args.tokenizer) if args.tokenizer else 1.0,
         num_conversations=args.num_conversations, num_turns=args.num_turns,
         system_prompt_len=args.system_prompt_len, user_message_len=args.user_message_len,
-        think_time=args.think_time,
+        think_time=args.think_time, document_len=args.document_len,
     )
 
 

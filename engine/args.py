@@ -6,6 +6,7 @@ import argparse
 from pdserve.engine.modes import MODES
 from pdserve.engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.model.quant import SCHEMES
+from pdserve.engine.tier_args import add_tier_args, tier_options
 from pdserve.engine.worker.memory import parse_memory
 from pdserve.engine.worker.startup.cpu_kernels import CPU_KERNELS
 
@@ -77,6 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=cache.enable_prefix_caching,
                    help="reuse the KV cache of a prompt's longest cached prefix of full blocks, on every actor "
                         "(default: on; --no-enable-prefix-caching turns it off)")
+    add_tier_args(g)
     g.add_argument("--kv-watermark", type=float, default=cache.kv_watermark,
                    help="decode pool usage above which no new sequence is admitted")
     g.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block")
@@ -182,7 +184,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig.from_json(args.speculative_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=_kv_budget(args),
                           gpu_memory_utilization=_utilization(args.gpu_memory_utilization),
-                          kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching),
+                          kv_watermark=args.kv_watermark, enable_prefix_caching=args.enable_prefix_caching,
+                          **tier_options(args)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
                                   max_model_len=args.max_model_len, max_queue=args.max_queue,
                                   ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,

@@ -129,6 +129,7 @@ class Engine(Recovery):
         for actor, spec in zip(actors, self.units.specs):
             actor.index, actor.unit_name = spec.index, spec.name
             actor.on_failure = self.supervisor.actor_failed
+            self._attach_tiers(actor)
         prefill = [a for a, spec in zip(actors, self.units.specs) if not spec.decodes]
         decoding = [a for a, spec in zip(actors, self.units.specs) if spec.decodes]
         coordinator = Coordinator(prefill, decoding, self.mode.entry_role, self.mode.needs_prefill_units, self.clock)
@@ -138,8 +139,14 @@ class Engine(Recovery):
     def _fresh_actor(self, actor: Actor) -> Actor:
         """A new actor (nothing queued, not started) over `actor`'s unit, in its role."""
         spec, unit = next((s, u) for s, u in zip(self.units.specs, self.units.computes) if s.name == actor.unit_name)
-        return self.mode.actor(spec, unit, self.units.drafter(spec), Wiring(self.config, self.layout,
-                                                                             self.streams.on_step))
+        return self._attach_tiers(self.mode.actor(spec, unit, self.units.drafter(spec),
+                                                  Wiring(self.config, self.layout, self.streams.on_step)))
+
+    def _attach_tiers(self, actor: Actor) -> Actor:
+        """`actor` saves to and loads from the engine's KV tiers, where it has any (one store for every unit)."""
+        if self.units.tiers is not None:
+            actor.attach_tiers(self.units.tiers.index)
+        return actor
 
     # lifecycle
     async def start(self) -> None:
@@ -255,7 +262,8 @@ class Engine(Recovery):
         decoding = [self._actor_stats(actor) for actor in self.coordinator.decode]
         running, waiting = self.mode.counts(prefill, decoding)
         return EngineStats((*prefill, *decoding), running=running, waiting=waiting, num_unfinished=len(self.streams),
-                           restarts=self.supervisor.restarts, dead=self.dead is not None)
+                           restarts=self.supervisor.restarts, dead=self.dead is not None,
+                           tiers=self.units.tiers.index.stats() if self.units.tiers is not None else ())
 
     def _actor_stats(self, actor: Actor) -> ActorStats:
         stats = actor.stats()

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.server.options import add_serve_arguments, server_config_from_args
 
@@ -59,10 +60,22 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
     if ray and args.unit_user is None:
         print("note: the Ray node's session belongs to the user that ran `ray start`; pass --unit-user NAME",
               file=sys.stderr)
+    writable = tier_folders(serve_args)
+    for folder in writable:
+        print(f"note: the disk KV tier's folder {folder} must exist and be writable by the service's user",
+              file=sys.stderr)
     sys.stdout.write(render_unit(args.passthrough, user=args.unit_user, description=args.unit_description,
                                  shutdown_timeout=serve_args.shutdown_timeout, watchdog_sec=args.watchdog_sec,
-                                 ray=ray))
+                                 ray=ray, writable=writable))
     return 0
+
+
+def tier_folders(serve_args: argparse.Namespace) -> list[str]:
+    """The disk tier's folder when the options name one (without a PATH it is the unit's cache folder)."""
+    text = serve_args.kv_offload_disk
+    if text is None or ":" not in text:
+        return []
+    return [str(Path(text.rpartition(":")[0]).expanduser().absolute())]
 
 
 def _engine_cli():

@@ -20,6 +20,18 @@ COMPILE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 TRANSFER_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
+TIER_SERIES = (
+    (CounterMetricFamily, "hits", "Prompt tokens loaded from the KV tier instead of computed", "hit_tokens"),
+    (CounterMetricFamily, "bytes_in", "KV bytes written to the tier", "bytes_in"),
+    (CounterMetricFamily, "bytes_out", "KV bytes read from the tier into a pool", "bytes_out"),
+    (CounterMetricFamily, "evictions", "Blocks the tier dropped, least recently used first, to make room", "evictions"),
+    (CounterMetricFamily, "bad_blocks", "Tier records that failed their check (dropped and recomputed, never used)",
+     "bad_blocks"),
+    (GaugeMetricFamily, "blocks", "KV blocks the tier holds", "blocks"),
+    (GaugeMetricFamily, "capacity_blocks", "KV blocks the tier can hold", "capacity_blocks"),
+)
+
+
 class EngineCollector(Collector):
     """Gauges from `pdserve.engine.stats()`, one sample set per scrape; nothing while no engine runs."""
 
@@ -40,6 +52,8 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("pdserve_engine_dead", "1 once the engine has failed for good (the server exits)",
                                 value=float(stats.dead))
         yield from self._per_actor(stats)
+        if stats.tiers:
+            yield from self._tiers(stats)
 
     @staticmethod
     def _per_actor(stats: EngineStats) -> Iterator[GaugeMetricFamily]:
@@ -61,6 +75,9 @@ class EngineCollector(Collector):
         }
         counters["lent_steps"] = CounterMetricFamily("pdserve_lent_steps", "Steps an actor ran with cores "
                                                      "borrowed from the other actor", labels=labels)
+        counters["kv_verify_mismatches"] = CounterMetricFamily(
+            "pdserve_kv_verify_mismatches", "Prefill-to-decode KV copies --kv-verify found different at the two ends "
+            "(made again; a request whose copy differed twice failed)", labels=labels)
         for actor in stats.actors:
             for name, family in {**families, **counters}.items():
                 family.add_metric([actor.name, actor.unit or actor.name], float(getattr(actor, name)))
@@ -94,6 +111,15 @@ class EngineCollector(Collector):
             routed.add_metric([unit, "decode"], float(actor.routed_decode))
         yield routed
 
+
+    @staticmethod
+    def _tiers(stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Per KV tier (host, disk): what it holds and what went through it."""
+        for kind, name, text, field in TIER_SERIES:
+            family = kind(f"pdserve_kv_tier_{name}", text, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], float(getattr(tier, field)))
+            yield family
 
     @staticmethod
     def _speculative(stats: EngineStats) -> Iterator[CounterMetricFamily]:

@@ -71,11 +71,13 @@ async def watchdog(interval: float, env: Mapping[str, str] = os.environ, alive=l
 
 
 def render_unit(serve_args: Sequence[str], *, user: str | None = None, description: str | None = None,
-                shutdown_timeout: float = 30.0, watchdog_sec: int = 30, ray: bool = False) -> str:
+                shutdown_timeout: float = 30.0, watchdog_sec: int = 30, ray: bool = False,
+                writable: Sequence[str] = ()) -> str:
     """A systemd unit running `python -m pdserve.server.cli serve <serve_args>` with this interpreter.
 
     `ray`: the server is the driver of this host's Ray node (ray.service): it starts after it and sees
-    its session under /tmp/ray (no private /tmp)."""
+    its session under /tmp/ray (no private /tmp). `writable`: folders outside the cache folder the service
+    writes (a disk KV tier's), opened in ProtectSystem=strict."""
     command = [sys.executable, "-m", "pdserve.server.cli", "serve", *serve_args]
     package_root = Path(__file__).resolve().parent.parent
     return Template(UNIT_TEMPLATE.read_text()).substitute(
@@ -90,6 +92,7 @@ def render_unit(serve_args: Sequence[str], *, user: str | None = None, descripti
         ray_unit=RAY_UNIT if ray else "",
         ray_service=f"ReadWritePaths={RAY_TMP_DIR}\nEnvironment=RAY_AUTH_MODE=token\n" if ray else "",
         private_tmp="no" if ray else "yes",
+        writable_paths="".join(f"ReadWritePaths={_escape_specifiers(path)}\n" for path in writable),
     )
 
 

@@ -37,6 +37,21 @@ def test_prefix_caching_ab_preset():
     assert args.report.endswith("bench/out/compare_prefix_caching.md")
 
 
+def test_kv_tiers_ab_preset():
+    args = compare.parse_args(["--kv-tiers-ab"])
+    assert (args.dataset_name, args.section, args.servers) == ("multiturn", "kv-tiers", "")
+    on, off = compare.selected_specs(args, "/m")
+    common = f"pdserve serve --model /m --port 9 --prefill-device cpu --decode-device cpu {servers.KV_TIERS_POOL}"
+    assert _shown(on) == (f"{common} --kv-offload-memory 2GiB --kv-offload-disk {args.kv_tiers_folder}:8GiB")
+    assert _shown(off) == common and off.name == "kv-tiers-off"
+    assert args.result_json.endswith("compare_kv_tiers.json")
+    targets = {t.what: (t.server, t.references) for t in TARGETS}
+    assert targets["turn >= 2 median TTFT with KV tiers <= 0.3 x without"] == (on.name, (off.name,))
+    assert targets["output tok/s with KV tiers >= 0.97 x without"] == (on.name, (off.name,))
+    never_evicts = compare.parse_args(["--kv-tiers-ab", "--pdserve-args", "--kv-cache-memory 2GiB"])
+    assert _shown(compare.selected_specs(never_evicts, "/m")[1]).endswith("--kv-cache-memory 2GiB")
+
+
 def test_variants_join_the_named_servers():
     args = compare.parse_args(["--servers", "pdserve-colocated", "--pdserve-variant", "big-blocks=--block-size 32"])
     colocated, big = compare.selected_specs(args, "/m")

@@ -38,6 +38,16 @@ def test_conversations_are_seeded_and_share_one_system_prompt():
             build_conversations(WorkloadSpec(**{**_fields(SPEC), **bad}))
 
 
+def test_a_document_goes_into_each_conversations_first_message_only():
+    spec = WorkloadSpec(**{**_fields(SPEC), "document_len": 30})
+    conversations = build_conversations(spec)
+    firsts = [c.user_messages[0] for c in conversations]
+    assert all(len(m.split()) == 36 for m in firsts) and len(set(firsts)) == 5     # its own document each
+    assert all(len(m.split()) == 6 for c in conversations for m in c.user_messages[1:])
+    with pytest.raises(ValueError):
+        build_conversations(WorkloadSpec(**{**_fields(SPEC), "document_len": -1}))
+
+
 def _fields(spec: WorkloadSpec) -> dict:
     return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
 

@@ -22,6 +22,7 @@ from pdserve.engine.actors.port import NoPort, Port
 from pdserve.engine.actors.recording import Recording
 from pdserve.engine.actors.runner_rows import RunnerRows
 from pdserve.engine.actors.step_trace import StepTrace
+from pdserve.engine.actors.tiering import Tiering
 from pdserve.engine.actors.view import UnitView
 from pdserve.engine.core.batch import Batch
 from pdserve.engine.core.block_manager import BlockManager
@@ -54,7 +55,7 @@ class InFlight:
     threads: int | None = None       # the CPU threads it runs on (None: its unit's own)
 
 
-class Actor(Recording, UnitView, abc.ABC):
+class Actor(Recording, UnitView, Tiering, abc.ABC):
     """Subclasses implement `handle`, `schedule`, `record`, `drop`, `clear` and `queue_lengths`.
 
     Scheduling and bookkeeping run on the event loop; only the step runs on the actor's compute
@@ -123,6 +124,7 @@ class Actor(Recording, UnitView, abc.ABC):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._task = None
+        self.give_back_tiers()
 
     def drain(self) -> bool:
         """Apply the messages left in the mailbox (a stopped actor); True if there were any."""
@@ -146,12 +148,10 @@ class Actor(Recording, UnitView, abc.ABC):
         if futures:
             await asyncio.wait(futures)
 
-
     # messages
     def send(self, message) -> None:
         self._mailbox.put(message)
         self._wakeup.set()
-
 
     def poke(self) -> None:
         self._wakeup.set()
@@ -186,12 +186,15 @@ class Actor(Recording, UnitView, abc.ABC):
         started = time.perf_counter()
         batch = self.schedule()
         if batch is None:
-            return False
+            if not self.tier_work_waiting:
+                return False
+            batch = Batch()                    # a step of tier copies alone
         step_id = self._next_step
         self._next_step += 1
         for seq in batch.sequences():
             seq.last_step = step_id
-        work = replace(self.prepare(batch), threads=self.step_threads(batch))
+        threads = self.step_threads(batch) if batch.sequences() else None
+        work = self.with_tier_copies(replace(self.prepare(batch), threads=threads), step_id)
         future = self.unit.submit(work)
         self._in_flight.append(InFlight(step_id, batch, future, self.clock(), work.threads))
         self.step_seconds += time.perf_counter() - started
@@ -202,7 +205,8 @@ class Actor(Recording, UnitView, abc.ABC):
         outcome = await step.future                # NOTE: a failed step fails the actor (its unit's state is unknown)
         self._step_done(step)
         started = time.perf_counter()
-        self.observe_step(step.batch, outcome.seconds, outcome.threads)
+        if step.batch.sequences():
+            self.observe_step(step.batch, outcome.seconds, outcome.threads)
         if self.trace is not None:
             batch = step.batch
             self.trace.step(self.unit_name, step.step_id, step.started, outcome.seconds, outcome.threads,
@@ -212,6 +216,7 @@ class Actor(Recording, UnitView, abc.ABC):
             self.mask_seconds.append(outcome.mask_seconds)
         self.end_faulted(step.batch, outcome.result.faults)
         self.cache_landed(step.batch)
+        self.tier_copies_done(step.step_id, outcome)
         output = self.record(step.batch, outcome)
         self.steps += 1
         self.step_seconds += time.perf_counter() - started
@@ -262,7 +267,6 @@ class Actor(Recording, UnitView, abc.ABC):
         """A finished step's compute time (the step cost model of adaptive mode listens here)."""
         if self.speculator is not None:
             self.speculator.observe_step(batch, seconds, threads)
-
 
     # subclass interface
     @abc.abstractmethod

@@ -35,6 +35,9 @@ class ColocatedActor(Actor):
             if seq is not None:
                 self.drop(seq)
 
+    def prefill_schedulers(self) -> list[PrefillScheduler]:
+        return [self.prefill]
+
     def schedule(self) -> Batch | None:
         return mixed_batch(self.decode, self.prefill, lambda decode_rows: self.max_prefill_tokens - decode_rows)
 

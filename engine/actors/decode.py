@@ -40,7 +40,9 @@ class DecodeActor(Actor):
         if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits):
             return None
         self.blocks.count_lookup(held, len(hits) * size)
-        return Reservation(tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits)), len(hits), self.index)
+        mark = len(self.blocks.evicted or ())
+        table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits))
+        return Reservation(table, len(hits), self.index, tuple(self.blocks.take_evicted(mark)))
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that was never handed off (no step of this actor has used it)."""

@@ -13,7 +13,7 @@ from pdserve.engine.actors.base import Actor, Emit, first_pending
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.core.config import SchedulerConfig
-from pdserve.engine.core.messages import Abort, KVHandoff, Preempted, Release, Request, StepOutput
+from pdserve.engine.core.messages import Abort, FinishReason, KVHandoff, Preempted, Release, Request, StepOutput
 from pdserve.engine.core.scheduler import PrefillScheduler
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.worker.compute import Compute
@@ -48,6 +48,7 @@ class PrefillActor(Actor):
         self.outgoing: dict[str, Outgoing] = {}
         self.retiring: list[Outgoing] = []
         self.transfer_seconds: deque[float] = deque(maxlen=10_000)
+        self.kv_verify_mismatches = 0    # hand-off copies --kv-verify found different at the two ends
 
     def handle(self, message) -> None:
         if isinstance(message, Request):
@@ -70,7 +71,12 @@ class PrefillActor(Actor):
         if reservation is None:
             return False
         self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit)
+        if reservation.evicted and self.tier_plan is not None:     # NOTE: saved before this step copies into them
+            self.tier_plan.peer_evicted(reservation.unit, reservation.evicted)
         return True
+
+    def prefill_schedulers(self) -> list[PrefillScheduler]:
+        return [self.scheduler]
 
     def schedule(self) -> Batch | None:
         self._retire_landed()
@@ -101,6 +107,9 @@ class PrefillActor(Actor):
     def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
         for request_id, handle in outcome.copies:
             self.outgoing[request_id].transfers.append(handle)
+        self.kv_verify_mismatches += outcome.check.mismatches
+        for request_id in outcome.check.failed:
+            self._copy_failed(self.outgoing[request_id].seq)
         output, recorded = self.record_tokens(batch.sampled, outcome, self.record_prompt_logprobs(batch, outcome))
         for seq, reason in recorded:
             out = self.outgoing[seq.request_id]
@@ -112,6 +121,14 @@ class PrefillActor(Actor):
             self.leave(seq)
         self._retire_landed()
         return output
+
+    def _copy_failed(self, seq: Sequence) -> None:
+        """`seq`'s KV reached its decode unit different twice (--kv-verify): it ends with an error, never decoded."""
+        if not seq.done:
+            self.emit(StepOutput((seq.request_id,), (-1,), (FinishReason.ERROR,),
+                                 error="request failed: its KV copy to the decode unit differed from the prefilled "
+                                       "blocks twice (--kv-verify)"))
+            self.drop(seq)
 
     def leave(self, seq: Sequence) -> None:
         """Done on this actor: its row goes now, its blocks once its copies have landed."""

@@ -40,6 +40,8 @@ class PrefillStep(NamedTuple):
 class UnitView:
     """Mixed into the Actor."""
 
+    kv_verify_mismatches = 0         # hand-off copies --kv-verify found different (a prefill actor counts them)
+
     @property
     def step_started_at(self) -> float | None:
         return self._in_flight[0].started if self._in_flight else None
@@ -68,7 +70,7 @@ class UnitView:
                           role=self.role(), lent_steps=self.lent_steps, local_prefills=self.local_prefills,
                           remote_prefills=self.remote_prefills, unit=self.unit_name,
                           routed_prefill=self.routed_prefill, routed_decode=self.routed_decode,
-                          **self._spec_stats())
+                          kv_verify_mismatches=self.kv_verify_mismatches, **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.speculator is None:
@@ -93,8 +95,8 @@ class UnitView:
         return self.backlog_tokens() + self.prefill_tokens_in_flight
 
     def uncached_tokens(self, seq: Sequence) -> int:
-        """Tokens of `seq` this unit's prefix cache does not hold."""
-        return uncached_tokens(self.blocks, seq)
+        """Tokens of `seq` this unit would compute: neither in its prefix cache nor, after that, in a KV tier."""
+        return uncached_tokens(self.blocks, seq, self.tier_plan and self.tier_plan.tiers)
 
     def cached_blocks(self, seq: Sequence) -> int:
         """Blocks of `seq`'s tokens this unit's prefix cache holds."""

@@ -75,9 +75,15 @@ class Coordinator(UnitFaults):
         if isinstance(seq, Request):
             seq = Sequence(seq)
         order = first_token_order([PrefillView(i, a.prefill_work(), a.uncached_tokens(seq),
-                                               self._prefill_rate(a, actors), self.up(a))
-                                   for i, a in enumerate(actors)])
+                                               self._prefill_rate(a, actors), self.up(a), a.tier_tokens(seq))
+                                   for i, a in enumerate(actors)], self._tier_rate(actors))
         return order[0] if order else None
+
+    @staticmethod
+    def _tier_rate(actors: list[Actor]) -> float | None:
+        """The KV tiers' measured copy-in seconds per token (one store for every unit), else None."""
+        plan = next((a.tier_plan for a in actors if a.tier_plan is not None), None)
+        return plan.tiers.seconds_per_token() if plan is not None else None
 
     def _prefill_rate(self, actor: Actor, peers: list[Actor]) -> float | None:
         """Measured seconds per prefill token on `actor`'s kind of unit (adaptive mode's cost models), else None."""

@@ -17,12 +17,12 @@ import torch
 from pdserve.engine.model.cache import cache_root
 from pdserve.engine.units.spec import Layout
 from pdserve.engine.worker.startup.defaults import detect_cpu
+from pdserve.engine.worker.tiers.records import model_files
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 3                   # the profile's steps changed: a profile kept before is measured again
 DRIFT = 2.0                  # a probe step this many times slower or faster than stored: the machine changed
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 
 
 class ProfileStore:
@@ -58,7 +58,7 @@ class ProfileStore:
 
 def profile_key(model_dir: Path | None, layout: Layout, quantization: str, cpu_kernels: str, sched) -> dict:
     """Everything the start-up profile's timings depend on."""
-    return {"pdserve": _version(), "machine": _machine(layout), "model": _model(model_dir),
+    return {"pdserve": _version(), "machine": _machine(layout), "model": model_files(model_dir),
             "dtype": str(layout.dtype), "quantization": quantization, "cpu_kernels": cpu_kernels,
             "units": [[s.role, str(s.device), len(s.cores), list(s.thread_counts), s.warmup_role]
                       for s in layout.units],
@@ -87,15 +87,3 @@ def _machine(layout: Layout) -> list:
             parts.append([name, torch.version.cuda])
     return parts
 
-
-def _model(model_dir: Path | None) -> list:
-    """The model's files: config.json's bytes, and each weight file's name, size and modification time."""
-    if model_dir is None:
-        return []
-    config = model_dir / "config.json"
-    parts = [hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else ""]
-    for path in sorted(model_dir.iterdir()):
-        if path.suffix in WEIGHT_SUFFIXES:
-            stat = path.stat()
-            parts.append([path.name, stat.st_size, stat.st_mtime_ns])
-    return parts

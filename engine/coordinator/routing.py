@@ -17,6 +17,7 @@ class PrefillView:
     uncached_tokens: int             # the prompt's tokens it would compute: its prefix-cache hits are free
     seconds_per_token: float | None  # its measured prefill rate (the step cost model); None: unmeasured
     up: bool = True                  # False while the unit fails or restarts: skipped
+    tier_tokens: int = 0             # the prompt's tokens it would load from a KV tier (past its cache hits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +31,20 @@ class DecodeView:
     up: bool = True
 
 
-def first_token_order(units: Sequence[PrefillView]) -> list[int]:
+def first_token_order(units: Sequence[PrefillView], tier_seconds_per_token: float | None = None) -> list[int]:
     """Live units, soonest predicted first token first: queued plus uncached tokens, in seconds when every
-    live unit's rate is measured, else in tokens (the same scale for all)."""
+    live unit's rate is measured, else in tokens (the same scale for all). Tokens loaded from a KV tier cost
+    their measured copy-in time (`tier_seconds_per_token`) in seconds; in tokens, or before any load was
+    measured, nothing (as cached ones: the tiers are the same for every unit)."""
     live = [u for u in units if u.up]
     timed = all(u.seconds_per_token is not None for u in live)
+    tier_price = tier_seconds_per_token if timed and tier_seconds_per_token is not None else 0.0
 
     def wait(u: PrefillView) -> tuple[float, int]:
         tokens = u.queued_tokens + u.uncached_tokens
-        return (tokens * u.seconds_per_token if timed else float(tokens)), u.index
+        if not timed:
+            return float(tokens), u.index
+        return tokens * u.seconds_per_token + u.tier_tokens * tier_price, u.index
 
     return [u.index for u in sorted(live, key=wait)]
 

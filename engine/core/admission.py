@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.kv_tiers import KVTiers
 from pdserve.engine.core.prefix_cache import extend_hashes
 from pdserve.engine.core.sequence import Sequence as SequenceState
 
@@ -43,11 +44,24 @@ def computable_prefix(blocks: BlockManager, seq: SequenceState) -> list[int]:
     NOTE: the last token is always computed, for its logits. A decode pool receiving copied KV has no
     such token to compute and shares `cached_prefix(blocks, seq, n)`. A sequence that scores its prompt
     (`Sequence.scores_prompt`) computes every position: it shares nothing."""
-    if seq.scores_prompt:
-        return []
-    return cached_prefix(blocks, seq, seq.num_tokens - 1)
+    return cached_prefix(blocks, seq, shareable_blocks(seq, blocks.block_size) * blocks.block_size)
 
 
-def uncached_tokens(blocks: BlockManager, seq: SequenceState) -> int:
-    """Prompt tokens a pool would have to compute for `seq` (its prefix-cache hits are free)."""
-    return seq.num_tokens - len(computable_prefix(blocks, seq)) * blocks.block_size
+def shareable_blocks(seq: SequenceState, block_size: int) -> int:
+    """How many of `seq`'s first blocks a pool that computes its next token may take from a cache (its pool's or
+    a KV tier): see `computable_prefix`."""
+    return 0 if seq.scores_prompt else (seq.num_tokens - 1) // block_size
+
+
+def tier_hits(tiers: KVTiers | None, blocks: BlockManager, seq: SequenceState, cached: int) -> int:
+    """Blocks of `seq` past its `cached` pool hits that the KV tiers hold, all loadable (0 without tiers)."""
+    if tiers is None or not blocks.enable_caching:
+        return 0
+    return len(tiers.lookup(seq.block_hashes[cached:shareable_blocks(seq, blocks.block_size)]))
+
+
+def uncached_tokens(blocks: BlockManager, seq: SequenceState, tiers: KVTiers | None = None) -> int:
+    """Prompt tokens a pool would have to compute for `seq` (its prefix-cache hits, and the blocks after them
+    that `tiers` hold, are not computed)."""
+    hits = len(computable_prefix(blocks, seq))
+    return seq.num_tokens - (hits + tier_hits(tiers, blocks, seq, hits)) * blocks.block_size

@@ -39,6 +39,8 @@ class BlockManager:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self.prefix_queries = 0                             # tokens looked up at admission
         self.prefix_hits = 0                                # of which found in the cache
+        self.evicted: list[tuple[int, bytes]] | None = None   # (block, hash) of registered blocks handed out
+        #                                                     again, while a KV tier wants them (else None)
 
     @property
     def num_free(self) -> int:
@@ -104,6 +106,8 @@ class BlockManager:
         if stale is not None:                                # evicted: its KV is about to be overwritten
             del self._cached[stale]
             self._hash_of[block] = None
+            if self.evicted is not None:
+                self.evicted.append((block, stale))
         self._ref_counts[block] = 1
         return block
 
@@ -132,6 +136,14 @@ class BlockManager:
             if self._hash_of[block] is None and digest not in self._cached:
                 self._cached[digest] = block
                 self._hash_of[block] = digest
+
+    def take_evicted(self, since: int = 0) -> list[tuple[int, bytes]]:
+        """The evicted (block, hash) pairs reported since the `since`-th one, no longer reported."""
+        if not self.evicted:
+            return []
+        taken = self.evicted[since:]
+        del self.evicted[since:]
+        return taken
 
     def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += num_tokens

@@ -17,6 +17,9 @@ class CacheConfig:
     #                                      pdserve may use, weights and KV together (CUDA only; None: kv_cache_memory)
     kv_watermark: float = 0.9
     enable_prefix_caching: bool = True   # share the KV of identical prompt prefixes (full blocks)
+    kv_offload_memory: int | None = None   # bytes of host memory for the KV tier below the pools; None: none
+    kv_offload_disk: tuple[str, int] | None = None   # (folder, bytes) of the disk tier; None: none
+    kv_verify: bool = False              # checksum every prefill-to-decode KV copy at both ends
 
 
 @dataclass(frozen=True, slots=True)

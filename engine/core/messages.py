@@ -127,11 +127,13 @@ class KVHandoff:
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """Decode blocks reserved on decode unit `unit` for a sequence being prefilled elsewhere;
-    the first `num_cached` of them were cached there (not copied)."""
+    the first `num_cached` of them were cached there (not copied). `evicted`: the (block, hash) of registered
+    blocks it took from that pool's cache, for the prefill unit to save to the KV tiers before copying into them."""
 
     blocks: tuple[int, ...]
     num_cached: int
     unit: int = 0
+    evicted: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,7 @@ class ActorStats:
     routed_prefill: int = 0         # prompts the coordinator routed to this unit (to prefill)
     routed_decode: int = 0          # prefilled sequences it routed here (decode blocks reserved)
     retired: bool = False           # its unit failed and could not be restarted: it serves no more
+    kv_verify_mismatches: int = 0   # its hand-off copies that --kv-verify found different at the two ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +187,4 @@ class EngineStats:
     num_unfinished: int = 0    # every request whose stream has not ended
     restarts: int = 0          # times the supervisor rebuilt the actors after a failure
     dead: bool = False         # the supervisor gave up: the server is exiting
+    tiers: tuple = ()          # engine.core.kv_tiers.TierStats of each KV tier, fastest first

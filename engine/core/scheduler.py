@@ -9,11 +9,12 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from pdserve.engine.core.admission import can_admit, computable_prefix
+from pdserve.engine.core.admission import can_admit, computable_prefix, shareable_blocks
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.core.speculative import Speculator
+from pdserve.engine.core.tier_plan import TierPlan
 
 ReserveHook = Callable[[Sequence], bool]
 
@@ -26,7 +27,9 @@ class PrefillScheduler:
     fits the pool (the cached prefix shared, at most `pool_max_seqs` sequences, `watermark`) and
     `reserve` agrees (the decode side's blocks in disaggregated mode); when admission fails, no
     later arrival is admitted this step (back-pressure keeps arrival order), but sequences
-    already admitted keep getting chunks. A sequence whose last chunk is scheduled leaves.
+    already admitted keep getting chunks. A sequence whose last chunk is scheduled leaves. With KV tiers
+    (`tiers`), the blocks after its cached prefix that a tier holds are loaded, and it gets no chunk until
+    they have been (`Sequence.loading`).
     """
 
     def __init__(self, blocks: BlockManager, max_prefill_tokens: int, max_num_seqs: int,
@@ -42,6 +45,7 @@ class PrefillScheduler:
         self._running: list[tuple[int, int, Sequence]] = []    # admitted, more chunks to go
         self._queued: dict[str, Sequence] = {}                 # NOTE: heap entries not in here are stale
         self._turn = itertools.count()
+        self.tiers: TierPlan | None = None
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -71,6 +75,9 @@ class PrefillScheduler:
             if heap is self._waiting and not self._admit(seq):
                 heapq.heappush(heap, entry)                      # NOTE: keeps its place in line
                 admitting = False
+                continue
+            if seq.loading:
+                requeue.append(seq)
                 continue
             chunk = self._take_chunk(seq, budget)
             chunks.append(chunk)
@@ -111,9 +118,10 @@ class PrefillScheduler:
         if self.reserve is not None and not self.reserve(seq):
             return False
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens, prefix=hits)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * size
+        loaded = self.tiers.load_prefix(seq, len(hits), shareable_blocks(seq, size)) if self.tiers else 0
+        seq.num_computed_tokens = seq.num_cached_tokens = (len(hits) + loaded) * size
         seq.num_registered_blocks = len(hits)
-        blocks.count_lookup(seq.num_tokens, seq.num_cached_tokens)
+        blocks.count_lookup(seq.num_tokens, len(hits) * size)
         return True
 
     def remove(self, seq: Sequence) -> None:

@@ -30,7 +30,8 @@ class Sequence:
     done: bool = False               # left this actor (finished, aborted, failed, preempted)
     block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks (prefix caching)
     num_registered_blocks: int = 0   # of its blocks registered in the prefix cache
-    num_cached_tokens: int = 0       # prompt tokens found in the prefix cache at admission
+    num_cached_tokens: int = 0       # prompt tokens found in the prefix cache (or a KV tier) at admission
+    loading: bool = False            # blocks of its prefix are being loaded from a KV tier: not scheduled yet
     drafts: tuple[int, ...] = ()     # draft tokens of the verification in flight (speculative decoding)
     spec: object = None              # the speculator's state for this sequence (engine.core.speculative)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # of its chunks so far, if it asked

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.units.spec import Layout, UnitSpec
+from pdserve.engine.units.tiers import make_tier_store
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.memory import kv_layout, num_kv_blocks
 from pdserve.engine.worker.processes.process import ProcessCompute, SpawnTracker
@@ -52,8 +53,9 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, layout: 
     pools = worker_pools(config, model_config, layout)
     cpu_kernels = prepare_cpu_kernels(config.cpu_kernels, model_config, layout.dtype,
                                       max(len(layout.cores), 1)).value
-    specs = [worker_spec(config, model_config, layout, eos, spec, pool, cpu_kernels)
-             for spec, pool in zip(layout.units, pools)]
+    store = make_tier_store(config, model_config, layout, shared=True)
+    specs = [replace(worker_spec(config, model_config, layout, eos, spec, pool, cpu_kernels),
+                     tiers=store and store.ticket) for spec, pool in zip(layout.units, pools)]
     shared: dict[int, object] = {}
     try:                               # NOTE: the segments stay open here, for workers spawned again later
         for i, spec in enumerate(layout.units):
@@ -61,12 +63,14 @@ def load_process_units(config: EngineConfig, model_config: ModelConfig, layout: 
                 shared[i] = share_pool(pools[i], spec.device, spec.name)
         tickets, decode_pools = tuple(s.ticket for s in shared.values()), tuple(pools[i] for i in shared)
         computes = tuple(ProcessCompute(worker, own_pool=shared[i].ticket if i in shared else None) if spec.decodes
-                         else ProcessCompute(replace(worker, peer_pools=decode_pools, kv_transfer=config.kv_transfer),
+                         else ProcessCompute(replace(worker, peer_pools=decode_pools, kv_transfer=config.kv_transfer,
+                                                     kv_verify=config.cache.kv_verify),
                                              peer_pools=tickets)
                          for i, (spec, worker) in enumerate(zip(layout.units, specs)))
-        return started(Units(layout.units, computes, shared=(*shared.values(), SpawnTracker())))
+        kept = (*shared.values(), *((store,) if store else ()), SpawnTracker())
+        return started(Units(layout.units, computes, shared=kept, tiers=store))
     except BaseException:
-        for segment in shared.values():
+        for segment in (*shared.values(), *((store,) if store else ())):
             segment.close()
         raise
 

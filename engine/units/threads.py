@@ -8,6 +8,7 @@ from pdserve import kernels
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.transfer.select import select_transfer
 from pdserve.engine.units.spec import Layout, UnitSpec
+from pdserve.engine.units.tiers import make_tier_store
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import ThreadCompute, share_cores
 from pdserve.engine.worker.device import with_index
@@ -40,10 +41,12 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
     for spec, runner in zip(specs, runners):
         warm_up_for_serving(runner, spec.warmup_role, config.scheduler, layout.max_model_len, spec.thread_counts)
     decoding = [(spec, runner) for spec, runner in zip(specs, runners) if spec.decodes]
-    computes = tuple(ThreadCompute(StepRunner(runner, () if spec.decodes else _peers(config, spec, decoding)),
+    store = make_tier_store(config, model_config, layout, shared=False)
+    computes = tuple(ThreadCompute(StepRunner(runner, () if spec.decodes else _peers(config, spec, decoding),
+                                              store and store.copier(spec.device), config.cache.kv_verify),
                                    spec.name, spec.cores) for spec, runner in zip(specs, runners))
     share_cores(computes)
-    return Units(layout.units, computes)
+    return Units(layout.units, computes, shared=(store,) if store else (), tiers=store)
 
 
 def _indexed(spec: UnitSpec) -> UnitSpec:

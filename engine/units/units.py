@@ -15,6 +15,7 @@ class Units:
     computes: tuple[Compute, ...]
     shared: tuple = ()               # what the units step over or were spawned with: closed last
     drafters: tuple = ()             # per unit that decodes: its draft model (method draft_model)
+    tiers: object = None             # the KV tiers' TierStore (engine.units.tiers), None without tiers
 
     @property
     def prefills(self) -> tuple[Compute, ...]:

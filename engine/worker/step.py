@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.core.kv_tiers import TierCopy
 from pdserve.engine.core.messages import PromptLogprobs, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 
@@ -88,11 +89,14 @@ class BlockCopy:
 
 @dataclass(frozen=True, slots=True)
 class StepWork:
-    """Everything one step does on its compute unit: the step, then the KV copies it completes."""
+    """Everything one step does on its compute unit: blocks saved to and loaded from the KV tiers, the step,
+    then the KV copies it completes."""
 
     step: StepInput
     copies: tuple[BlockCopy, ...] = ()
     threads: int | None = None       # CPU threads to run with (None: keep the unit's own setting)
+    tier_saves: tuple[TierCopy, ...] = ()   # before the step's forward: blocks leaving a pool, written down
+    tier_loads: tuple[TierCopy, ...] = ()   # then blocks read back into the pool
 
 
 @dataclass(frozen=True, slots=True)

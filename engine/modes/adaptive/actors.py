@@ -89,6 +89,9 @@ class AdaptiveDecodeActor(DecodeActor):
         else:
             self.remote_prefills += 1
 
+    def prefill_schedulers(self) -> list[PrefillScheduler]:
+        return [self.local]
+
     # stepping
     def schedule(self) -> Batch | None:
         self._admit_landed()

@@ -91,6 +91,22 @@ def open_shared(spec: PoolSpec, ticket: SharedFd | CudaIpcHandle) -> torch.Tenso
     return ticket.open()
 
 
+def new_segment(name: str, nbytes: int) -> SharedFd:
+    """An anonymous shared-memory segment of `nbytes` (zeros)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    return SharedFd(fd)
+
+
+def map_segment(fd: SharedFd, nbytes: int) -> torch.Tensor:
+    """Segment `fd` mapped into this process, as flat uint8; ValueError unless it holds `nbytes`."""
+    size = os.fstat(fd.fd).st_size
+    if size != nbytes:
+        raise ValueError(f"shared memory segment holds {size} bytes, expected {nbytes}")
+    mapping = mmap.mmap(fd.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 class SharedPool:
     name = "memfd"
 
@@ -104,17 +120,11 @@ class SharedPool:
 
     @classmethod
     def create(cls, spec: PoolSpec, name: str) -> SharedPool:
-        fd = os.memfd_create(f"pdserve-kv-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, spec.nbytes)
-        return cls(spec, SharedFd(fd))
+        return cls(spec, new_segment(f"pdserve-kv-{name}", spec.nbytes))
 
     def tensor(self) -> torch.Tensor:
         """The pool, mapped into this process: [blocks, layers, 2, block_size, kv_heads, head_dim]."""
-        if os.fstat(self.fd.fd).st_size != self.spec.nbytes:
-            raise ValueError(f"shared pool segment holds {os.fstat(self.fd.fd).st_size} bytes, "
-                             f"expected {self.spec.nbytes}")
-        mapping = mmap.mmap(self.fd.fd, self.spec.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        flat = torch.frombuffer(mapping, dtype=self.spec.dtype)
+        flat = map_segment(self.fd, self.spec.nbytes).view(self.spec.dtype)
         return flat.view(self.spec.layout.shape(self.spec.num_blocks))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import struct
 import numpy as np
 import orjson
 
+from pdserve.engine.core.kv_tiers import TierCopy
 from pdserve.engine.core.messages import PromptLogprobs, TokenLogprob
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.transfer.base import TransferHandle
@@ -25,9 +26,11 @@ from pdserve.engine.worker.step import (
     StepWork,
     VerifyInput,
 )
+from pdserve.engine.worker.kv_verify import CopyCheck
 from pdserve.engine.worker.step_runner import StepOutcome
+from pdserve.engine.worker.tiers.copier import TierOutcome
 
-VERSION = 3
+VERSION = 4
 MAGIC = b"PDSV"
 HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
 WORK, OUTCOME, ERROR, READY, STOP = range(5)
@@ -85,16 +88,19 @@ def encode_work(work: StepWork) -> bytes:
         [b for c in cp for b in c.dst_blocks],
         [x for v in s.verify for x in (v.row, v.start, len(v.token_ids))],
         [t for v in s.verify for t in v.token_ids],
+        [x for c in work.tier_saves for x in (c.block, c.tier, c.slot, c.peer)],
+        [x for c in work.tier_loads for x in (c.block, c.tier, c.slot, c.peer)],
     ]
     doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp],
-           "peers": [c.peer for c in cp]}
+           "peers": [c.peer for c in cp], "tier_hashes": [c.digest.hex() for c in (*work.tier_saves,
+                                                                                  *work.tier_loads)]}
     return _frame(WORK, arrays, doc)
 
 
 def decode_work(data: bytes) -> StepWork:
     _, a, doc = _unframe(data, WORK)
     (freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst,
-     verify_meta, verify_tokens) = a
+     verify_meta, verify_tokens, tier_saves, tier_loads) = a
     new_rows, t, b = [], 0, 0
     for (row, prompt, n_tokens, n_blocks), params in zip(new_meta.reshape(-1, 4).tolist(), doc["params"]):
         new_rows.append(NewRow(row, tuple(new_tokens[t:t + n_tokens].tolist()), prompt,
@@ -113,7 +119,15 @@ def decode_work(data: bytes) -> StepWork:
                      tuple(ChunkInput(r, s, n, bool(x), None if k < 0 else k)
                            for r, s, n, x, k in chunks.reshape(-1, 5).tolist()),
                      _verify_inputs(verify_meta, verify_tokens))
-    return StepWork(step, tuple(copies), doc["threads"])
+    saves, loads = _tier_copies(tier_saves, tier_loads, doc["tier_hashes"])
+    return StepWork(step, tuple(copies), doc["threads"], saves, loads)
+
+
+def _tier_copies(saves: np.ndarray, loads: np.ndarray, hashes: list[str]):
+    copies = [TierCopy(block, tier, slot, bytes.fromhex(digest), peer)
+              for (block, tier, slot, peer), digest in zip([*saves.reshape(-1, 4).tolist(),
+                                                            *loads.reshape(-1, 4).tolist()], hashes)]
+    return tuple(copies[:len(saves) // 4]), tuple(copies[len(saves) // 4:])
 
 
 def _optional(count: int | None) -> int:
@@ -148,7 +162,9 @@ def encode_outcome(outcome: StepOutcome) -> bytes:
     prompt_logprobs = [[index, p.token_ids, p.logprobs, p.ranks, p.top] for index, p in result.prompt_logprobs]
     doc = {"seconds": outcome.seconds, "threads": outcome.threads, "logprobs": logprobs, "copies": copies,
            "verified_logprobs": verified_logprobs, "mask_seconds": outcome.mask_seconds,
-           "faults": [list(fault) for fault in result.faults], "prompt_logprobs": prompt_logprobs}
+           "faults": [list(fault) for fault in result.faults], "prompt_logprobs": prompt_logprobs,
+           "tier": [list(outcome.tier.bad_loads), list(outcome.tier.failed_saves), outcome.tier.load_seconds],
+           "check": [outcome.check.mismatches, list(outcome.check.failed)]}
     verified = result.verified
     return _frame(OUTCOME, [result.token_ids, [len(v) for v in verified], [t for v in verified for t in v]], doc)
 
@@ -167,8 +183,12 @@ def decode_outcome(data: bytes) -> StepOutcome:
     prompt_logprobs = tuple((index, PromptLogprobs(tuple(ids), tuple(lps), tuple(ranks),
                                                    tuple(tuple(tuple(t) for t in top) for top in tops)))
                             for index, ids, lps, ranks, tops in doc["prompt_logprobs"])
+    bad_loads, failed_saves, load_seconds = doc["tier"]
+    mismatches, failed = doc["check"]
     return StepOutcome(StepResult(tuple(tokens.tolist()), logprobs, verified, verified_logprobs, faults,
-                                  prompt_logprobs), copies, doc["seconds"], doc["threads"], doc["mask_seconds"])
+                                  prompt_logprobs), copies, doc["seconds"], doc["threads"], doc["mask_seconds"],
+                       TierOutcome(tuple(bad_loads), tuple(failed_saves), load_seconds),
+                       CopyCheck(mismatches, tuple(failed)))
 
 
 def encode_error(error: BaseException) -> bytes:

@@ -24,8 +24,10 @@ from pdserve.engine.worker.startup.cpu_kernels import prepare_cpu_kernels
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedFd, check_pools_agree, open_shared
+from pdserve.engine.worker.processes.shared_tiers import TierTicket, open_tiers
 from pdserve.engine.worker.step_runner import Peer, StepRunner
 from pdserve.engine.worker.startup.warmup import warm_up_for_serving
+from pdserve.engine.worker.tiers.cuda_copier import tier_copier
 
 PARENT_POLL_S = 0.2
 
@@ -51,6 +53,8 @@ class WorkerSpec:
     log_level: int = logging.INFO
     cpu_kernels: str = "auto"        # the coordinator's --cpu-kernels decision (native | torch), applied here
     thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
+    tiers: TierTicket | None = None  # the KV tiers this worker copies blocks to and from
+    kv_verify: bool = False          # check each KV hand-off at both ends (--kv-verify)
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
@@ -119,7 +123,8 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
         check_pools_agree(spec.pool, peer_spec)
         peer_pool = open_shared(peer_spec, peer_fd)
         peers.append(Peer(select_transfer(device, peer_pool.device, spec.kv_transfer), peer_pool))
-    return StepRunner(runner, tuple(peers))
+    return StepRunner(runner, tuple(peers), tier_copier(open_tiers(spec.tiers), device) if spec.tiers else None,
+                      spec.kv_verify)
 
 
 def _die_with_parent(parent: int) -> None:
