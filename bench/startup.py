@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve import env
+
 CLI = [sys.executable, "-m", "pdserve.server.cli"]
 
 
@@ -29,7 +31,7 @@ def serve_until_ready(model: str, cache: str, extra: list[str], timeout: float =
         notify = str(Path(tmp) / "notify")
         sock.bind(notify)
         sock.settimeout(1.0)
-        env = {**os.environ, "NOTIFY_SOCKET": notify, "PDSERVE_CACHE": cache}
+        env = {**os.environ, "NOTIFY_SOCKET": notify, env.CACHE: cache}
         started = time.perf_counter()
         server = subprocess.Popen([*CLI, "serve", "--model", model, "--port", "0", "--log-level", "warning", *extra],
                                   env=env)
@@ -52,7 +54,7 @@ def generate_seconds(model: str, cache: str, extra: list[str]) -> float:
     """Wall seconds of `pdserve generate` of one short prompt."""
     started = time.perf_counter()
     subprocess.run([*CLI, "generate", "--model", model, "--max-tokens", "8", *extra, "Hello"], check=True,
-                   env={**os.environ, "PDSERVE_CACHE": cache}, stdout=subprocess.DEVNULL)
+                   env={**os.environ, env.CACHE: cache}, stdout=subprocess.DEVNULL)
     return time.perf_counter() - started
 
 

@@ -17,11 +17,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from pdserve import env
+
 
 def _wanted() -> bool:
     """Triton is imported only where its kernels can run: with a CUDA device, under its interpreter, or when
     PDSERVE_KERNELS=triton forces it (its import alone holds ~80 MB a CPU-only server has no use for)."""
-    return (os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PDSERVE_KERNELS") == "triton"
+    return (os.environ.get("TRITON_INTERPRET") == "1" or env.kernels_override() == "triton"
             or torch.cuda.is_available())
 
 
