@@ -73,7 +73,7 @@ def test_the_server_names_its_model_smollm2_and_answers_the_capital_of_france(se
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                           messages=[{"role": "user", "content": "Tell me the capital of France."}])
     assert "Paris" in reply.choices[0].message.content and reply.model == "smollm2"
     log = server.log.read_text()
     assert "devices prefill cpu, decode cpu: no GPU visible" in log and re.search(r"dtype \w+: CPU has ", log)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Annotated
 
 import jsonschema
 import openai
@@ -43,7 +44,7 @@ class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=20)
     country: str = pydantic.Field(max_length=20)
     population: int = pydantic.Field(ge=0, le=100_000_000)
-    landmarks: list[str] = pydantic.Field(max_length=2)
+    landmarks: list[Annotated[str, pydantic.Field(max_length=30)]] = pydantic.Field(max_length=2)   # bounded: 120 tokens hold it
 
 
 @pytest.fixture(scope="module")
