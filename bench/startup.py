@@ -31,10 +31,10 @@ def serve_until_ready(model: str, cache: str, extra: list[str], timeout: float =
         notify = str(Path(tmp) / "notify")
         sock.bind(notify)
         sock.settimeout(1.0)
-        env = {**os.environ, "NOTIFY_SOCKET": notify, env.CACHE: cache}
+        variables = {**os.environ, "NOTIFY_SOCKET": notify, env.CACHE: cache}
         started = time.perf_counter()
         server = subprocess.Popen([*CLI, "serve", "--model", model, "--port", "0", "--log-level", "warning", *extra],
-                                  env=env)
+                                  env=variables)
         try:
             while time.perf_counter() - started < timeout:
                 if server.poll() is not None:
