@@ -24,13 +24,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve import env
 
 logger = logging.getLogger(__name__)
 
-BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
+OPTIMIZE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno")
+BASE_FLAGS = (*OPTIMIZE_FLAGS, "-shared")
 CXX_FLAGS = ("-std=c++17",)
 COMPILE_TIMEOUT_S = 300
 CPU_KERNEL_SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
@@ -102,21 +104,37 @@ def _compile(sources: tuple[Path, ...], compiler: str, target: Path) -> str:
     language = CXX_FLAGS if any(path.suffix == ".cpp" for path in sources) else ()
     error = ""
     for openmp in (("-fopenmp",), ()):
-        fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-        os.close(fd)
-        command = [compiler, *BASE_FLAGS, *language, *openmp, *map(str, sources), "-o", scratch]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            result, error = None, f"{compiler}: {exc}"
-        if result is not None and result.returncode == 0:
-            os.replace(scratch, target)
-            _remove_stale(target)
-            return ""
-        os.unlink(scratch)
-        if result is not None:
-            error = f"{compiler} exited {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}"
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as folder:
+            library = Path(folder) / "library.so"
+            error = _build(sources, compiler, (*language, *openmp), library)
+            if not error:
+                os.replace(library, target)
+                _remove_stale(target)
+                return ""
     return error
+
+
+def _build(sources: tuple[Path, ...], compiler: str, flags: tuple[str, ...], library: Path) -> str:
+    """Each source compiled on its own, as many at once as this process has cores, then linked into `library`
+    (a first start waits for the build); '' or the first error."""
+    objects = [library.with_name(f"{index}.o") for index in range(len(sources))]
+    commands = [[compiler, *OPTIMIZE_FLAGS, *flags, "-c", str(source), "-o", str(obj)]
+                for source, obj in zip(sources, objects)]
+    with ThreadPoolExecutor(max(1, min(len(commands), len(os.sched_getaffinity(0))))) as pool:
+        errors = [error for error in pool.map(_run_compiler, commands) if error]
+    if errors:
+        return errors[0]
+    return _run_compiler([compiler, "-shared", *flags, *map(str, objects), "-o", str(library)])
+
+
+def _run_compiler(command: list[str]) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{command[0]}: {exc}"
+    if result.returncode == 0:
+        return ""
+    return f"{command[0]} exited {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}"
 
 
 def _remove_stale(target: Path) -> None:
