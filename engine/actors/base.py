@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.engine.actors.mailbox import Mailbox
@@ -37,13 +37,6 @@ logger = logging.getLogger(__name__)
 
 Emit = Callable[[StepOutput], None]
 OnFailure = Callable[["Actor", str], None]
-
-
-def first_pending(transfers: Iterable):
-    """The copy an idle actor waits for: the first not landed, else the first landed one (it landed after
-    schedule() and still needs acting on), else None."""
-    tracked = list(transfers)
-    return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
 
 
 @dataclass(slots=True, eq=False)

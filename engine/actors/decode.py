@@ -1,7 +1,7 @@
 """The decode actor: continuous batching over sequences whose KV arrived from a prefill unit."""
 from __future__ import annotations
 
-from pdserve.engine.actors.base import Actor, Emit, first_pending
+from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.actors.view import Decoding
 from pdserve.engine.core.admission import cached_prefix, can_admit
 from pdserve.engine.core.batch import Batch
@@ -11,6 +11,7 @@ from pdserve.engine.core.prefix_cache import extend_hashes
 from pdserve.engine.core.scheduler import DecodeScheduler
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.core.speculative import DraftModel, SpeculativeConfig, speculator_for
+from pdserve.engine.transfer.base import first_pending
 from pdserve.engine.worker.compute import Compute
 
 

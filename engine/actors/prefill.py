@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.actors.base import Actor, Emit, first_pending
+from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.core.batch import Batch, ScheduledChunk
 from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.messages import Abort, FinishReason, KVHandoff, Preempted, Release, Request, StepOutput
 from pdserve.engine.core.scheduler import PrefillScheduler
 from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.transfer.base import first_pending
 from pdserve.engine.worker.compute import Compute
 from pdserve.engine.worker.step import BlockCopy, StepWork
 from pdserve.engine.worker.step_runner import StepOutcome

@@ -6,6 +6,7 @@ contiguous memory range and moves in one copy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Sequence
 
 import torch
@@ -52,6 +53,13 @@ class TransferHandle:
         if self._seconds is None and self._end is not None and self._end.query():
             self._seconds = self._start.elapsed_time(self._end) / 1e3
         return self._seconds
+
+
+def first_pending(transfers: Iterable[TransferHandle]):
+    """The copy an idle actor waits for: the first not landed, else the first landed one (it landed after
+    schedule() and still needs acting on), else None."""
+    tracked = list(transfers)
+    return next((t for t in tracked if not t.done()), tracked[0] if tracked else None)
 
 
 class KVTransfer(ABC):
