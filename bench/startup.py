@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from pdserve import env
+from pdserve.bench.first_request import wait_ready
 
 CLI = [sys.executable, "-m", "pdserve.server.cli"]
 
@@ -36,15 +37,8 @@ def serve_until_ready(model: str, cache: str, extra: list[str], timeout: float =
         server = subprocess.Popen([*CLI, "serve", "--model", model, "--port", "0", "--log-level", "warning", *extra],
                                   env=variables)
         try:
-            while time.perf_counter() - started < timeout:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {server.returncode} before READY=1")
-                try:
-                    if b"READY=1" in sock.recv(4096):
-                        return time.perf_counter() - started
-                except TimeoutError:
-                    continue
-            raise RuntimeError(f"no READY=1 within {timeout:g} s")
+            wait_ready(sock, server, timeout - (time.perf_counter() - started))
+            return time.perf_counter() - started
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -13,7 +13,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,20 +20,15 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.bench.servers import free_port
 from pdserve.engine.model.demo import default_model_dir
 
 POOL = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
 WORDS = "river stone light paper window garden music silver cloud morning".split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(model: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "pdserve.server.cli", "serve", "--model", model, "--port", str(port),
                                *POOL, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
