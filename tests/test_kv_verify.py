@@ -87,21 +87,13 @@ def expected():
     return got
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
-def test_verified_hand_offs_give_the_same_answers(expected, workers):
-    engine = verified_engine(0, workers)
+@pytest.mark.parametrize("damaged, workers", [(0, "thread"), (0, "process"), (1, "thread")],
+                         ids=["thread", "process", "damaged-once-copied-again"])
+def test_verified_hand_offs_give_the_same_answers(expected, damaged, workers):
+    engine = verified_engine(damaged, workers)
     got = asyncio.run(run_engine(engine, all_requests(engine)))
     assert got == expected
-    assert sum(a.kv_verify_mismatches for a in engine.stats().actors) == 0
-    assert_pools_free(engine)
-    engine.close()
-
-
-def test_a_hand_off_damaged_once_is_copied_again_and_answers_right(expected):
-    engine = verified_engine(1)
-    got = asyncio.run(run_engine(engine, all_requests(engine)))
-    assert got == expected
-    assert sum(a.kv_verify_mismatches for a in engine.stats().actors) == 1
+    assert sum(a.kv_verify_mismatches for a in engine.stats().actors) == damaged
     assert_pools_free(engine)
     engine.close()
 
