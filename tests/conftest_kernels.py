@@ -4,6 +4,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -12,6 +15,16 @@ def request_triton_interpreter() -> None:
     """Ask for TRITON_INTERPRET=1 where there is no GPU; effective only if triton is not imported yet."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run the tests of `test_file` in a fresh pytest process with TRITON_INTERPRET=1 (Triton fixes that choice
+    when it is imported, so a process that imported it otherwise cannot run them) and assert that they passed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": "."}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 NUM_LAYERS = 2
 LAYER = 1

@@ -7,15 +7,10 @@ sums in another order) plus, on a GPU, the rounding of its bf16 / fp16 operands 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.conftest_kernels import request_triton_interpreter
+from tests.conftest_kernels import request_triton_interpreter, run_interpreted
 
 request_triton_interpreter()
 
@@ -32,11 +27,7 @@ interpreted = pytest.mark.skipif(not (HAS_TRITON and NO_CUDA and INTERPRETED),
 
 @pytest.mark.skipif(not HAS_TRITON or not NO_CUDA or INTERPRETED, reason="the cases run in this process")
 def test_cases_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": "."}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 def matrix_of(kinds: tuple[str, ...], rows: int, cols: int, device: str = "cpu") -> GGUFMatrix:

@@ -7,15 +7,10 @@ On a machine with CUDA the compiled kernels are covered by test_kernels_gpu.py.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.conftest_kernels import request_triton_interpreter
+from tests.conftest_kernels import request_triton_interpreter, run_interpreted
 
 request_triton_interpreter()
 
@@ -48,11 +43,7 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2}
 
 @pytest.mark.skipif(INTERPRETED, reason="the cases run in this process")
 def test_cases_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": "."}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    run_interpreted(__file__)
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
