@@ -83,6 +83,30 @@ def test_refresh_another_setup_a_drifted_probe_or_a_damaged_file_measure_again(c
     assert started(config, monkeypatch, tmp_path)[1] == measured
 
 
+def test_alike_units_time_each_profile_step_once(config, monkeypatch, tmp_path):
+    """Adaptive mode's two CPU units (one thread each) step alike: the prefill unit takes the decode unit's
+    prefill timings instead of running them again, on its own threads and on lent ones."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    engine = Engine(config)
+    prefill_unit = engine.units.prefills[0]
+    share = engine.layout.lending
+    assert share is not None and share.decode_own == share.prefill_own
+    ran = []
+    submit = prefill_unit.submit
+    prefill_unit.submit = lambda work: ran.append(work.step.num_tokens) or submit(work)
+
+    async def nothing():
+        return None
+
+    asyncio.run(run_engine(engine, nothing()))
+    assert not any(ran)
+    decode, prefill, decode_lent, prefill_lent = json.loads(next((tmp_path / "profiles").iterdir()).read_text())[
+        "profiles"]
+    assert prefill == [entry for entry in decode if entry[0] == "prefill"]
+    assert prefill_lent == [entry for entry in decode_lent if entry[0] == "prefill"]
+    engine.close()
+
+
 def test_the_command_line_spells_on_refresh_and_off():
     import argparse
 

@@ -17,7 +17,7 @@ from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.coordinator.profile_store import ProfileStore, drifted
 from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, profile_context, typical_prompt_tokens
-from pdserve.engine.units.spec import Layout
+from pdserve.engine.units.spec import Layout, UnitSpec
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import Compute
 from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
@@ -34,12 +34,14 @@ MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at mo
 @dataclass(frozen=True, slots=True)
 class UnitProfile:
     """What to run on one unit: which phases it steps, and with how many threads (None: its own); `timed`:
-    each step's seconds by (shape, threads), once run."""
+    each step's seconds by (shape, threads), once run. Units of one `kind` (the same compute, device and
+    cores) take the same time for a step: what one ran, the other takes from it."""
 
     unit: Compute
     cost: StepCostModel
     decodes: bool
     prefills: bool
+    kind: tuple
     thread_counts: tuple[int | None, ...] = (None,)
     timed: dict[tuple[StepShape, int | None], float] = field(default_factory=dict)
 
@@ -81,16 +83,21 @@ def typical_prompt_shape(sched: SchedulerConfig, max_model_len: int) -> StepShap
 
 
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
-                       seed: int = 0) -> list[list]:
-    """Run and observe the profile steps of one unit; returns what it observed (`observe`'s arguments per step)."""
+                       alike: dict, seed: int = 0) -> list[list]:
+    """Run and observe the profile steps of one unit; returns what it observed (`observe`'s arguments per step).
+    `alike`: what earlier units observed, by (kind, shape, threads); a step found there is not run again."""
     rng, observed = random.Random(seed), []
     shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
     for threads in profile.thread_counts:
-        await run_shape(profile.unit, shapes[0], threads, vocab_size, rng)     # untimed: one-time costs
+        to_run = [shape for shape in shapes if (profile.kind, shape, threads) not in alike]
+        if to_run:
+            await run_shape(profile.unit, to_run[0], threads, vocab_size, rng)     # untimed: one-time costs
         for shape in shapes:
-            outcome = await run_shape(profile.unit, shape, threads, vocab_size, rng)
-            observed.append([shape.kind, shape.num_seqs, shape.new_tokens, shape.context, threads, outcome.threads,
-                             outcome.seconds])
+            if (profile.kind, shape, threads) not in alike:
+                outcome = await run_shape(profile.unit, shape, threads, vocab_size, rng)
+                alike[profile.kind, shape, threads] = [shape.kind, shape.num_seqs, shape.new_tokens, shape.context,
+                                                       threads, outcome.threads, outcome.seconds]
+            observed.append(alike[profile.kind, shape, threads])
             observe(profile, *observed[-1])
     return observed
 
@@ -127,9 +134,10 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
     decode_unit = units.decoding[0]
     prefill_unit = units.prefills[0] if units.prefills else None
     decode = UnitProfile(decode_unit, StepCostModel(), True, decode_units_prefill or prefill_unit is None,
-                         share and (share.decode_own,) or (None,))
-    prefill = decode if prefill_unit is None else UnitProfile(prefill_unit, StepCostModel(), False, True,
-                                                              share and (share.prefill_own,) or (None,))
+                         compute_kind(decode_unit, layout.decoding[0]), share and (share.decode_own,) or (None,))
+    prefill = decode if prefill_unit is None else UnitProfile(
+        prefill_unit, StepCostModel(), False, True, compute_kind(prefill_unit, layout.prefill[0]),
+        share and (share.prefill_own,) or (None,))
     profiles = [decode] if prefill is decode else [decode, prefill]
     if share is not None:            # lent cores: each unit as it steps on both units' threads
         profiles += [replace(decode, prefills=True, thread_counts=(share.total,)),
@@ -141,12 +149,18 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
                 observe(profile, *entry)
         logger.info("start-up profile: kept from an earlier start (%s)", store.path)
     else:
-        kept = [await profile_unit(profile, sched, layout.max_model_len, vocab_size) for profile in profiles]
+        alike: dict = {}
+        kept = [await profile_unit(profile, sched, layout.max_model_len, vocab_size, alike) for profile in profiles]
         if store is not None:
             store.save(kept)
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
                          decode.own_timing(one_row_shape(sched, layout.max_model_len)),
                          prefill.own_timing(typical_prompt_shape(sched, layout.max_model_len)))
+
+
+def compute_kind(unit: Compute, spec: UnitSpec) -> tuple:
+    """What a step's time on `unit` depends on besides the step: what runs it, its device and its cores."""
+    return unit.kind, str(spec.device), len(spec.cores)
 
 
 async def _drifted(profile: UnitProfile, kept: list[list], vocab_size: int) -> bool:
