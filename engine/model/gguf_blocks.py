@@ -67,9 +67,9 @@ def module_sources(config: ModelConfig, tied_head: bool, fused: bool = False) ->
 def read_gguf_blocks(path: str | Path, config: ModelConfig, tied_head: bool) -> GGUFBlocks:
     """Every module of `config`'s model whose GGUF tensors have kernels, read from the file at `path`
     (memory-mapped: the arrays are views of the file until copied)."""
-    from gguf import GGUFReader
+    from pdserve.engine.model.gguf_reader import GGUFMetadataReader
 
-    reader = GGUFReader(str(path))
+    reader = GGUFMetadataReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     permute = _architecture(reader) in PERMUTED_QK_ARCHITECTURES
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}

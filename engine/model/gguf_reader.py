@@ -1,10 +1,85 @@
 """Open a GGUF file with the `gguf` package; typed metadata access whose errors name the file and key."""
 from __future__ import annotations
 
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
+import numpy as np
+from gguf import GGUFValueType
+
+SCALARS = {value_type: np.dtype(numpy_type).newbyteorder("<")
+           for value_type, numpy_type in gguf.GGUFReader.gguf_scalar_to_np.items()}
+LENGTH = struct.Struct("<Q")
+
+
+class MetadataField(NamedTuple):
+    """A metadata value read in one pass: what `gguf.ReaderField` answers with `contents()` and `types`,
+    without an array per string (a 49152-token vocabulary made the package's reader take seconds)."""
+
+    name: str
+    types: list[GGUFValueType]
+    raw: Any                              # bytes, a numpy array, or a list of bytes
+
+    def contents(self) -> Any:
+        if self.types[-1] == GGUFValueType.STRING:
+            return self.raw.decode() if self.types[0] == GGUFValueType.STRING else [b.decode() for b in self.raw]
+        values = self.raw.tolist()
+        return values if self.types[0] == GGUFValueType.ARRAY else values[0]
+
+    @property
+    def parts(self) -> list:
+        return [self.raw]
+
+
+class GGUFMetadataReader(gguf.GGUFReader):
+    """gguf.GGUFReader whose metadata fields are MetadataFields (tensors as the package builds them);
+    a big-endian file, or an array of arrays, is read the package's way."""
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if self.byte_order != "I":
+            return super()._build_fields(offs, count)
+        buffer = memoryview(self.data)
+        for done in range(count):
+            start = offs
+            key, offs = _string(buffer, offs)
+            value_type = GGUFValueType(int(np.frombuffer(buffer, "<u4", 1, offs)[0]))
+            item_type = GGUFValueType(int(np.frombuffer(buffer, "<u4", 1, offs + 4)[0])) \
+                if value_type == GGUFValueType.ARRAY else value_type
+            if item_type == GGUFValueType.ARRAY:
+                return super()._build_fields(start, count - done)
+            field, offs = _field(buffer, offs + 4, key.decode(), value_type, item_type)
+            self._push_field(field, skip_sum=True)
+        return offs
+
+
+def _string(buffer: memoryview, offs: int) -> tuple[bytes, int]:
+    (length,) = LENGTH.unpack_from(buffer, offs)
+    end = offs + 8 + length
+    if end > len(buffer):
+        raise ValueError(f"a string at byte {offs} runs past the end of the file")
+    return bytes(buffer[offs + 8:end]), end
+
+
+def _field(buffer: memoryview, offs: int, name: str, value_type: GGUFValueType, item_type: GGUFValueType):
+    count = 1
+    types = [value_type]
+    if value_type == GGUFValueType.ARRAY:
+        (count,) = LENGTH.unpack_from(buffer, offs + 4)
+        offs += 12
+        types.append(item_type)
+    if item_type == GGUFValueType.STRING:
+        raw = []
+        for _ in range(count):
+            value, offs = _string(buffer, offs)
+            raw.append(value)
+        return MetadataField(name, types, raw[0] if value_type == GGUFValueType.STRING else raw), offs
+    dtype = SCALARS.get(item_type)
+    if dtype is None:
+        raise ValueError(f"metadata {name} has unknown type {item_type}")
+    values = np.frombuffer(buffer, dtype, count, offs)
+    return MetadataField(name, types, values), offs + dtype.itemsize * count
 
 
 class GGUFError(ValueError):
@@ -17,7 +92,7 @@ class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(path)
+            self._reader = GGUFMetadataReader(path)
         except Exception as e:  # NOTE: the reader raises ValueError, IndexError, ... on a bad file
             raise GGUFError(f"{path}: not a readable GGUF file, truncated or corrupt "
                             f"({type(e).__name__}: {e})") from None
