@@ -35,7 +35,9 @@ OPTIMIZE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fno-math-errno")
 BASE_FLAGS = (*OPTIMIZE_FLAGS, "-shared")
 CXX_FLAGS = ("-std=c++17",)
 COMPILE_TIMEOUT_S = 300
-CPU_KERNEL_SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+# NOTE: the slowest to compile first (a tile per block type, rows and batch), so a 2-core build does the rest beside it
+CPU_KERNEL_SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp"),
+                                  key=lambda path: (path.name != "gguf_linear.cpp", path.name)))
 _LOCK = threading.Lock()
 _cpu_state: dict[str, object] = {"enabled": True}
 

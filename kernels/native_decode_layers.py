@@ -103,6 +103,7 @@ class DecodeLayers:
     eps: float
     scale: float
     window: int            # every layer's sliding window (0: none)
+    quant_linear: int | None   # quant_linear.c's entry point, where a projection is int8 (built only then)
     _native_wins: dict[tuple[int, int], bool] = field(default_factory=dict)   # (rows, threads) ->
     _timed: dict[tuple[int, int], bool] = field(default_factory=dict)         # (row bucket, threads) ->
     _tables: dict[tuple[tuple[bool, ...], ...], torch.Tensor] = field(default_factory=dict)   # per layer and
@@ -115,7 +116,9 @@ class DecodeLayers:
         """None when the native step cannot serve these layers (dtype, layout, head shape)."""
         if not layers or not _supported(layers, num_heads, num_kv_heads, head_dim):
             return None
-        return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5, window)
+        packed = any(isinstance(p.packed, KernelWeight) for layer in layers for p in layer.projections)
+        return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5, window,
+                   quant_linear_address() if packed else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,7 +218,7 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
                               kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
                               block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
                               None if partials is None else partials.data_ptr(), layers.eps, layers.scale,
-                              quant_linear_address(), threads)
+                              layers.quant_linear, threads)
     if status != 0:
         raise RuntimeError("decode_layers: quant_linear refused a projection it was checked for")
     return out, residual
