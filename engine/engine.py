@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.actors.base import Actor
+from pdserve.engine.actors.tiering import keep_prefixes
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.coordinator.coordinator import Coordinator, NoUnitUp
 from pdserve.engine.coordinator.profile import measure_units
@@ -180,6 +181,7 @@ class Engine(Recovery):
         await self.supervisor.stop()
         for request_id in list(self.streams.open):
             self.abort(request_id)
+        await keep_prefixes(self.actors)
         for actor in self.actors:
             await actor.stop()
         delivered = True

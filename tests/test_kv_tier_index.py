@@ -253,3 +253,21 @@ def test_random_admissions_evictions_and_loads_keep_pool_and_tiers_consistent(se
         tiers.check_consistency()
         assert all(len(t) <= t.num_slots for t in tiers.tiers)
     assert tiers.stats()[0].hit_tokens + tiers.stats()[1].hit_tokens > 0
+
+
+def test_a_stop_keeps_the_most_recent_cached_blocks_on_the_disk_tier_only():
+    """`TierPlan.keep`: blocks still in the pool go to the tier that outlives the process, the most recently
+    registered up to its size, and not to the host tier (lost with the process); held ones are not written twice."""
+    blocks = BlockManager(8, BLOCK, enable_caching=True)
+    host, disk = TierIndex("host", 8), TierIndex("disk", 3)
+    plan = TierPlan(KVTiers([host, disk], BLOCK, 64), blocks)
+    blocks.grow("s", 6 * BLOCK)
+    blocks.register("s", [digest(n) for n in range(6)])
+    blocks.free("s")
+    written(disk, 5)
+    assert plan.keep(blocks.cached_blocks())
+    step = plan.take(1)
+    assert [(c.tier, c.digest) for c in step.saves] == [(1, digest(3)), (1, digest(4))]
+    assert {c.block for c in step.saves} == {blocks.cached_blocks()[3][0], blocks.cached_blocks()[4][0]}
+    plan.finished(1, (), (), 0.0)
+    assert len(disk) == 3 and len(host) == 0 and not plan.has_work

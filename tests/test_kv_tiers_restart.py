@@ -1,6 +1,6 @@
 """The disk tier across a restart of a real `pdserve serve` process: SIGKILLed and started again on the same model,
 the server answers a conversation whose prefix was written before the kill from the disk tier (counted on
-/metrics) with the same tokens; a tier file truncated or with flipped bytes in between gives the same tokens as no
+/metrics) with the same tokens, and after a SIGTERM the prefixes still in the pool at the stop too; a tier file truncated or with flipped bytes in between gives the same tokens as no
 tier, and /metrics counts the bad blocks."""
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ class Server:
             text = await response.text()
         return {name: float(value) for name, value in
                 re.findall(r'^pdserve_kv_tier_(\w+)\{tier="disk"\} (\S+)$', text, re.MULTILINE)}
+
+    def stop(self) -> None:
+        """SIGTERM, as systemd stops a unit; the server drains and exits."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=120) == 0, self.log.read_text()[-3000:]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -134,6 +139,25 @@ def test_after_sigkill_a_known_prefix_is_answered_from_the_disk_tier(serve):
     before, results, metrics = asyncio.run(run())
     assert [tokens for tokens, _ in results] == [before[0], before[3]]
     assert all(cached >= 80 for _, cached in results)          # 5 of its 6 blocks came from disk
+    assert metrics["hits_total"] >= 160 and metrics["bad_blocks_total"] == 0
+
+
+def test_after_a_stop_the_pools_cached_prefixes_are_answered_from_the_disk_tier(serve):
+    """Nothing left the pool before the stop (no fillers): the stop itself writes the cached blocks down."""
+    async def run():
+        server = serve()
+        async with aiohttp.ClientSession() as session:
+            await server.ready(session)
+            before = [(await server.complete(session, OPENINGS[i]))[0] for i in (0, 1)]
+            held = await server.tier_metrics(session)
+        server.stop()
+        results, metrics = await again(serve, [0, 1])
+        return before, held, results, metrics
+
+    before, held, results, metrics = asyncio.run(run())
+    assert held["blocks"] == 0                                  # all still in the pool at the stop
+    assert [tokens for tokens, _ in results] == before
+    assert all(cached >= 80 for _, cached in results)
     assert metrics["hits_total"] >= 160 and metrics["bad_blocks_total"] == 0
 
 

@@ -54,6 +54,10 @@ class BlockManager:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """(block, hash) of every block the prefix cache holds, in the order they were registered."""
+        return [(block, digest) for digest, block in self._cached.items()]
+
     def usage_after(self, extra_blocks: int) -> float:
         return (self.num_used + extra_blocks) / max(self.num_blocks, 1)
 

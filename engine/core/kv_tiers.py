@@ -58,12 +58,15 @@ class KVTiers:
             found.append(hit)
         return found
 
-    def plan_saves(self, evicted: Sequence[tuple[int, bytes]], peer: int = OWN_POOL) -> list[TierCopy]:
-        """Copies that write each evicted (block, hash) to every tier lacking it; a tier with no slot to spare
-        (every one pinned or being written) skips it."""
+    def plan_saves(self, evicted: Sequence[tuple[int, bytes]], peer: int = OWN_POOL,
+                   only: Sequence[int] | None = None) -> list[TierCopy]:
+        """Copies that write each evicted (block, hash) to every tier lacking it (of the tiers `only`, if given);
+        a tier with no slot to spare (every one pinned or being written) skips it."""
         saves = []
         for block, digest in evicted:
             for i, tier in enumerate(self.tiers):
+                if only is not None and i not in only:
+                    continue
                 if tier.holds(digest):
                     tier.touch(digest)
                     continue
@@ -71,6 +74,11 @@ class KVTiers:
                 if slot is not None:
                     saves.append(TierCopy(block, i, slot, digest, peer))
         return saves
+
+    @property
+    def lasting(self) -> tuple[int, ...]:
+        """The tiers that outlive the process (the disk tier)."""
+        return tuple(i for i, tier in enumerate(self.tiers) if tier.name == "disk")
 
     def seconds_per_token(self) -> float | None:
         """The measured copy-in time of one token's KV from the tiers; None before any load."""

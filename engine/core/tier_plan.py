@@ -39,7 +39,7 @@ class TierPlan:
     def __init__(self, tiers: KVTiers, blocks: BlockManager) -> None:
         self.tiers, self.blocks = tiers, blocks
         blocks.evicted = []                     # NOTE: from now on the block manager reports what leaves
-        self._peer_saves: list[TierCopy] = []
+        self._saves: list[TierCopy] = []     # saves of blocks that stay in the pool: a peer's, or kept at a stop
         self._loading: list[Loading] = []
         self._in_flight: dict[int, TierStep] = {}
 
@@ -61,7 +61,17 @@ class TierPlan:
     def peer_evicted(self, peer: int, evicted: Seq[tuple[int, bytes]]) -> None:
         """Blocks of decode unit `peer`'s pool that a reservation for this actor took: this actor's next step
         saves them, before its copies into them."""
-        self._peer_saves += self.tiers.plan_saves(evicted, peer)
+        self._saves += self.tiers.plan_saves(evicted, peer)
+
+    def keep(self, cached: Seq[tuple[int, bytes]]) -> bool:
+        """Write the pool's `cached` blocks to the tiers that outlive the process (at a stop: the next start
+        answers their prefixes from there), the most recently registered up to each tier's size; True if a
+        copy waits for a step."""
+        lasting = self.tiers.lasting
+        room = max((self.tiers.tiers[i].num_slots for i in lasting), default=0)
+        saves = self.tiers.plan_saves(cached[len(cached) - room:] if room else (), only=lasting)
+        self._saves += saves
+        return bool(saves)
 
     @property
     def has_work(self) -> bool:
@@ -70,12 +80,12 @@ class TierPlan:
         NOTE: own evictions too: a block evicted by a schedule that ended up running nothing (its sequence
         preempted at once) is free again, and a reservation may hand it to a prefill unit whose copy would
         overwrite it before a later step of this actor saved it."""
-        return bool(self._loading or self._peer_saves or self.blocks.evicted)
+        return bool(self._loading or self._saves or self.blocks.evicted)
 
     def take(self, step_id: int) -> TierStep | None:
         """The copies step `step_id` makes (None: none); its loading sequences are fenced by it."""
-        saves = self.tiers.plan_saves(self.blocks.take_evicted()) + self._peer_saves
-        loading, self._loading, self._peer_saves = tuple(self._loading), [], []
+        saves = self.tiers.plan_saves(self.blocks.take_evicted()) + self._saves
+        loading, self._loading, self._saves = tuple(self._loading), [], []
         if not saves and not loading:
             return None
         step = TierStep(tuple(saves), tuple(c for entry in loading for c in entry.copies), loading)
@@ -127,8 +137,8 @@ class TierPlan:
 
     def abandon_all(self) -> None:
         """Release what no step has taken yet (the actor is being discarded)."""
-        self._release(self._peer_saves, [c for entry in self._loading for c in entry.copies])
-        self._peer_saves, self._loading = [], []
+        self._release(self._saves, [c for entry in self._loading for c in entry.copies])
+        self._saves, self._loading = [], []
 
     def _release(self, saves: Seq[TierCopy], loads: Seq[TierCopy]) -> None:
         for save in saves:
