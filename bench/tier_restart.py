@@ -1,14 +1,16 @@
-"""A disk KV tier across a SIGKILL: the first token of prompts whose blocks were evicted to the tier before the kill,
-on the restarted server, against a fresh server without a tier (the target: at most 0.3x), with the same tokens.
+"""A disk KV tier across a SIGKILL or a clean stop: the first token of prompts whose blocks reached the tier before
+it, on the restarted server, against a fresh server without a tier (the target: at most 0.3x), with the same tokens.
 
-    python -m pdserve.bench.tier_restart
+    python -m pdserve.bench.tier_restart [--stop kill|term]
 
 Demo base model in float32 with a 64 MiB pool: sixteen 120-word prompts fill it past its size, so the first ones are
-evicted to the disk tier; the server is killed (SIGKILL) and started again on the same folder, and the first three
-are asked again. A block still in the pool at the kill is not on disk (the tiers save what a pool evicts).
+evicted to the disk tier. `kill`: the server is killed (SIGKILL) and started again on the same folder, and the
+first three are asked again (a block still in the pool at a kill is not on disk). `term`: it is stopped as systemd
+stops it (SIGTERM), which writes what the pool still holds, and the last three, never evicted, are asked again.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -57,7 +59,10 @@ def first_token(port: int, prompt: str) -> tuple[float, str]:
     return first, text
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stop", choices=("kill", "term"), default="kill")
+    args = p.parse_args(argv)
     model, folder = str(default_model_dir("base")), tempfile.mkdtemp(prefix="pdserve-tier-restart-")
     rng = random.Random(7)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(120)) + f" question {i}:" for i in range(16)]
@@ -65,24 +70,26 @@ def main() -> None:
     try:
         server, port = start(model, tier)
         cold = [first_token(port, p) for p in prompts]
-        server.send_signal(signal.SIGKILL)
+        server.send_signal(signal.SIGKILL if args.stop == "kill" else signal.SIGTERM)
         server.wait()
+        asked = slice(0, 3) if args.stop == "kill" else slice(-3, None)
         server, port = start(model, tier)
-        kept = [first_token(port, p) for p in prompts[:3]]
+        kept = [first_token(port, p) for p in prompts[asked]]
         server.terminate()
         server.wait()
         server, port = start(model, [])
-        fresh = [first_token(port, p) for p in prompts[:3]]
+        fresh = [first_token(port, p) for p in prompts[asked]]
         server.terminate()
         server.wait()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    for name, runs in (("before the kill, tier empty", cold[:3]), ("after SIGKILL, from the disk tier", kept),
+    stop = "SIGKILL" if args.stop == "kill" else "SIGTERM"
+    for name, runs in ((f"before the {stop}, tier empty", cold[asked]), (f"after the {stop}, from the disk tier", kept),
                        ("fresh server, no tier", fresh)):
         print(f"{name}: first token {[round(t * 1e3) for t, _ in runs]} ms")
-    same = all(k[1] == c[1] == f[1] for k, c, f in zip(kept, cold, fresh))
+    same = all(k[1] == c[1] == f[1] for k, c, f in zip(kept, cold[asked], fresh))
     ratio = statistics.median(t for t, _ in kept) / statistics.median(t for t, _ in fresh)
-    print(f"same tokens: {same}; after the kill / fresh, medians: {ratio:.3f}x (target <= 0.3x: "
+    print(f"same tokens: {same}; after the {stop} / fresh, medians: {ratio:.3f}x (target <= 0.3x: "
           f"{'met' if ratio <= 0.3 and same else 'NOT met'})")
 
 
