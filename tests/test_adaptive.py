@@ -16,6 +16,7 @@ from pdserve.engine.modes.adaptive.prefill_plans import Waiting
 from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.core.batch import attention_pairs
 from pdserve.engine.core.messages import Request
+from pdserve.engine.core.prefix_cache import extend_hashes
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.engine import Engine
@@ -81,6 +82,30 @@ def test_the_prefill_backlog_counts_a_burst_still_in_its_mailbox():
     prefill.drain()                                   # now in its scheduler, and counted once
     assert prefill.backlog_tokens() == expected and len(prefill.scheduler) == len(requests)
     prefill.clear()
+    engine.close()
+
+
+def test_queued_prompts_count_only_the_tokens_their_prefix_cache_hits_leave_to_compute():
+    """A later turn queued on the unit that holds its history computes only its new tokens: the planner's queue
+    and the backlog routing reads count those, not its whole length (which sent later turns to a cold unit)."""
+    engine = Engine(engine_config(demo_checkpoint(), mode="adaptive"))
+    prefill, decode = engine.actors
+    history = tuple(prompts([160], seed=9)[0])
+    earlier = Sequence(Request("turn1", history))
+    size = decode.blocks.block_size
+    extend_hashes(earlier, earlier.num_tokens, size)
+    decode.blocks.grow("turn1", len(history))
+    decode.blocks.register("turn1", earlier.block_hashes)
+    decode.blocks.free("turn1")
+    later = Request("turn2", history + tuple(prompts([24], seed=10)[0]), GREEDY)
+    for actor in (decode, prefill):
+        actor.send(later)
+        actor.drain()
+    cached = len(history) // size * size
+    assert [q.tokens for q in decode.queued()] == [len(later.prompt_token_ids) - cached]
+    assert decode.backlog_tokens() == len(later.prompt_token_ids) - cached
+    assert [q.tokens for q in prefill.queued()] == [len(later.prompt_token_ids)]      # a cold pool
+    decode.clear(), prefill.clear()
     engine.close()
 
 

@@ -54,8 +54,15 @@ class UnitView:
     def backlog_tokens(self) -> int:
         """Prompt tokens queued here for prefill, those still in the mailbox included (a burst is routed
         before this actor's loop has handled any of it)."""
-        queued = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.prefill_queue())
+        queued = sum(self.to_compute(seq) for seq in self.prefill_queue())
         return queued + self._mailbox.prompt_tokens
+
+    def to_compute(self, seq: Sequence) -> int:
+        """Prompt tokens of queued `seq` still to compute here: once admitted (holding blocks), those past what it
+        has computed or taken from a cache; before, those past its prefix-cache and tier hits here."""
+        if seq.num_computed_tokens or self.blocks.holds(seq.request_id):
+            return seq.num_tokens - seq.num_computed_tokens
+        return self.uncached_tokens(seq)
 
     def prefill_queue(self) -> Iterator[Sequence]:
         """The sequences waiting here for (more of) their prefill."""
@@ -113,8 +120,7 @@ class UnitView:
 
     def queued(self) -> tuple[Queued, ...]:
         """The prompts queued here for (more of) their prefill, in the order they will be scheduled."""
-        return tuple(Queued(s.num_tokens - s.num_computed_tokens, s.request.arrival_time, s.num_tokens)
-                     for s in self.prefill_order())
+        return tuple(Queued(self.to_compute(s), s.request.arrival_time, s.num_tokens) for s in self.prefill_order())
 
     def prefill_order(self) -> list[Sequence]:
         """`prefill_queue` in the order it will be scheduled."""
