@@ -58,7 +58,7 @@ def test_a_second_start_replays_the_kept_profile_into_the_same_costs_and_slos(co
     with caplog.at_level(logging.INFO, logger="pdserve.engine.coordinator.profile"):
         second, replayed = started(config, monkeypatch, tmp_path)
     assert "kept from an earlier start" in caplog.text
-    assert replayed == PROBES + 1 < measured                # the probe step, warmed once: not the profile
+    assert replayed == 2 * (PROBES + 1) < measured          # two probe steps, each warmed once: not the profile
     assert second.slos == first.slos and predictions(second) == pytest.approx(predictions(first), rel=1e-9)
     assert list((tmp_path / "profiles").iterdir()) == [kept]
     first.close(), second.close()
@@ -81,6 +81,22 @@ def test_refresh_another_setup_a_drifted_probe_or_a_damaged_file_measure_again(c
     assert "measured again" in caplog.text
     kept.write_text(kept.read_text()[:40])                   # torn
     assert started(config, monkeypatch, tmp_path)[1] == measured
+
+
+def test_a_profile_kept_from_a_busy_machine_is_caught_by_its_largest_lent_step(config, monkeypatch, tmp_path):
+    """A profile taken while other work ran is slowest where threads contend: its lent full-batch decode step (not
+    its first, one-row step) shows it, and the next start measures again."""
+    monkeypatch.setattr(profile_store, "DRIFT", 1e3)
+    first, measured = started(config, monkeypatch, tmp_path)
+    first.close()
+    [kept] = (tmp_path / "profiles").iterdir()
+    data = json.loads(kept.read_text())
+    lent = data["profiles"][2]                               # the decode unit on lent threads
+    heaviest = max((e for e in lent if e[0] == "decode"), key=lambda e: (e[1], -e[3]))
+    heaviest[-1] *= 1e4
+    kept.write_text(json.dumps(data))
+    again = started(config, monkeypatch, tmp_path)[1]
+    assert again == measured + 2 * (PROBES + 1)
 
 
 def test_alike_units_time_each_profile_step_once(config, monkeypatch, tmp_path):

@@ -26,7 +26,7 @@ from pdserve.engine.worker.step import StepInput, StepWork
 
 logger = logging.getLogger(__name__)
 
-PROBES = 3                   # runs of the probe step a kept profile is checked with (their median)
+PROBES = 3                   # runs of each probe step a kept profile is checked with (their median)
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
 
@@ -127,7 +127,7 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
     are then set). Each runs on its own threads and, where cores are lent, on both units' threads too; a unit that
     decodes is profiled prefilling too where it does (its own steps' prefill priced from decode steps alone is
     far off). The units' cost models (routing, the planner) start from it and learn from serving steps on.
-    With a `store`, a profile kept from an earlier start is replayed instead, unless one probe step has drifted."""
+    With a `store`, a profile kept from an earlier start is replayed instead, unless a probe step has drifted."""
     if not sched.startup_profile:
         return None
     share = layout.lending
@@ -143,7 +143,7 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
         profiles += [replace(decode, prefills=True, thread_counts=(share.total,)),
                      replace(prefill, thread_counts=(share.total,))]
     kept = store.load() if store is not None and not sched.refresh_profile else None
-    if kept is not None and len(kept) == len(profiles) and not await _drifted(decode, kept[0], vocab_size):
+    if kept is not None and len(kept) == len(profiles) and not await _drifted(profiles, kept, vocab_size):
         for profile, observed in zip(profiles, kept):
             for entry in observed:
                 observe(profile, *entry)
@@ -163,15 +163,29 @@ def compute_kind(unit: Compute, spec: UnitSpec) -> tuple:
     return unit.kind, str(spec.device), len(spec.cores)
 
 
-async def _drifted(profile: UnitProfile, kept: list[list], vocab_size: int) -> bool:
-    """Run the kept profile's first step again (the median of three, after one untimed): whether it now takes far
-    longer or shorter than it did (the machine or its load changed; the profile is measured again)."""
-    kind, num_seqs, new_tokens, context, threads, _, seconds = kept[0]
-    shape, rng = StepShape(kind, num_seqs, new_tokens, context), random.Random(1)
-    runs = [(await run_shape(profile.unit, shape, threads, vocab_size, rng)).seconds for _ in range(PROBES + 1)]
-    now = statistics.median(runs[1:])
-    if drifted(seconds, now):
-        logger.info("start-up profile: measured again (a probe step took %.1f ms, %.1f ms when kept)",
-                    now * 1e3, seconds * 1e3)
-        return True
+async def _drifted(profiles: list[UnitProfile], kept: list[list[list]], vocab_size: int) -> bool:
+    """Run kept steps again (each the median of three, after one untimed): the first, and the largest decode batch
+    at the most threads (a profile taken while other work ran is slowest where threads contend, and lending is
+    decided there); whether one now takes far longer or shorter than it did (the machine or its load changed:
+    the profile is measured again)."""
+    for index, entry in _probes(kept):
+        kind, num_seqs, new_tokens, context, threads, _, seconds = entry
+        shape, rng = StepShape(kind, num_seqs, new_tokens, context), random.Random(1)
+        unit = profiles[index].unit
+        runs = [(await run_shape(unit, shape, threads, vocab_size, rng)).seconds for _ in range(PROBES + 1)]
+        now = statistics.median(runs[1:])
+        if drifted(seconds, now):
+            logger.info("start-up profile: measured again (a probe step took %.1f ms, %.1f ms when kept)",
+                        now * 1e3, seconds * 1e3)
+            return True
     return False
+
+
+def _probes(kept: list[list[list]]) -> list[tuple[int, list]]:
+    """(profile index, kept entry) of the steps `_drifted` runs again."""
+    first = (0, kept[0][0])
+    decodes = [(i, entry) for i, observed in enumerate(kept) for entry in observed if entry[0] == "decode"]
+    if not decodes:
+        return [first]
+    heaviest = max(decodes, key=lambda item: (item[1][4] or 0, item[1][1], -item[1][3]))
+    return [first] if heaviest[1] == first[1] else [first, heaviest]

@@ -1,7 +1,7 @@
 """The start-up profile kept on disk. Its inputs do not change between restarts of one service (the machine,
 the model file, dtype, quantization, the units and their threads, pdserve's version), so the steps it timed are
 stored in the cache folder under a key of those and replayed into fresh cost models at the next start.
-`--startup-profile refresh` measures again; so does a start whose one probe step has drifted far from the
+`--startup-profile refresh` measures again; so does a start whose probe steps (two) show one drifted far from the
 stored timing of the same step."""
 from __future__ import annotations
 
