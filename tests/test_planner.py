@@ -157,12 +157,10 @@ def test_a_prefill_units_step_carries_only_its_first_prompts_when_a_packed_chunk
     full = next(p for p in decision.candidates if p.action == "prefill")
     assert full.chunk == 2048 and full.ttft_misses == 2          # the short one's first token after 0.5 + 1.03 s
     roomy = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)
-    split = roomy.prefill_budget((Waiting(60), Waiting(1900)), prefill, None)    # no first token at risk: the short
-    assert split.chosen.action == "first prompts" and split.chosen.chunk == 60   # one first, ~1 s sooner on average
-    packed = next(p for p in split.candidates if p is not split.chosen)
-    assert packed.chunk == 2048 and packed.misses == split.chosen.misses == 0
-    assert packed.tokens_per_second > split.chosen.tokens_per_second
-    assert packed.first_token == pytest.approx(split.chosen.first_token, abs=0.02)  # the document: one step later
+    packed = roomy.prefill_budget((Waiting(60), Waiting(1900)), prefill, None)   # no first token at risk: one step
+    assert packed.chosen.action == "prefill" and packed.chosen.chunk == 2048 and packed.chosen.misses == 0
+    split = next(p for p in packed.candidates if p is not packed.chosen)
+    assert packed.chosen.tokens_per_second > split.tokens_per_second
     tail = (Waiting(40, waited=0.5, length=2088), Waiting(2000), Waiting(30))
     tail_first = planner.prefill_budget(tail, prefill, None)    # a prompt's tail is a first prompt as well
     assert [p.chunk for p in tail_first.candidates] == [2048, 2040, 40] and tail_first.chosen.chunk == 40
@@ -518,18 +516,3 @@ def test_a_short_prompt_starts_in_the_next_step_where_no_stream_is_pushed_past_i
     assert now.misses == 0 and decision.chosen is now                  # one 128 ms step: the 100 ms mean holds
     assert now.first_token < min(c.first_token for c in decision.candidates if c is not now)
     assert max(decision.candidates, key=lambda c: c.tokens_per_second).action == "remote"   # the rule before's pick
-
-
-def test_prompts_that_arrive_together_are_chunked_when_that_answers_them_sooner_on_average():
-    """Three later turns at once beside running streams: one 224 ms step answers all three at once; ITL-sized chunks
-    answer the first after 100 ms and the last after ~250 ms, sooner on average, with the streams' gaps within the
-    SLO. The rule before took the earliest last first token (the one long step)."""
-    planner = Planner(Slos(ttft=2.0, itl=0.1), 2048)
-    decode, prefill = linear_cost(0.01, 0.001, 0.001), linear_cost(0.05, 0.0, 0.01)
-    streams = LoadState(4, (Waiting(70), Waiting(70)), 0, decode_remaining=16, streams=(Stream(remaining=16),) * 4)
-    decision = planner.place(70, 70, streams, decode, prefill)
-    whole = next(c for c in decision.candidates if c.action == "local" and c.chunk == 210)
-    assert decision.local and decision.chosen.chunk < 210 and decision.chosen.misses == whole.misses == 0
-    assert decision.chosen.mean_first_token < whole.mean_first_token
-    assert whole.first_token < decision.chosen.first_token
-    assert decision.chosen.step <= 0.1 < whole.step

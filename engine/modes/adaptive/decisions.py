@@ -63,7 +63,6 @@ class Prediction:
     step: float                      # the decode step meanwhile (seconds)
     streams: int = 0                 # the decoding streams meanwhile
     stall: float = 0.0               # seconds each of them waits for its tokens beyond decoding alone
-    mean_first_token: float = 0.0    # seconds until the first tokens it decides, averaged over their prompts
 
     @property
     def misses(self) -> int:
@@ -98,10 +97,7 @@ class Decision:
 
 
 def best(candidates: Sequence[Prediction]) -> Prediction:
-    """Fewest predicted misses; among equals the earliest first tokens on average over the prompts decided (what a
-    chat user notices first; the last of them alone preferred one long step for prompts that arrived together,
-    which chunks answer sooner on average with shorter gaps for the streams), then the last first token, then the
+    """Fewest predicted misses; among equals the earliest first token (what a chat user notices first), then the
     least the streams stall (their ITL), then the most tokens per second; the earlier candidate on a tie. With the
     misses equal no stream is pushed past its SLO, so a prompt that can start now, on idle cores, does."""
-    return min(candidates, key=lambda p: (p.misses, p.mean_first_token, p.first_token, p.stalls,
-                                          -p.tokens_per_second))
+    return min(candidates, key=lambda p: (p.misses, p.first_token, p.stalls, -p.tokens_per_second))

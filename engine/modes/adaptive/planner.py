@@ -122,7 +122,7 @@ class Planner:
         tokens = decoded + sum(w.served for w in queue) + backlog[1]
         stall = max(0.0, plan.seconds_until_done() - plan.steps * alone)
         return Prediction("local", plan.chunk, ttft_misses, itl_misses, tokens / span if span else 0.0, horizon,
-                          plan.longest, rows, stall, _mean_first_token(plan, delay))
+                          plan.longest, rows, stall)
 
     def _ttft_misses(self, queue: Sequence[Waiting], plan: PrefillPlan, delay: float = 0.0) -> int:
         """The prompts of `queue` whose first token, `plan`'s steps after `delay` seconds, comes past the SLO."""
@@ -133,8 +133,7 @@ class Planner:
         """The queue prefilled by `plan`'s steps on a unit that only prefills."""
         done = plan.seconds_until_done()
         rate = sum(w.served for w in queue) / done if done else 0.0
-        return Prediction(action, plan.chunk, self._ttft_misses(queue, plan), 0, rate, done, plan.runs[0][1],
-                          mean_first_token=_mean_first_token(plan))
+        return Prediction(action, plan.chunk, self._ttft_misses(queue, plan), 0, rate, done, plan.runs[0][1])
 
     def _wait(self, queue: Sequence[Waiting], state: LoadState, decode: StepCostModel,
               threads: int | None, backlog: tuple[float, int] = (0.0, 0)) -> Prediction:
@@ -146,8 +145,7 @@ class Planner:
         later = self._local(queue, whole, drained, decode, threads, delay=state.decode_remaining * alone)
         span = max(later.first_token, backlog[0])
         tokens = rows * state.decode_remaining + sum(w.served for w in queue) + backlog[1]
-        return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone, rows,
-                          mean_first_token=later.mean_first_token)
+        return Prediction("wait", 0, later.ttft_misses, 0, tokens / span, later.first_token, alone, rows)
 
     def _remote(self, tokens: int, length: int, state: LoadState, decode: StepCostModel,
                 prefill: StepCostModel | None, waited: float) -> Prediction | None:
@@ -164,7 +162,7 @@ class Planner:
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
         step = decode.predict(threads, rows, 0, state.decode_context) if rows else 0.0
         ttft_misses = int(waited + first_token > self.slos.ttft)
-        span, served, mean = first_token, length + state.remote_backlog_tokens, first_token
+        span, served = first_token, length + state.remote_backlog_tokens
         if state.local_queue:
             meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
                                                     threads))
@@ -172,13 +170,11 @@ class Planner:
             step = max(step, meanwhile.step)
             served += sum(w.served for w in state.local_queue)
             span = max(span, meanwhile.first_token)
-            queued = len(state.local_queue)
-            mean = (first_token + meanwhile.mean_first_token * queued) / (queued + 1)
         rate = (served + (rows * span / step if step else 0.0)) / span if span else 0.0
         itl_misses = self._itl_misses(state, decode, ((math.ceil(first_token / step), step),) if step else ())
         alone = decode.predict(state.local_threads, rows, 0, state.decode_context) if rows else 0.0
         stall = math.ceil(first_token / step) * max(0.0, step - alone) if step else 0.0   # its own cores meanwhile
-        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step, rows, stall, mean)
+        return Prediction("remote", 0, ttft_misses, itl_misses, rate, first_token, step, rows, stall)
 
     def _itl_misses(self, state: LoadState, decode: StepCostModel, steps: Sequence[tuple[int, float]]) -> int:
         """The decoding streams whose mean time between tokens the action's `steps` ((how many, seconds each),
@@ -222,13 +218,6 @@ class Planner:
         full, last = divmod(tokens, self.max_prefill_tokens)
         seconds = full * cost.predict(threads, 0, self.max_prefill_tokens)
         return seconds + (cost.predict(threads, 0, last) if last else 0.0)
-
-
-def _mean_first_token(plan: PrefillPlan, delay: float = 0.0) -> float:
-    """Seconds from now until the first token of each prompt `plan` finishes, after `delay`, averaged."""
-    if not plan.finished:
-        return delay + plan.seconds_until_done()
-    return delay + sum(plan.seconds_until(steps) for steps in plan.finished) / len(plan.finished)
 
 
 def _halving_prefixes(queue: Sequence[Waiting], most: int) -> list[tuple[int, int]]:
