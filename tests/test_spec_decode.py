@@ -285,14 +285,16 @@ def test_penalised_rows_count_earlier_drafts_and_min_tokens_counts_positions():
 
 @pytest.mark.parametrize("mode", ("adaptive", "disaggregated", "colocated"))
 def test_default_model_gives_the_same_greedy_text_and_accepts_drafts(smollm2, mode):
-    """SmolLM2 asked to repeat a passage: speculation keeps most drafts and changes no token."""
+    """SmolLM2 asked to repeat a passage: speculation keeps most drafts and changes no token. Its weights are loaded
+    dequantized: from the GGUF blocks a verify step's rows and a decode step's take different kernel paths (which
+    row counts read the blocks is a start-up race), and the passage has a near tie that then flips."""
     passage = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
     prompts_ = [[{"role": "user", "content": f"Repeat this code exactly:\n{passage}"}],
                 [{"role": "user", "content": "What is the capital of France?"}]]
     outputs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                         "prompt_lookup_min": 2}):
-        llm = LLM(config=engine_config(smollm2[1], mode=mode), speculative_config=spec)
+        llm = LLM(config=engine_config(smollm2[1], mode=mode, quantization="none"), speculative_config=spec)
         try:
             tokenizer = llm.tokenizer
             batch = [tokenizer.encode_chat(c) for c in prompts_]
