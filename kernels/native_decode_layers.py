@@ -116,9 +116,8 @@ class DecodeLayers:
         """None when the native step cannot serve these layers (dtype, layout, head shape)."""
         if not layers or not _supported(layers, num_heads, num_kv_heads, head_dim):
             return None
-        packed = any(isinstance(p.packed, KernelWeight) for layer in layers for p in layer.projections)
         return cls(tuple(layers), num_heads, num_kv_heads, head_dim, eps, head_dim ** -0.5, window,
-                   quant_linear_address() if packed else None)
+                   quant_linear_address() if _int8(layers) else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -171,12 +170,17 @@ def _native_linear_takes(projection: Projection, rows: int) -> bool:
     return w is not None and prefer_native(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
 
 
+def _int8(layers: list[LayerTensors]) -> list[KernelWeight]:
+    """The projections quant_linear.c computes (int8-packed weights)."""
+    return [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, KernelWeight)]
+
+
 def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     dtype = layers[0].input_norm.dtype
     dense = [t for layer in layers for t in (layer.input_norm, layer.post_norm,
                                              *(x for p in layer.projections for x in (p.weight, p.bias)))
              if t is not None]
-    packed = [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, KernelWeight)]
+    packed = _int8(layers)
     blocks = [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, GGUFMatrix)]
     return (dtype in NATIVE_DTYPES and all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense)
             and all(quant_supports(p.format, p.shape[1], dtype) for p in packed)

@@ -34,14 +34,14 @@ MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at mo
 @dataclass(frozen=True, slots=True)
 class UnitProfile:
     """What to run on one unit: which phases it steps, and with how many threads (None: its own); `timed`:
-    each step's seconds by (shape, threads), once run. Units of one `kind` (the same compute, device and
-    cores) take the same time for a step: what one ran, the other takes from it."""
+    each step's seconds by (shape, threads), once run. Units of one `compute_kind` (what runs them, device
+    and cores) take the same time for a step: what one ran, the other takes from it."""
 
     unit: Compute
     cost: StepCostModel
     decodes: bool
     prefills: bool
-    kind: tuple
+    compute_kind: tuple
     thread_counts: tuple[int | None, ...] = (None,)
     timed: dict[tuple[StepShape, int | None], float] = field(default_factory=dict)
 
@@ -85,19 +85,20 @@ def typical_prompt_shape(sched: SchedulerConfig, max_model_len: int) -> StepShap
 async def profile_unit(profile: UnitProfile, sched: SchedulerConfig, max_model_len: int, vocab_size: int,
                        alike: dict, seed: int = 0) -> list[list]:
     """Run and observe the profile steps of one unit; returns what it observed (`observe`'s arguments per step).
-    `alike`: what earlier units observed, by (kind, shape, threads); a step found there is not run again."""
+    `alike`: what earlier units observed, by (compute kind, shape, threads); a step found there is not run again."""
     rng, observed = random.Random(seed), []
     shapes = profile_shapes(sched, max_model_len, profile.decodes, profile.prefills)
     for threads in profile.thread_counts:
-        to_run = [shape for shape in shapes if (profile.kind, shape, threads) not in alike]
+        to_run = [shape for shape in shapes if (profile.compute_kind, shape, threads) not in alike]
         if to_run:
             await run_shape(profile.unit, to_run[0], threads, vocab_size, rng)     # untimed: one-time costs
         for shape in shapes:
-            if (profile.kind, shape, threads) not in alike:
+            key = (profile.compute_kind, shape, threads)
+            if key not in alike:
                 outcome = await run_shape(profile.unit, shape, threads, vocab_size, rng)
-                alike[profile.kind, shape, threads] = [shape.kind, shape.num_seqs, shape.new_tokens, shape.context,
-                                                       threads, outcome.threads, outcome.seconds]
-            observed.append(alike[profile.kind, shape, threads])
+                alike[key] = [shape.kind, shape.num_seqs, shape.new_tokens, shape.context, threads, outcome.threads,
+                              outcome.seconds]
+            observed.append(alike[key])
             observe(profile, *observed[-1])
     return observed
 
