@@ -25,6 +25,7 @@ from pdserve.engine.core.messages import ActorStats, EngineStats, FinishReason, 
 from pdserve.engine.modes import choose_mode
 from pdserve.engine.modes.base import Wiring
 from pdserve.engine.recovery import Recovery
+from pdserve.engine.recurrent import serving_config
 from pdserve.engine.served import ServedModel
 from pdserve.engine.streams import RequestStream, Streams
 from pdserve.engine.supervisor import Supervisor
@@ -75,6 +76,7 @@ class Engine(Recovery):
         self.config, self.clock, self.keep_profile = config, clock, keep_profile
         torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
         self.served = served or ServedModel.load(config.model)
+        self.config = config = serving_config(config, self.served.config)
         check_draft_model(config, self.served.config)
         machine = machine or Machine.here(config)
         self.mode = choose_mode(config.mode, machine.prefill[0], machine.decode[0])

@@ -31,6 +31,7 @@ from pdserve.kernels.activation import (
 )
 from pdserve.kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pdserve.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref
 from pdserve.kernels.grouped_gemm import moe_experts_triton
 from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.native_decode_attention import decode_attention_native
@@ -47,7 +48,7 @@ from pdserve.kernels.rotary import rotary_ref, rotary_triton
 from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
 __all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
-           "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "moe_experts", "Backend",
+           "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "moe_experts", "causal_conv1d", "gated_delta_rule", "Backend",
            "choose_backend",
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
 
@@ -220,6 +221,21 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     return moe_experts_ref(x, w13, w2, topk_ids, topk_weights, b13, b2, **options,
                            linear=lambda a, w, b: linear(a, w, b, backend),
                            silu_and_mul=lambda a: silu_and_mul(a, backend))
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, backend: Backend | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of x [T, C] (weight [C, K]), each sequence continuing from its slot of conv_states
+    [slots, C, K - 1] and leaving its last inputs there; cu_seqlens None: one token per sequence."""
+    return causal_conv1d_ref(x, weight, conv_states, slots, cu_seqlens)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                     backend: Backend | None = None) -> torch.Tensor:
+    """The gated delta rule over each sequence from its slot of states [slots, Hv, Dk, Dv] (updated in place):
+    o [T, Hv, Dv]; chunked for a prefill chunk, one step per token for decode (cu_seqlens None)."""
+    return gated_delta_rule_ref(q, k, v, g, beta, states, slots, cu_seqlens)
 
 
 def decode_layers(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,

@@ -15,13 +15,13 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.llm import LLM
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
-from tests.hf_models import ARCHS, LONGROPE_ORIGINAL, MOE_ARCHS, transformers_greedy
+from tests.hf_models import ARCHS, HYBRID_ARCHS, LONGROPE_ORIGINAL, MOE_ARCHS, transformers_greedy
 from tests.hf_models import reference_model as hf_reference
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.tolerance import assert_float32_close, reference_logits, reference_logprobs
 
 CHECKPOINTS = {
-    **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS + MOE_ARCHS},
+    **{arch: functools.partial(hf_checkpoint, arch) for arch in ARCHS + MOE_ARCHS + HYBRID_ARCHS},
     "demo-llama": lambda: demo_checkpoint("llama"),
     "demo-qwen2": lambda: demo_checkpoint("qwen2"),
     "phi3-longrope": functools.partial(hf_checkpoint, "phi3-longrope"),    # long prompts only
@@ -48,11 +48,13 @@ def reference_model(name: str):
 def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
     """Every position's logits from our model, all prompts packed into each step, `chunk` tokens at a time."""
     config = ModelConfig.from_dir(CHECKPOINTS[name]())
-    runner = ModelRunner(load_model(config, torch.float32, torch.device("cpu"), 512), 64, 16, frozenset())
-    blocks = BlockManager(64, 16)
+    runner = ModelRunner(load_model(config, torch.float32, torch.device("cpu"), 512), 128, 16, frozenset(),
+                         state_slots=len(prompts))
+    blocks = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
+        seq.state_slot = blocks.state_slot(seq.request_id)
     rows: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
     planner = RunnerRows()
     while chunks := [ScheduledChunk(s, s.num_computed_tokens, min(chunk, s.num_tokens - s.num_computed_tokens),

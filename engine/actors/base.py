@@ -68,7 +68,7 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
         self.clock: Callable[[], float] = time.monotonic     # the coordinator's, once wired (virtual in a simulator)
         self.routed_prefill = self.routed_decode = 0     # what the coordinator routed here
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(unit.num_blocks, unit.block_size, enable_caching=prefix_caching)
+        self.blocks = BlockManager(unit.num_blocks, unit.block_size, prefix_caching, unit.state_slots)
         self.emit = emit
         self.on_failure: OnFailure = lambda actor, error: None
         self.failure: str | None = None

@@ -43,7 +43,8 @@ class DecodeActor(Actor):
         self.blocks.count_lookup(held, len(hits) * size)
         mark = len(self.blocks.evicted or ())
         table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits))
-        return Reservation(table, len(hits), self.index, tuple(self.blocks.take_evicted(mark)))
+        return Reservation(table, len(hits), self.index, tuple(self.blocks.take_evicted(mark)),
+                           self.blocks.state_blocks(seq.request_id))
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that was never handed off (no step of this actor has used it)."""
@@ -54,7 +55,8 @@ class DecodeActor(Actor):
         if isinstance(message, KVHandoff):
             seq = Sequence(message.request, list(message.output_token_ids), message.num_computed_tokens,
                            self.blocks.table(message.request.request_id), block_hashes=list(message.block_hashes),
-                           num_cached_tokens=message.num_cached_tokens)
+                           num_cached_tokens=message.num_cached_tokens,
+                           state_slot=self.blocks.state_slot(message.request.request_id))
             self.landing.append((seq, message.transfers))
         elif isinstance(message, Abort):
             self._abort(message.request_id)

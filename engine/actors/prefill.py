@@ -30,6 +30,7 @@ class Outgoing:
     decode_blocks: tuple[int, ...]
     decode_cached: int              # leading decode blocks the decode pool already held: not copied
     decode_unit: int                # which decode unit holds the reservation
+    decode_state_blocks: tuple[int, ...] = ()     # its state slot there: copied with the last chunk's blocks
     transfers: list = field(default_factory=list)
     handed_off: bool = False        # the decode unit owns the reservation now
 
@@ -71,7 +72,8 @@ class PrefillActor(Actor):
         reservation = self.port.reserve(seq)
         if reservation is None:
             return False
-        self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit)
+        self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit,
+                                                 reservation.state_blocks)
         if reservation.evicted and self.tier_plan is not None:     # NOTE: saved before this step copies into them
             self.tier_plan.peer_evicted(reservation.unit, reservation.evicted)
         return True
@@ -94,16 +96,17 @@ class PrefillActor(Actor):
 
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
         """The blocks this chunk completes (the partial last one too, after the last chunk) that the
-        decode pool does not hold yet; the first chunk also sends the prefix found in this pool's cache."""
-        size = self.unit.block_size
-        out = self.outgoing[chunk.seq.request_id]
-        start = 0 if chunk.start == chunk.seq.num_cached_tokens else chunk.start   # the first chunk sends the hits too
+        decode pool does not hold yet; the first chunk also sends the prefix found in this pool's cache. The last
+        chunk also sends the sequence's state slot (a model with recurrent layers): its state after the prompt."""
+        size, seq = self.unit.block_size, chunk.seq
+        out = self.outgoing[seq.request_id]
+        start = 0 if chunk.start == seq.num_cached_tokens else chunk.start   # the first chunk sends the hits too
         first = max(start // size, out.decode_cached)
         last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
-        if last <= first:
-            return None
-        return BlockCopy(chunk.seq.request_id, tuple(chunk.seq.block_table[first:last]), out.decode_blocks[first:last],
-                         out.decode_unit)
+        src, dst = tuple(seq.block_table[first:last]), out.decode_blocks[first:last]
+        if chunk.sample:
+            src, dst = src + self.blocks.state_blocks(seq.request_id), dst + out.decode_state_blocks
+        return BlockCopy(seq.request_id, src, dst, out.decode_unit) if src else None
 
     def record(self, batch: Batch, outcome: StepOutcome) -> StepOutput:
         for request_id, handle in outcome.copies:

@@ -44,7 +44,7 @@ class RunnerRows:
         seq.row = self._free_rows.pop() if self._free_rows else self._take_new_row()
         seq.synced_blocks = len(seq.block_table)
         tokens = tuple(seq.prompt_token_ids) + tuple(seq.output_token_ids)
-        return NewRow(seq.row, tokens, len(seq.prompt_token_ids), tuple(seq.block_table), seq.params)
+        return NewRow(seq.row, tokens, len(seq.prompt_token_ids), tuple(seq.block_table), seq.params, seq.state_slot)
 
     def _take_new_row(self) -> int:
         self._num_rows += 1

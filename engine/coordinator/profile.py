@@ -20,7 +20,7 @@ from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, p
 from pdserve.engine.units.spec import Layout, UnitSpec
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import Compute
-from pdserve.engine.worker.startup.warmup import StepShape, synthetic_step
+from pdserve.engine.worker.startup.warmup import StepShape, slot_count, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
 
@@ -116,7 +116,7 @@ def observe(profile: UnitProfile, kind: str, num_seqs: int, new_tokens: int, con
 
 async def run_shape(unit: Compute, shape: StepShape, threads: int | None, vocab_size: int, rng: random.Random):
     """One synthetic step of `shape` on `unit`, its rows given back after; its StepOutcome."""
-    step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng)
+    step = synthetic_step(shape, vocab_size, unit.block_size, unit.num_blocks, rng, slot_count(unit.state_slots))
     outcome = await unit.submit(StepWork(step, threads=threads))
     await unit.submit(StepWork(StepInput(freed_rows=tuple(row.row for row in step.new_rows))))
     return outcome

@@ -19,7 +19,7 @@ def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: 
     it is admitted. The defaults leave only the first rule: it fits.
     """
     needed = blocks.blocks_needed(seq_id, num_tokens, prefix)
-    if needed > blocks.num_free:
+    if needed > blocks.num_free or blocks.lacks_state_slot(seq_id):
         return False
     if blocks.num_sequences == 0:
         return True

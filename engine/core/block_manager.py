@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class NoFreeBlocks(RuntimeError):
@@ -11,6 +12,21 @@ class NoFreeBlocks(RuntimeError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSlots:
+    """A model with recurrent layers keeps each sequence's state in a slot: `count` slots of `blocks_per_slot`
+    consecutive blocks each, after the pool's KV blocks (slot i starts at block first_block + i * blocks_per_slot),
+    so a slot is copied as one run of blocks."""
+
+    count: int
+    blocks_per_slot: int
+    first_block: int
+
+    def blocks(self, slot: int) -> tuple[int, ...]:
+        first = self.first_block + slot * self.blocks_per_slot
+        return tuple(range(first, first + self.blocks_per_slot))
 
 
 class BlockManager:
@@ -24,9 +40,13 @@ class BlockManager:
     its hash; a new sequence takes the longest run of registered blocks matching its own hashes
     (sharing them: ref count + 1). A registered block keeps its hash on the free list, which is
     least-recently-used first: it stays reusable until it is handed out for new tokens.
+
+    State slots (`state_slots`, a model with recurrent layers): a new table takes a free slot and gives it back
+    when it is freed (or its fence passes), so a slot is held exactly as long as the table.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 state_slots: StateSlots | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -34,6 +54,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._deferred: dict[int, list[list[int]]] = {}     # fence -> tables released once it passes
+        self._deferred_slots: dict[int, list[int]] = {}     # fence -> state slots released with them
         self.num_deferred = 0
         self._cached: dict[bytes, int] = {}                 # hash -> block
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -41,6 +62,9 @@ class BlockManager:
         self.prefix_hits = 0                                # of which found in the cache
         self.evicted: list[tuple[int, bytes]] | None = None   # (block, hash) of registered blocks handed out
         #                                                     again, while a KV tier wants them (else None)
+        self.state_slots = state_slots
+        self._free_slots = list(range(state_slots.count - 1, -1, -1)) if state_slots else []
+        self._slot_of: dict[str, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -78,7 +102,24 @@ class BlockManager:
         return max(blocks_for(num_tokens, self.block_size) - held, 0) + idle_hits
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= self.num_free
+        return self.blocks_needed(seq_id, num_tokens) <= self.num_free and not self.lacks_state_slot(seq_id)
+
+    def lacks_state_slot(self, seq_id: str) -> bool:
+        """A new table here needs a state slot and none is free."""
+        return self.state_slots is not None and seq_id not in self._tables and not self._free_slots
+
+    def state_slot(self, seq_id: str) -> int:
+        """The state slot of `seq_id`'s table (-1 without state slots)."""
+        return self._slot_of.get(seq_id, -1)
+
+    def state_blocks(self, seq_id: str) -> tuple[int, ...]:
+        """The blocks of `seq_id`'s state slot (none without state slots)."""
+        slot = self._slot_of.get(seq_id)
+        return () if slot is None else self.state_slots.blocks(slot)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
 
     def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
         """Extend (or create) the table of `seq_id` to cover `num_tokens` tokens; returns the table.
@@ -91,6 +132,10 @@ class BlockManager:
         needed = self.blocks_needed(seq_id, num_tokens, prefix)
         if needed > len(self._free):
             raise NoFreeBlocks(f"need {needed} blocks, {len(self._free)} free")
+        if self.lacks_state_slot(seq_id):
+            raise NoFreeBlocks(f"no free state slot of {self.state_slots.count}")
+        if self.state_slots is not None and seq_id not in self._tables:
+            self._slot_of[seq_id] = self._free_slots.pop()
         table = self._tables.setdefault(seq_id, [])
         for block in prefix:
             self._share(block)
@@ -166,11 +211,17 @@ class BlockManager:
         return self._release(tail)
 
     def free(self, seq_id: str) -> int:
-        """Release every block of `seq_id`; a second call is a no-op. Returns the number released."""
+        """Release every block of `seq_id` (and its state slot); a second call is a no-op. Returns the number
+        released."""
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        self._free_slot(self._slot_of.pop(seq_id, None))
         return self._release(table)
+
+    def _free_slot(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def free_after(self, seq_id: str, fence: int) -> int:
         """Like `free`, but the blocks return to the free list only at `release_through(fence)`.
@@ -182,6 +233,9 @@ class BlockManager:
             return 0
         self._deferred.setdefault(fence, []).append(table)
         self.num_deferred += len(table)
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is not None:
+            self._deferred_slots.setdefault(fence, []).append(slot)
         return len(table)
 
     def release_through(self, fence: int) -> int:
@@ -190,6 +244,8 @@ class BlockManager:
         for passed in [f for f in self._deferred if f <= fence]:
             for table in self._deferred.pop(passed):
                 released += self._release(table)
+            for slot in self._deferred_slots.pop(passed, ()):
+                self._free_slot(slot)
         self.num_deferred -= released
         return released
 
@@ -215,3 +271,7 @@ class BlockManager:
             assert (block in held) != (block in self._free), f"block {block} both free and held"
         for digest, block in self._cached.items():
             assert self._hash_of[block] == digest, f"block {block} hash map"
+        if self.state_slots is not None:
+            held_slots = [*self._slot_of.values(), *(s for slots in self._deferred_slots.values() for s in slots)]
+            assert set(self._slot_of) == set(self._tables), "a table without its state slot"
+            assert sorted(held_slots + self._free_slots) == list(range(self.state_slots.count)), "state slots"

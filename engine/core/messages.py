@@ -134,6 +134,7 @@ class Reservation:
     num_cached: int
     unit: int = 0
     evicted: tuple[tuple[int, bytes], ...] = ()
+    state_blocks: tuple[int, ...] = ()      # its state slot's blocks there (a model with recurrent layers)
 
 
 @dataclass(frozen=True, slots=True)

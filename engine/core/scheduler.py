@@ -118,6 +118,7 @@ class PrefillScheduler:
         if self.reserve is not None and not self.reserve(seq):
             return False
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens, prefix=hits)
+        seq.state_slot = blocks.state_slot(seq.request_id)
         loaded = self.tiers.load_prefix(seq, len(hits), shareable_blocks(seq, size)) if self.tiers else 0
         seq.num_computed_tokens = seq.num_cached_tokens = (len(hits) + loaded) * size
         seq.num_registered_blocks = len(hits)

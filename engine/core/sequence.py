@@ -22,6 +22,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1             # its recurrent layers' state slot in the pool (-1: the model has none)
     aborted: bool = False
     row: int = -1                    # the model runner's row for this sequence, -1 when it has none
     synced_blocks: int = 0           # how much of `block_table` the runner's row holds

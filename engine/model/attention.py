@@ -1,7 +1,8 @@
 """Self-attention over the paged KV pool: the q/k/v projection, rotary embedding, KV store and paged attention.
 
 A layer's kind (`LayerKind`) sets its sliding window and rotary table (none: a NoPE layer); the family
-sets the score scale, soft-cap, q/k norms, biases and sinks. The kernels take the window, cap and sinks
+sets the score scale, soft-cap, q/k norms, biases, sinks and an output gate (Qwen3-Next: q_proj also gives a
+gate per head, the output is scaled by its sigmoid). The kernels take the window, cap and sinks
 as arguments, so every backend (native, Triton, torch) serves every kind.
 """
 from __future__ import annotations
@@ -22,12 +23,15 @@ class Attention(nn.Module):
         super().__init__()
         kind = config.layer_kinds[layer_index]
         self.layer_index = layer_index
+        self.kv_layer = config.kv_layer(layer_index)      # its K and V's layer in the pool (recurrent ones keep none)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale, self.window, self.softcap = config.scale, kind.window, config.attn_softcap
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
+        self.gate_size = self.q_size if config.attention_output_gate else 0
+        self.qkv_proj = Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size if self.gate_size else
+                               self.q_size + 2 * self.kv_size, config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -40,7 +44,7 @@ class Attention(nn.Module):
                 cos_sin: torch.Tensor | None) -> torch.Tensor:
         """`cos_sin`: this layer's rotary table, None for a layer without rotary embedding."""
         tokens = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate, k, v = self.qkv_proj(h).split([self.q_size, self.gate_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)       # q: [T, Hq, D]
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)    # k: [T, Hkv, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -48,16 +52,17 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         if cos_sin is None:
-            kernels.store_kv(k, v, kv_pool, self.layer_index, batch.slot_mapping, self.backend)
+            kernels.store_kv(k, v, kv_pool, self.kv_layer, batch.slot_mapping, self.backend)
         else:
-            q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.layer_index,
+            q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.kv_layer,
                                         batch.slot_mapping, self.backend)
         options = dict(window=self.window, softcap=self.softcap, sinks=self.sinks)
         if batch.is_decode:
-            o = kernels.decode_attention(q, kv_pool, self.layer_index, batch.block_tables,
+            o = kernels.decode_attention(q, kv_pool, self.kv_layer, batch.block_tables,
                                          batch.context_lens, self.scale, self.backend, **options)
         else:
-            o = kernels.prefill_attention(q, kv_pool, self.layer_index, batch.cu_seqlens_q,
+            o = kernels.prefill_attention(q, kv_pool, self.kv_layer, batch.cu_seqlens_q,
                                           batch.context_lens, batch.block_tables, self.scale, self.backend,
                                           **options)
-        return self.o_proj(o.reshape(tokens, self.q_size))
+        o = o.reshape(tokens, self.q_size)
+        return self.o_proj(o * torch.sigmoid(gate) if self.gate_size else o)

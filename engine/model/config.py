@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.model.experts_config import ExpertsConfig, experts_config
+from pdserve.engine.model.recurrent_config import LinearAttentionConfig, linear_attention_config
 from pdserve.engine.model.families import (
     ConfigError,
     RopeConfig,
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 # parsed but not served: the reason a start is refused
 UNSERVABLE_ARCHITECTURES: dict[str, tuple[str, str]] = {}
@@ -75,6 +78,8 @@ class ModelConfig:
     sandwich_norms: bool = False           # RMSNorm on the attention's and the MLP's outputs too (Gemma 2/3)
     embed_scale: float = 1.0               # embeddings times this (Gemma: sqrt(hidden_size))
     experts: ExpertsConfig | None = None   # the expert layers' (LayerKind.experts) mixture of experts
+    attention_output_gate: bool = False    # q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3-Next)
+    linear_attention: LinearAttentionConfig | None = None   # the recurrent layers' (LayerKind.recurrent)
 
     @property
     def name(self) -> str:
@@ -82,9 +87,22 @@ class ModelConfig:
 
     @property
     def attention_params(self) -> int:
-        """One layer's q, k, v and o projections."""
+        """One layer's q, k, v and o projections (and the output gate's)."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q_out + 2 * kv_out)
+        return self.hidden_size * ((3 if self.attention_output_gate else 2) * q_out + 2 * kv_out)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return sum(kind.recurrent for kind in self.layer_kinds)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K and V in the pool (the recurrent ones keep a state instead)."""
+        return self.num_layers - self.num_recurrent_layers
+
+    def kv_layer(self, layer_index: int) -> int:
+        """Where layer `layer_index` keeps its K and V among the pool's layers."""
+        return sum(not kind.recurrent for kind in self.layer_kinds[:layer_index])
 
     @property
     def dense_mlp_params(self) -> int:
@@ -119,7 +137,9 @@ class ModelConfig:
     def _layers_params(self, tokens: int | None) -> float | int:
         """Weights of every layer read by a step of `tokens` tokens (None: every expert)."""
         experts = sum(kind.experts for kind in self.layer_kinds)
-        dense = self.num_layers * self.attention_params + (self.num_layers - experts) * self.dense_mlp_params
+        recurrent = 0 if self.linear_attention is None else self.linear_attention.layer_params(self.hidden_size)
+        dense = (self.num_kv_layers * self.attention_params + self.num_recurrent_layers * recurrent
+                 + (self.num_layers - experts) * self.dense_mlp_params)
         if not experts:
             return dense
         e, hidden = self.experts, self.hidden_size
@@ -130,8 +150,12 @@ class ModelConfig:
         return dense + experts * (e.fixed_params(hidden) + e.experts_touched(tokens) * e.expert_params(hidden))
 
     def kv_elements_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """K and V of every attention layer for one token."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim
+
+    def state_bytes(self) -> int:
+        """One sequence's recurrent state over every recurrent layer (0 without any)."""
+        return 0 if self.linear_attention is None else self.linear_attention.state_bytes(self.num_recurrent_layers)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -197,6 +221,7 @@ def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
                                         torch.float32),
             layer_kinds=layer_kinds(raw, architecture, num_layers, rope),
             experts=experts_config(raw, architecture),
+            linear_attention=linear_attention_config(raw, architecture),
             **family_features(raw, architecture, hidden),
         )
     except KeyError as e:

@@ -1,8 +1,8 @@
 """What a mixture-of-experts family's config.json says about its expert layers, as transformers reads it.
 
-Mixtral and Qwen2/3-MoE score every expert with a softmax and keep the top k (Mixtral renormalises them;
+Mixtral, Qwen2/3-MoE and Qwen3-Next score every expert with a softmax and keep the top k (Mixtral renormalises them;
 Qwen by `norm_topk_prob`); gpt-oss keeps the top k router logits (its router has a bias) and takes their
-softmax. Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate; gpt-oss's experts
+softmax. Qwen2-MoE and Qwen3-Next add a shared expert every token takes, scaled by a sigmoid gate; gpt-oss's experts
 have biases and a clamped SwiGLU. Qwen's `mlp_only_layers` and `decoder_sparse_step` leave some layers dense.
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next")
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,8 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
     if architecture not in MOE_ARCHITECTURES:
         return None
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if experts == 0 and architecture == "qwen3_next":          # every MLP dense
+        return None
     top_k = int(raw["num_experts_per_tok"])
     if experts <= 0 or not 0 < top_k <= experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})")
@@ -71,9 +74,9 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
                              swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     if architecture == "mixtral":
         return ExpertsConfig(experts, top_k, int(raw["intermediate_size"]))
-    shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture == "qwen2_moe" else 0
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture in SHARED_EXPERT else 0
     return ExpertsConfig(experts, top_k, int(raw["moe_intermediate_size"]),
-                         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", architecture == "qwen3_next")),
                          shared_intermediate_size=shared, shared_gate=shared > 0)
 
 
@@ -83,6 +86,8 @@ def expert_layers(raw: dict, architecture: str, n: int) -> list[bool]:
         return [False] * n
     if architecture in ("mixtral", "gpt_oss"):
         return [True] * n
+    if not int(raw.get("num_local_experts") or raw.get("num_experts") or 0):
+        return [False] * n
     dense = set(raw.get("mlp_only_layers") or ())
     step = int(raw.get("decoder_sparse_step") or 1)
     return [i not in dense and (i + 1) % step == 0 for i in range(n)]

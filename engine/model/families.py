@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.engine.model.experts_config import expert_layers
+from pdserve.engine.model.recurrent_config import HYBRID_ARCHITECTURES, LINEAR, hybrid_layer_types
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROPE_ALIASES = {"su": "longrope"}       # early Phi-3 128k checkpoints
@@ -50,6 +51,7 @@ class LayerKind:
     window: int = 0                             # the last `window` tokens, itself included (0: every token)
     rope: RopeConfig | None = None              # None: no rotary embedding (SmolLM3's NoPE layers)
     experts: bool = False                       # the MLP is a mixture of experts (ModelConfig.experts)
+    recurrent: bool = False                     # linear attention with a state instead of KV (Gated DeltaNet)
 
 
 def rope_config(raw: dict, params: dict | None = None) -> RopeConfig:
@@ -95,10 +97,13 @@ def layer_kinds(raw: dict, architecture: str, num_layers: int, rope: RopeConfig)
     window = int(raw.get("sliding_window") or 0)
     ropes = _layer_ropes(raw, architecture, num_layers, types, rope)
     experts = expert_layers(raw, architecture, num_layers)
-    return tuple(LayerKind(window if t == SLIDING else 0, r, e) for t, r, e in zip(types, ropes, experts))
+    return tuple(LayerKind(window if t == SLIDING else 0, None if t == LINEAR else r, e, t == LINEAR)
+                 for t, r, e in zip(types, ropes, experts))
 
 
 def _layer_types(raw: dict, architecture: str, n: int) -> list[str]:
+    if architecture in HYBRID_ARCHITECTURES:
+        return hybrid_layer_types(raw, n)
     if not raw.get("sliding_window"):
         return [FULL] * n
     if architecture in QWEN + ("smollm3",) and not raw.get("use_sliding_window", False):
@@ -149,7 +154,7 @@ def _smollm3_rope_layers(raw: dict, n: int) -> list[bool]:
 
 def family_features(raw: dict, architecture: str, hidden: int) -> dict:
     """ModelConfig's family-wide fields (norms, scale, soft-caps, activation, biases, sinks)."""
-    gemma = architecture in ("gemma2", "gemma3")
+    gemma, hybrid = architecture in ("gemma2", "gemma3"), architecture in HYBRID_ARCHITECTURES
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention: an encoder (EmbeddingGemma), not a causal language model")
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
@@ -162,13 +167,14 @@ def family_features(raw: dict, architecture: str, hidden: int) -> dict:
     return dict(
         attention_bias=bias and architecture not in ("mistral", "mixtral", "phi3"),
         o_proj_bias=bias and architecture not in ("qwen2", "qwen2_moe", "mistral", "mixtral", "phi3"),
-        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_ARCHITECTURES),
         attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
         attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
         final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         attention_sinks=architecture == "gpt_oss",
         hidden_act=activation,
-        norm_offset=1.0 if gemma else 0.0,
+        norm_offset=1.0 if gemma or hybrid else 0.0,
+        attention_output_gate=hybrid,
         sandwich_norms=gemma,
         embed_scale=hidden ** 0.5 if gemma else 1.0,
     )

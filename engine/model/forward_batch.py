@@ -7,6 +7,15 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class RecurrentStates:
+    """The recurrent layers' states a step reads and updates: each sequence's slot, and per layer every slot's."""
+
+    slots: torch.Tensor                    # [S] int64, each sequence's slot, in the batch's sequence order
+    conv: tuple[torch.Tensor, ...]         # per recurrent layer: [slots, conv_dim, kernel - 1] float32
+    recurrent: tuple[torch.Tensor, ...]    # per recurrent layer: [slots, v_heads, k_head_dim, v_head_dim] float32
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """Tensors describing one model step over a packed batch of S sequences and T tokens.
 
@@ -20,6 +29,7 @@ class ForwardBatch:
     context_lens: torch.Tensor     # [S] int32, tokens of context including this step's
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32; None for decode
     logits_indices: torch.Tensor   # [S'] int64, rows of the hidden states to sample from
+    state: RecurrentStates | None = None   # the sequences' state slots (a model with recurrent layers)
 
     @property
     def is_decode(self) -> bool:

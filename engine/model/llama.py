@@ -1,5 +1,5 @@
 """The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3; Mixtral, Qwen2/3-MoE and
-gpt-oss with their experts) over a paged KV pool."""
+gpt-oss with their experts; Qwen3-Next and Qwen3.5 with their recurrent layers) over a paged KV pool."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ from pdserve import kernels
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
+from pdserve.engine.model.gated_deltanet import GatedDeltaNet
 from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm
 from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.rope import cos_sin_table
@@ -21,7 +22,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index)
+        recurrent = config.layer_kinds[layer_index].recurrent
+        self.self_attn = None if recurrent else Attention(config, layer_index)
+        self.linear_attn = GatedDeltaNet(config, layer_index) if recurrent else None
         self.mlp = SparseMoE(config) if config.layer_kinds[layer_index].experts else MLP(config)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -34,7 +37,8 @@ class DecoderLayer(nn.Module):
             residual, h = h, self.input_norm(h)
         else:
             h, residual = self.input_norm(h, residual)
-        h = self.self_attn(h, batch, kv_pool, cos_sin)
+        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
+        h = mixer(h, batch, kv_pool, cos_sin)
         if self.attention_output_norm is not None:
             h = self.attention_output_norm(h)
         h, residual = self.pre_mlp_norm(h, residual)
@@ -95,6 +99,8 @@ class CausalLM(nn.Module):
 
     def one_call_layers(self) -> DecodeLayers | None:
         """The layers' table for the one-call native step (None where it cannot serve this model)."""
+        if not _one_call_serves(self.config):
+            return None
         built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
         if self._decode_layers_for != built_for:
             self._decode_layers, self._decode_layers_for = self._build_decode_layers(), built_for
@@ -106,8 +112,6 @@ class CausalLM(nn.Module):
 
     def _build_decode_layers(self) -> DecodeLayers | None:
         config = self.config
-        if not _one_call_serves(config):
-            return None
         layers = [_layer_tensors(layer) for layer in self.layers]
         if None in layers:
             return None
@@ -128,7 +132,7 @@ def _one_call_serves(c: ModelConfig) -> bool:
     """Whether the one-call native decode step (Llama-style layers, one window and rotary table) fits the model."""
     kinds = set(c.layer_kinds)
     plain = not (c.qk_norm or c.sandwich_norms or c.attention_sinks or c.attn_softcap or c.attention_scale
-                 or c.experts)
+                 or c.experts or c.linear_attention or c.attention_output_gate)
     return plain and c.hidden_act == "silu" and len(kinds) == 1 and c.layer_kinds[0].rope is not None
 
 

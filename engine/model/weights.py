@@ -65,7 +65,8 @@ def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]
     if model.lm_head is not None:
         names["lm_head.weight"] = Destination("lm_head.weight")
     for i in range(c.num_layers):
-        names |= _attention(c, i, fused) | (_experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused))
+        mixer = _linear_attention(c, i) if c.layer_kinds[i].recurrent else _attention(c, i, fused)
+        names |= mixer | (_experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused))
         for ours, theirs in _norm_names(c).items():
             names[f"model.layers.{i}.{theirs}.weight"] = Destination(f"layers.{i}.{ours}.weight", offset=offset)
     return names
@@ -76,6 +77,9 @@ def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
     order = qkv_rows(c, i)
     names = {}
     for kind in ["weight", "bias"] if c.attention_bias else ["weight"]:
+        if c.attention_output_gate:
+            names |= _gated_qkv(c, i, kind)
+            continue
         if fused:
             names[f"model.{attn}.qkv_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", rows=order)
             continue
@@ -94,6 +98,54 @@ def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
     if c.attention_sinks:
         names[f"model.{attn}.sinks"] = Destination(f"{attn}.sinks")
     return names
+
+
+def _linear_attention(c, i: int) -> dict[str, Destination]:
+    """A Gated DeltaNet layer: its input projections into one [q | k | v | z | b | a] (Qwen3-Next's in_proj_qkvz and
+    in_proj_ba interleave them per key head group; Qwen3.5's are four), the convolution, decay, norm and output."""
+    la, ours, theirs = c.linear_attention, f"layers.{i}.linear_attn", f"model.layers.{i}.linear_attn"
+    qkvz, heads = la.conv_dim + la.value_dim, la.num_v_heads
+    names = {f"{theirs}.conv1d.weight": Destination(f"{ours}.conv_weight"),
+             f"{theirs}.dt_bias": Destination(f"{ours}.dt_bias"), f"{theirs}.A_log": Destination(f"{ours}.a_log"),
+             f"{theirs}.norm.weight": Destination(f"{ours}.norm_weight"),
+             f"{theirs}.out_proj.weight": Destination(f"{ours}.out_proj.weight")}
+    projection = f"{ours}.in_proj.weight"
+    if c.architecture == "qwen3_next":
+        qkvz_rows, ba_rows = grouped_projection_rows(la)
+        return names | {f"{theirs}.in_proj_qkvz.weight": Destination(projection, 0, qkvz, qkvz_rows),
+                        f"{theirs}.in_proj_ba.weight": Destination(projection, qkvz, qkvz + 2 * heads, ba_rows)}
+    return names | {f"{theirs}.in_proj_qkv.weight": Destination(projection, 0, la.conv_dim),
+                    f"{theirs}.in_proj_z.weight": Destination(projection, la.conv_dim, qkvz),
+                    f"{theirs}.in_proj_b.weight": Destination(projection, qkvz, qkvz + heads),
+                    f"{theirs}.in_proj_a.weight": Destination(projection, qkvz + heads, qkvz + 2 * heads)}
+
+
+def grouped_projection_rows(la) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint rows of [q | k | v | z] and [b | a] in Qwen3-Next's in_proj_qkvz and in_proj_ba, which hold each
+    key head's q, k, then its value heads' v and z (and their b, a) together."""
+    ratio, dk = la.num_v_heads // la.num_k_heads, la.k_head_dim
+    width = ratio * la.v_head_dim
+    group = torch.arange(la.num_k_heads)[:, None] * (2 * dk + 2 * width)
+    parts = [(0, dk), (dk, dk), (2 * dk, width), (2 * dk + width, width)]
+    qkvz = torch.cat([(group + start + torch.arange(n)).reshape(-1) for start, n in parts])
+    pairs = torch.arange(la.num_k_heads)[:, None] * 2 * ratio
+    ba = torch.cat([(pairs + torch.arange(ratio)).reshape(-1), (pairs + ratio + torch.arange(ratio)).reshape(-1)])
+    return qkvz, ba
+
+
+def _gated_qkv(c, i: int, kind: str) -> dict[str, Destination]:
+    """q_proj holds each head's query, then its output gate (Qwen3-Next): the model stores every query, then every
+    gate, then k and v (q and k rows in rotary order)."""
+    q, kv, hd, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim, f"layers.{i}.self_attn"
+    order = qkv_rows(c, i)
+    dims = torch.arange(hd) if order is None else order[:hd]
+    heads = torch.arange(c.num_heads)[:, None] * 2 * hd
+    rows = torch.cat([(heads + dims).reshape(-1), (heads + hd + torch.arange(hd)).reshape(-1)])
+    fused = f"{attn}.qkv_proj.{kind}"
+    return {f"model.{attn}.q_proj.{kind}": Destination(fused, 0, 2 * q, rows),
+            f"model.{attn}.k_proj.{kind}": Destination(fused, 2 * q, 2 * q + kv,
+                                                       None if order is None else order[q:q + kv] - q),
+            f"model.{attn}.v_proj.{kind}": Destination(fused, 2 * q + kv, 2 * q + 2 * kv)}
 
 
 def qkv_rows(c, i: int) -> torch.Tensor | None:

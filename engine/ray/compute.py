@@ -61,6 +61,9 @@ class RayCompute:
         self.transport = transport or KVTransport(OBJECT_STORE)
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
+        self.state_slots = spec.state_slots()
+        if self.state_slots is not None:
+            self.num_blocks = self.state_slots.first_block
         self.eos_token_ids = spec.eos_token_ids
         self.lost: str | None = None           # why the actor is gone; None while it serves
         self.where: dict = {}

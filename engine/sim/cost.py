@@ -56,7 +56,7 @@ class Roofline:
     def flops(self, s: StepShape) -> float:
         m = self.shape
         linear = 2 * s.tokens * m.num_layers * m.layer_params + 2 * s.sampled * m.lm_head_params
-        attention = 4 * m.num_layers * m.num_heads * m.head_dim * (s.prefill_pairs + s.decode_context)
+        attention = 4 * m.num_kv_layers * m.num_heads * m.head_dim * (s.prefill_pairs + s.decode_context)
         return float(linear + attention)
 
     def bytes(self, s: StepShape) -> float:

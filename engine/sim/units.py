@@ -63,6 +63,7 @@ class SimCompute:
     def __init__(self, model: UnitModel) -> None:
         self.model = model
         self.device, self.num_blocks, self.block_size = model.device, model.num_blocks, model.block_size
+        self.state_slots = None                  # NOTE: simulated steps keep no state
         self.eos_token_ids = model.eos_token_ids
         self.steps: list[tuple[float, float]] = []     # (start, seconds) of every step, for the report
 

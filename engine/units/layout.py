@@ -13,7 +13,9 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.units.pools import pool_shares
 from pdserve.engine.units.spec import CoreShare, Layout, StepBuffers, UnitSpec, deal_cores, parse_devices, unit_names
+from pdserve.engine.worker.memory import kv_layout
 from pdserve.engine.worker.startup.defaults import choose_devices, choose_dtype, visible_gpus
+from pdserve.engine.worker.state_pool import slot_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,8 @@ def make_layout(config: EngineConfig, model_config: ModelConfig, roles: UnitRole
     shared = tuple(sorted({c for role_cores in by_role.values() for c in role_cores}))
     share = CoreShare(len(by_role["prefill"]), len(by_role["decode"])) if lending else None
     per_seq = blocks_for(max_model_len, block_size)
-    pools = pool_shares(placed, per_seq, sched.max_num_seqs)
+    states = sched.max_num_seqs * slot_blocks(model_config, kv_layout(model_config, block_size), dtype)
+    pools = [(share, cap + states) for share, cap in pool_shares(placed, per_seq, sched.max_num_seqs)]
     specs = []
     for role in dict.fromkeys(r for r, _ in placed):
         here = [i for i, (r, _) in enumerate(placed) if r == role]

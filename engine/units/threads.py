@@ -36,7 +36,8 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
     blocks = _pool_blocks(sizer, specs, models)
     b = layout.buffers
     runners = [ModelRunner(models[spec.device], n, config.cache.block_size, eos, spec.graph_batch,
-                           max_blocks_per_seq=b.blocks_per_seq, buffer_tokens=b.tokens, buffer_seqs=b.seqs)
+                           max_blocks_per_seq=b.blocks_per_seq, buffer_tokens=b.tokens, buffer_seqs=b.seqs,
+                           state_slots=config.scheduler.max_num_seqs)
                for spec, n in zip(specs, blocks)]
     for spec, runner in zip(specs, runners):
         warm_up_for_serving(runner, spec.warmup_role, config.scheduler, layout.max_model_len, spec.thread_counts)

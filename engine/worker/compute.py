@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.core.block_manager import StateSlots
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner
@@ -22,9 +23,10 @@ from pdserve.engine.worker.step_runner import PendingOutcome, StepOutcome, StepR
 class Compute(Protocol):
     kind: str                        # "thread" or "process"
     device: torch.device
-    num_blocks: int
+    num_blocks: int                  # KV blocks (a model with recurrent layers keeps its state slots after them)
     block_size: int
     eos_token_ids: frozenset[int]
+    state_slots: StateSlots | None
 
     def submit(self, work: StepWork) -> asyncio.Future:
         """Start the step on the unit; the future's result is its StepOutcome (or the step's exception)."""
@@ -59,6 +61,7 @@ class ThreadCompute:
         self.step_runner = step_runner
         self.runner: ModelRunner = step_runner.runner
         self.device, self.num_blocks = self.runner.device, self.runner.num_blocks
+        self.state_slots = self.runner.state_slots
         self.block_size, self.eos_token_ids = self.runner.block_size, self.runner.eos_token_ids
         self.cpu_cores = cpu_cores
         self.fault = Fault.from_env(name)

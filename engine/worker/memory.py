@@ -41,7 +41,7 @@ DEFAULT_KV_BUDGET = {"cpu": "2GiB", "cuda": "0.8"}
 
 
 def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
-    return KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+    return KVLayout(config.num_kv_layers, block_size, config.num_kv_heads, config.head_dim)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

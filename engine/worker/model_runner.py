@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -10,7 +11,7 @@ import torch
 from pdserve import kernels
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.forward_batch import ForwardBatch
+from pdserve.engine.model.forward_batch import ForwardBatch, RecurrentStates
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.quant import load_weights_quantized
 from pdserve.engine.worker.sampling.constraints import RowConstraints
@@ -23,6 +24,7 @@ from pdserve.engine.worker.prompt_logprobs import score_prompts
 from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inputs, num_logits, step_shape
 from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
+from pdserve.engine.worker.state_pool import StatePool, carve_state_slots
 from pdserve.engine.worker.spec_verify import read_back_into as verified_into, verify_on_device, with_logprobs
 from pdserve.engine.worker.step import NewRow, StepInput, StepResult
 
@@ -54,11 +56,13 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
                  graph_max_batch: int = 0, max_blocks_per_seq: int = 0, buffer_tokens: int = 256,
-                 buffer_seqs: int = 32, kv_pool: torch.Tensor | None = None) -> None:
+                 buffer_seqs: int = 32, kv_pool: torch.Tensor | None = None, state_slots: int = 0) -> None:
         """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only).
 
         `buffer_tokens` and `buffer_seqs` size the step buffers (they grow if a step needs more); `kv_pool`
-        is a pool allocated elsewhere (shared memory), else one is allocated here."""
+        is a pool allocated elsewhere (shared memory), else one is allocated here. A model with recurrent layers
+        keeps `state_slots` sequences' states at the end of the pool (`state_pool`): `num_blocks` then counts
+        the KV blocks before them."""
         c = model.config
         self.model = model
         model.use_backend(kernels.choose_backend(model.embed_tokens.weight))    # NOTE: once, not per op
@@ -71,6 +75,10 @@ class ModelRunner:
         self.forward_seconds = 0.0       # device work of a step (forward, logits, sampling), summed
         self.kv_layout = kv_layout(c, block_size)
         self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device) if kv_pool is None else kv_pool
+        self.state_slots = carve_state_slots(c, self.kv_layout, self.dtype, num_blocks, state_slots)
+        self.state = None if self.state_slots is None else StatePool(c, self.kv_pool, self.state_slots)
+        if self.state_slots is not None:
+            self.num_blocks = self.state_slots.first_block
         self.rows = RowState(self.max_blocks_per_seq, self.device)
         self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
@@ -198,7 +206,16 @@ class ModelRunner:
         fill_inputs(buffers, self.rows, step, self.block_size, width)
         buffers.upload(num_seqs, width)
         gather_decode_inputs(buffers, self.rows, len(step.decode_rows))
-        return buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width, is_decode=not step.chunks)
+        batch = buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width, is_decode=not step.chunks)
+        return batch if self.state is None else replace(batch, state=self._states(step, buffers, num_seqs))
+
+    def _states(self, step: StepInput, buffers: InputBuffers, num_seqs: int) -> RecurrentStates:
+        """The step's sequences' state slots; those starting their first chunk are zeroed first."""
+        fresh = [self.rows.state_slots[c.row] for c in step.chunks if c.start == 0]
+        if fresh:
+            self.state.reset(upload(np.asarray(fresh, dtype=np.int64), self.device))
+        slots = self.rows.state_slots[buffers.np["rows"][:num_seqs]]
+        return self.state.for_step(upload(slots, self.device))
 
     def logits(self, step: StepInput) -> torch.Tensor:
         """logits [S', V] fp32 of an applied step's sampled rows (a captured graph for decode when one fits)."""

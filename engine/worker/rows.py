@@ -21,6 +21,7 @@ class RowState:
         self.block_tables = np.zeros((0, max_blocks), dtype=np.int32)
         self.tokens: list[np.ndarray | None] = []
         self.joins = np.zeros(0, dtype=np.int64)       # how often each row was given to a new sequence
+        self.state_slots = np.zeros(0, dtype=np.int64)  # each row's recurrent state slot (-1: none)
         self.last_token = torch.zeros(0, dtype=torch.int32, device=device)
 
     @property
@@ -37,6 +38,7 @@ class RowState:
                 self.tokens[new.row] = np.asarray(new.token_ids, dtype=np.int32)
                 self.block_tables[new.row] = 0                 # NOTE: a reused row keeps no stale entries
                 self._write_blocks(new.row, 0, new.block_ids)
+                self.state_slots[new.row] = new.state_slot
             rows = np.array([new.row for new in step.new_rows], dtype=np.int64)
             self.joins[rows] += 1
             last = np.array([new.token_ids[-1] for new in step.new_rows], dtype=np.int32)
@@ -58,6 +60,7 @@ class RowState:
         self.block_tables = grown
         self.tokens += [None] * (capacity - self.capacity)
         self.joins = np.concatenate([self.joins, np.zeros(capacity - len(self.joins), dtype=np.int64)])
+        self.state_slots = np.concatenate([self.state_slots, np.full(capacity - len(self.state_slots), -1, np.int64)])
         last = torch.zeros(capacity, dtype=torch.int32, device=self.device)
         last[:self.last_token.shape[0]] = self.last_token
         self.last_token = last

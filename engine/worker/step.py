@@ -22,6 +22,7 @@ class NewRow:
     num_prompt_tokens: int
     block_ids: tuple[int, ...]
     params: SamplingParams
+    state_slot: int = -1             # its recurrent layers' state slot (-1: the model has none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,9 @@ class ProcessCompute:
         self.spec, self.own_pool, self.peer_pools = spec, own_pool, peer_pools
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
+        self.state_slots = spec.state_slots()
+        if self.state_slots is not None:
+            self.num_blocks = self.state_slots.first_block
         self.eos_token_ids = spec.eos_token_ids
         self._context = multiprocessing.get_context("spawn")
         self._pending: deque[asyncio.Future] = deque()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.core.block_manager import StateSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.transfer.select import select_transfer
@@ -25,6 +26,7 @@ from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedFd, check_pools_agree, open_shared
 from pdserve.engine.worker.processes.shared_tiers import TierTicket, open_tiers
+from pdserve.engine.worker.state_pool import carve_state_slots
 from pdserve.engine.worker.step_runner import Peer, StepRunner
 from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 from pdserve.engine.worker.tiers.cuda_copier import tier_copier
@@ -55,6 +57,11 @@ class WorkerSpec:
     thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
     tiers: TierTicket | None = None  # the KV tiers this worker copies blocks to and from
     kv_verify: bool = False          # check each KV hand-off at both ends (--kv-verify)
+
+    def state_slots(self) -> StateSlots | None:
+        """Where its runner keeps the recurrent states (a model with recurrent layers): a slot per sequence."""
+        return carve_state_slots(self.model_config, self.pool.layout, self.dtype, self.pool.num_blocks,
+                                 self.scheduler.max_num_seqs)
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
@@ -116,7 +123,7 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
                        max(len(spec.cores), 1))
     pool = None if own_fd is None else open_shared(spec.pool, own_fd)
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
-                         kv_pool=pool, **spec.step_sizes)
+                         kv_pool=pool, state_slots=spec.scheduler.max_num_seqs, **spec.step_sizes)
     warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len, spec.thread_counts)
     peers = []
     for peer_spec, peer_fd in zip(spec.peer_pools, peer_fds, strict=True):

@@ -26,10 +26,11 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.worker.cuda_graph import DecodeGraphs
 from pdserve.engine.worker.device import on_device, side_stream
-from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, parse_memory
+from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, kv_layout, parse_memory
 from pdserve.engine.worker.model_runner import ModelRunner
 from pdserve.engine.worker.prompt_logprobs import SLICE_POSITIONS, score_positions
 from pdserve.engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
+from pdserve.engine.worker.state_pool import slot_blocks
 
 logger = logging.getLogger(__name__)
 GiB = 2**30
@@ -168,13 +169,16 @@ def measure_reserve(demand: Demand, block_size: int, max_blocks_per_seq: int, me
     model = demand.model
     device = model.embed_tokens.weight.device
     scratch_blocks = max(_blocks_touched(step, block_size) for step in demand.steps)
+    rows = max(step.num_seqs for step in demand.steps)                  # a model with recurrent layers: their states
+    dtype = model.embed_tokens.weight.dtype
+    state_blocks = rows * slot_blocks(model.config, kv_layout(model.config, block_size), dtype)
     with on_device(device), side_stream(device):
-        runner = ModelRunner(model, scratch_blocks, block_size, frozenset())
+        runner = ModelRunner(model, scratch_blocks + state_blocks, block_size, frozenset(), state_slots=rows)
         baseline = memory.allocated()
         memory.reset_peak()
         for step in demand.steps:
             run_synthetic(runner, synthetic_step(step, model.config.vocab_size, block_size, scratch_blocks,
-                                                 random.Random(0)))
+                                                 random.Random(0), rows if state_blocks else 0))
         _sample_the_worst_case(runner, demand.sampled_rows)
         _score_the_worst_case(runner)
         activations = max(0, memory.peak_allocated() - baseline)

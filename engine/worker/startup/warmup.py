@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import kernels
+from pdserve.engine.core.block_manager import StateSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.layers import Linear
@@ -147,7 +148,7 @@ def warm_up(runner: ModelRunner, shapes: list[StepShape], seed: int = 0) -> int:
     with on_device(runner.device), side_stream(runner.device):
         for shape in shapes:
             run_synthetic(runner, synthetic_step(shape, runner.model.config.vocab_size, runner.block_size,
-                                                 runner.num_blocks, rng))
+                                                 runner.num_blocks, rng, slot_count(runner.state_slots)))
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     runner.forward_seconds = 0.0
@@ -155,8 +156,9 @@ def warm_up(runner: ModelRunner, shapes: list[StepShape], seed: int = 0) -> int:
 
 
 def synthetic_step(shape: StepShape, vocab_size: int, block_size: int, num_blocks: int,
-                   rng: random.Random) -> StepInput:
-    """A step of `shape` over random tokens in rows 0 .. n - 1; block ids wrap around a pool too small to hold it."""
+                   rng: random.Random, state_slots: int = 0) -> StepInput:
+    """A step of `shape` over random tokens in rows 0 .. n - 1; block ids (and, for a model with recurrent layers,
+    its `state_slots` slots) wrap around a pool too small to hold it."""
     new_rows, decode_rows, positions, chunks, next_block = [], [], [], [], 0
     for row, (decode_row, context, new_tokens) in enumerate(_rows(shape)):
         params = SAMPLED[row % len(SAMPLED)] if shape.sampled else GREEDY
@@ -165,7 +167,8 @@ def synthetic_step(shape: StepShape, vocab_size: int, block_size: int, num_block
         needed = -(-(context + new_tokens) // block_size)
         blocks = tuple((next_block + b) % num_blocks for b in range(needed))
         next_block += needed
-        new_rows.append(NewRow(row, tokens, context if decode_row else known, blocks, params))
+        new_rows.append(NewRow(row, tokens, context if decode_row else known, blocks, params,
+                               row % state_slots if state_slots else -1))
         if decode_row:
             decode_rows.append(row)
             positions.append(context)
@@ -173,6 +176,10 @@ def synthetic_step(shape: StepShape, vocab_size: int, block_size: int, num_block
             chunks.append(ChunkInput(row, context, new_tokens, sample=True))
     return StepInput(new_rows=tuple(new_rows), decode_rows=tuple(decode_rows), decode_positions=tuple(positions),
                      chunks=tuple(chunks))
+
+
+def slot_count(slots: StateSlots | None) -> int:
+    return 0 if slots is None else slots.count
 
 
 def run_synthetic(runner: ModelRunner, step: StepInput) -> None:
