@@ -28,7 +28,7 @@ WORK = StepWork(
               new_rows=(NewRow(0, (5, 6, 7), 2, (9, 4), SamplingParams(max_tokens=7, temperature=0.5, top_k=3,
                                                                          seed=11, stop=("x", "yz"),
                                                                          stop_token_ids=(2,), logprobs=2)),
-                        NewRow(4, (8,), 1, (), SamplingParams())),
+                        NewRow(4, (8,), 1, (), SamplingParams(), 3)),
               appends=(BlockAppend(2, 5, (17, 18)),),
               decode_rows=(2, 5), decode_positions=(80, 12),
               chunks=(ChunkInput(0, 0, 3, True), ChunkInput(4, 0, 1, False, 0), ChunkInput(5, 16, 8, False, 20)),

@@ -30,7 +30,7 @@ from pdserve.engine.worker.kv_verify import CopyCheck
 from pdserve.engine.worker.step_runner import StepOutcome
 from pdserve.engine.worker.tiers.copier import TierOutcome
 
-VERSION = 4
+VERSION = 5
 MAGIC = b"PDSV"
 HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
 WORK, OUTCOME, ERROR, READY, STOP = range(5)
@@ -75,7 +75,7 @@ def encode_work(work: StepWork) -> bytes:
     new, ap, ch, cp = s.new_rows, s.appends, s.chunks, work.copies
     arrays = [
         s.freed_rows,
-        [x for r in new for x in (r.row, r.num_prompt_tokens, len(r.token_ids), len(r.block_ids))],
+        [x for r in new for x in (r.row, r.num_prompt_tokens, len(r.token_ids), len(r.block_ids), r.state_slot)],
         [t for r in new for t in r.token_ids],
         [b for r in new for b in r.block_ids],
         [x for a in ap for x in (a.row, a.first, len(a.block_ids))],
@@ -102,9 +102,9 @@ def decode_work(data: bytes) -> StepWork:
     (freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst,
      verify_meta, verify_tokens, tier_saves, tier_loads) = a
     new_rows, t, b = [], 0, 0
-    for (row, prompt, n_tokens, n_blocks), params in zip(new_meta.reshape(-1, 4).tolist(), doc["params"]):
+    for (row, prompt, n_tokens, n_blocks, slot), params in zip(new_meta.reshape(-1, 5).tolist(), doc["params"]):
         new_rows.append(NewRow(row, tuple(new_tokens[t:t + n_tokens].tolist()), prompt,
-                               tuple(new_blocks[b:b + n_blocks].tolist()), _params(params)))
+                               tuple(new_blocks[b:b + n_blocks].tolist()), _params(params), slot))
         t, b = t + n_tokens, b + n_blocks
     appends, b = [], 0
     for row, first, n in ap_meta.reshape(-1, 3).tolist():
