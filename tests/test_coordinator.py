@@ -16,7 +16,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.worker import faults
 from tests.hf_models import reference_model as hf_reference
-from tests.hf_models import MOE_ARCHS, transformers_greedy
+from tests.hf_models import HYBRID_ARCHS, MOE_ARCHS, transformers_greedy
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
 from tests.test_engine_modes import (
     abort_after,
@@ -69,7 +69,7 @@ async def two_waves(engine: Engine, batch: list[tuple[int, ...]]) -> tuple[list[
 
 
 # every family in every mode with thread workers; with process workers, each family in one mode
-FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3") + MOE_ARCHS
+FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3") + MOE_ARCHS + HYBRID_ARCHS
 CASES = [(arch, mode, "thread") for arch in FAMILIES for mode in MODES] + [
     (arch, MODES[i % len(MODES)], "process") for i, arch in enumerate(FAMILIES)] + [
     ("llama3", mode, "process") for mode in MODES[1:]]
@@ -77,13 +77,14 @@ CASES = [(arch, mode, "thread") for arch in FAMILIES for mode in MODES] + [
 
 @pytest.mark.parametrize("arch, mode, workers", CASES)
 def test_greedy_tokens_are_transformers_on_two_and_two_units_and_every_unit_works(arch, mode, workers):
-    """Prompts longer than a prefill chunk and than the sliding windows; a second wave hits the prefix cache."""
+    """Prompts longer than a prefill chunk and than the sliding windows; a second wave hits the prefix cache
+    (a model with recurrent layers caches no prefix: its state at a prefix's end is not kept)."""
     batch = prompts([5, 70, 33, 140, 9, 64], seed=11)
     engine = four_units(mode, arch, workers=workers)
     outputs, cached = asyncio.run(run_engine(engine, two_waves(engine, batch)))
     longer = [p + q for p, q in zip(batch, prompts([7] * len(batch), seed=12))]
     assert outputs == [expected_tokens(arch, prompt) for prompt in batch + longer]
-    assert cached >= 64
+    assert cached == 0 if arch in HYBRID_ARCHS else cached >= 64
     stats = engine.stats().actors
     assert len(stats) == (2 if mode == "colocated" else 4)
     assert len({a.unit for a in stats}) == len(stats)

@@ -16,7 +16,7 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.config import ModelConfig
 from tests.hf_models import reference_model as hf_reference
-from tests.hf_models import MOE_ARCHS, transformers_greedy
+from tests.hf_models import HYBRID_ARCHS, MOE_ARCHS, transformers_greedy
 from tests.models import SLOS_SET, demo_checkpoint, engine_config, hf_checkpoint
 
 MODES = ("disaggregated", "colocated")
@@ -172,16 +172,19 @@ def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list
     return transformers_greedy(model, prompt, new_tokens)
 
 
-@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3", *MOE_ARCHS])
+@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3", *MOE_ARCHS, *HYBRID_ARCHS])
 @pytest.mark.parametrize("mode", MODES + ("adaptive",))
 def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
     """Sequences grow past their sliding windows in a pool too small for all of them: some are preempted,
-    prefilled again (prompt and tokens so far) and finish with transformers' tokens."""
+    prefilled again (prompt and tokens so far) and finish with transformers' tokens. A model with recurrent
+    layers gets a state slot for each of the eight sequences besides (its state starts again from zero)."""
     config = ModelConfig.from_dir(hf_checkpoint(arch))
-    token_bytes = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    token_bytes = config.kv_elements_per_token() * 4
     requests = [Request(f"p{i}", p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
                 for i, p in enumerate(prompts([40] * 8, seed=4))]
-    tight = Engine(engine_config(hf_checkpoint(arch), mode=mode, max_model_len=256, kv_cache_memory=1024 * token_bytes))
+    states = dict(max_num_seqs=8) if arch in HYBRID_ARCHS else {}
+    memory = 1024 * token_bytes + 8 * config.state_bytes()
+    tight = Engine(engine_config(hf_checkpoint(arch), mode=mode, max_model_len=256, kv_cache_memory=memory, **states))
     got = asyncio.run(run_engine(tight, staggered(tight, requests)))
     assert got == [expected_tokens(arch, r.prompt_token_ids, 100) for r in requests]
     decode = tight.actors[-1]

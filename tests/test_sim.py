@@ -14,7 +14,7 @@ import pytest
 from pdserve.bench import loadtest, plan, simulate
 from pdserve.bench.sim_replay import WordIds, send
 from pdserve.bench.workloads import SampleRequest
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import FittedCost, Roofline, StepShape, fit, step_shape
 from pdserve.engine.sim.target import Target, simulated_engine
@@ -22,6 +22,7 @@ from pdserve.engine.sim.hardware import HARDWARE
 from pdserve.engine.sim.shapes import NAMED_SHAPES
 from pdserve.engine.worker.step import ChunkInput, StepInput
 from pdserve.server.cli import COMMANDS
+from tests.models import hf_checkpoint
 
 LLAMA_8B, H200 = NAMED_SHAPES["llama-8b"], HARDWARE["h200"]
 
@@ -70,6 +71,22 @@ def test_an_expert_layer_is_priced_by_the_experts_its_tokens_read(name, active, 
     many = StepShape(decode_rows=256, decode_context=256, sampled=256)
     assert roofline.bytes(many) == pytest.approx(shape.stored_params * 2 + 256 * kv, rel=1e-3)
     assert roofline.flops(many) == pytest.approx(256 * 2 * shape.weight_params, rel=0.01)
+
+
+def test_a_recurrent_layer_costs_the_same_at_any_context_and_reads_and_writes_each_rows_state():
+    """Qwen3-Next's shape (three Gated DeltaNet layers to one attention layer): a longer context reads more KV of
+    the attention layer only; each row of a step reads and writes its state once."""
+    shape = ModelConfig.from_dir(hf_checkpoint("qwen3-next"))
+    assert (shape.num_recurrent_layers, shape.num_kv_layers) == (3, 1)
+    roofline = Roofline(shape, H200, dtype_bytes=2, overhead=0.0)
+    kv = 2 * shape.num_kv_heads * shape.head_dim * 2
+    one = StepShape(decode_rows=1, decode_context=1000, sampled=1)
+    assert roofline.bytes(replace(one, decode_context=2000)) - roofline.bytes(one) == 1000 * kv
+    assert roofline.flops(replace(one, decode_context=2000)) - roofline.flops(one) == \
+        4 * 1000 * shape.num_heads * shape.head_dim
+    two = StepShape(decode_rows=2, decode_context=2000, sampled=2)
+    read_twice = roofline.bytes(two) - roofline.bytes(replace(one, decode_context=2000))
+    assert read_twice == pytest.approx(shape.params_read(2) * 2 - shape.params_read(1) * 2 + 2 * shape.state_bytes())
 
 
 def test_a_fit_recovers_linear_step_costs_and_never_goes_negative():

@@ -46,7 +46,8 @@ def step_shape(step: StepInput) -> StepShape:
 class Roofline:
     """max(FLOPs / peak, bytes / bandwidth) + a fixed overhead per step: the weights are read once per step (an
     expert layer's: the experts its tokens touch; its FLOPs: the active parameters), each decode row reads its
-    context's KV, a chunk reads its prefix's KV and every new token writes its own."""
+    context's KV, a chunk reads its prefix's KV and every new token writes its own. A recurrent layer costs the
+    same at any context: each token updates and reads its state, each sequence of the step reads and writes it."""
 
     shape: ModelConfig
     hardware: Hardware
@@ -57,12 +58,15 @@ class Roofline:
         m = self.shape
         linear = 2 * s.tokens * m.num_layers * m.layer_params + 2 * s.sampled * m.lm_head_params
         attention = 4 * m.num_kv_layers * m.num_heads * m.head_dim * (s.prefill_pairs + s.decode_context)
-        return float(linear + attention)
+        la = m.linear_attention
+        recurrent = 0 if la is None else 8 * s.tokens * m.num_recurrent_layers * la.recurrent_state_floats
+        return float(linear + attention + recurrent)
 
     def bytes(self, s: StepShape) -> float:
         kv_token = self.shape.kv_elements_per_token() * self.dtype_bytes
         kv = kv_token * (s.decode_context + s.prefix_tokens + s.prefill_tokens)
-        return float(self.shape.params_read(s.tokens) * self.dtype_bytes + kv)
+        states = 2 * self.shape.state_bytes() * (s.decode_rows + s.prompt_chunks)
+        return float(self.shape.params_read(s.tokens) * self.dtype_bytes + kv + states)
 
     def seconds(self, s: StepShape, threads: int | None = None) -> float:
         hw = self.hardware

@@ -7,6 +7,8 @@ moves a slot too: the hand-off copies it as one more run of blocks through every
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pdserve.engine.core.block_manager import StateSlots
@@ -15,6 +17,8 @@ from pdserve.engine.model.forward_batch import RecurrentStates
 from pdserve.engine.model.recurrent_config import STATE_DTYPE_BYTES
 from pdserve.kernels.kv_layout import KVLayout
 
+logger = logging.getLogger(__name__)
+
 
 def slot_blocks(config: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> int:
     """Blocks one sequence's state takes (0: the model has no recurrent layers)."""
@@ -22,16 +26,21 @@ def slot_blocks(config: ModelConfig, layout: KVLayout, dtype: torch.dtype) -> in
 
 
 def carve_state_slots(config: ModelConfig, layout: KVLayout, dtype: torch.dtype, pool_blocks: int,
-                      count: int) -> StateSlots | None:
-    """`count` state slots from the end of a pool of `pool_blocks` blocks (None for a model without recurrent
-    layers); ValueError when no KV block would be left."""
+                      wanted: int) -> StateSlots | None:
+    """State slots from the end of a pool of `pool_blocks` blocks (None for a model without recurrent layers):
+    `wanted` of them, or as many as half the pool holds where that is fewer (a sequence waits for a free slot
+    as it waits for blocks); ValueError when not one slot and a KV block fit."""
     per_slot = slot_blocks(config, layout, dtype)
     if not per_slot:
         return None
+    count = min(wanted, max(pool_blocks // (2 * per_slot), 1))
     first = pool_blocks - count * per_slot
     if first < 1:
-        raise ValueError(f"the KV pool's {pool_blocks} blocks cannot hold {count} recurrent state slots of "
-                         f"{per_slot} blocks each (--max-num-seqs) and a KV block: raise --kv-cache-memory")
+        raise ValueError(f"the KV pool's {pool_blocks} blocks cannot hold a recurrent state slot of {per_slot} "
+                         f"blocks and a KV block: raise --kv-cache-memory")
+    if count < wanted:
+        logger.info("%d recurrent state slots fit in half the KV pool: at most %d sequences run at once here "
+                    "(--max-num-seqs %d; raise --kv-cache-memory for more)", count, count, wanted)
     return StateSlots(count, per_slot, first)
 
 

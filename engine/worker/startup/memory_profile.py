@@ -29,7 +29,7 @@ from pdserve.engine.worker.device import on_device, side_stream
 from pdserve.engine.worker.memory import DEFAULT_KV_BUDGET, kv_block_bytes, kv_layout, parse_memory
 from pdserve.engine.worker.model_runner import ModelRunner
 from pdserve.engine.worker.prompt_logprobs import SLICE_POSITIONS, score_positions
-from pdserve.engine.worker.startup.warmup import StepShape, run_synthetic, synthetic_step
+from pdserve.engine.worker.startup.warmup import StepShape, run_synthetic, slot_count, synthetic_step
 from pdserve.engine.worker.state_pool import slot_blocks
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def measure_reserve(demand: Demand, block_size: int, max_blocks_per_seq: int, me
         memory.reset_peak()
         for step in demand.steps:
             run_synthetic(runner, synthetic_step(step, model.config.vocab_size, block_size, scratch_blocks,
-                                                 random.Random(0), rows if state_blocks else 0))
+                                                 random.Random(0), slot_count(runner.state_slots)))
         _sample_the_worst_case(runner, demand.sampled_rows)
         _score_the_worst_case(runner)
         activations = max(0, memory.peak_allocated() - baseline)
