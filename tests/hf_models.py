@@ -7,7 +7,7 @@ import torch
 
 ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
 MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")
-HYBRID_ARCHS = ("qwen3-next", "qwen3.5")
+HYBRID_ARCHS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 EXPERTS = dict(num_experts_per_tok=2)        # of 8: routing decides which weights a token reads
 LONGROPE_ORIGINAL = 64     # "phi3-longrope": prompts past this take LongRoPE's long factors in transformers too
 COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -69,7 +69,8 @@ LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_
 
 def hybrid_config(arch: str):
     """(config, model class) of a model with Gated DeltaNet layers: three of them, then one full-attention layer
-    (q/k norms, an output gate, partial rotary); Qwen3-Next's MLPs are experts (8, top 2, a shared one)."""
+    (q/k norms, an output gate, partial rotary); Qwen3-Next's and Qwen3.5-MoE's MLPs are experts (8, top 2, a shared
+    one)."""
     import transformers
 
     common = {**COMMON, "num_hidden_layers": 4}
@@ -79,6 +80,10 @@ def hybrid_config(arch: str):
             transformers.Qwen3NextForCausalLM
     if arch == "qwen3.5":
         return transformers.Qwen3_5TextConfig(**common, **LINEAR), transformers.Qwen3_5ForCausalLM
+    if arch == "qwen3.5-moe":
+        return transformers.Qwen3_5MoeTextConfig(**common, **LINEAR, **EXPERTS, num_experts=8, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=64), \
+            transformers.Qwen3_5MoeForCausalLM
     raise ValueError(arch)
 
 
@@ -116,7 +121,7 @@ def reference_model(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options).eval()
 
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
 
 
 def transformers_greedy(model, prompt, new_tokens: int) -> list[int]:

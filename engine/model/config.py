@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 # parsed but not served: the reason a start is refused
 UNSERVABLE_ARCHITECTURES: dict[str, tuple[str, str]] = {}

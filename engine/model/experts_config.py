@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next")
-SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
+RENORMALISED_BY_DEFAULT = ("qwen3_next", "qwen3_5_moe")   # top-k weights sum to 1 without norm_topk_prob
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
     if architecture not in MOE_ARCHITECTURES:
         return None
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
-    if experts == 0 and architecture == "qwen3_next":          # every MLP dense
+    if experts == 0 and architecture in RENORMALISED_BY_DEFAULT:          # every MLP dense
         return None
     top_k = int(raw["num_experts_per_tok"])
     if experts <= 0 or not 0 < top_k <= experts:
@@ -76,7 +77,7 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
         return ExpertsConfig(experts, top_k, int(raw["intermediate_size"]))
     shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture in SHARED_EXPERT else 0
     return ExpertsConfig(experts, top_k, int(raw["moe_intermediate_size"]),
-                         norm_topk_prob=bool(raw.get("norm_topk_prob", architecture == "qwen3_next")),
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", architecture in RENORMALISED_BY_DEFAULT)),
                          shared_intermediate_size=shared, shared_gate=shared > 0)
 
 

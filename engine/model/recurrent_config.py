@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5")
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LINEAR = "linear_attention"
 STATE_DTYPE_BYTES = 4                    # NOTE: states are kept in float32, whatever the pool's dtype
 
