@@ -29,6 +29,8 @@ from pdserve.kernels.decode_attention import (
     decode_attention_triton,
     default_num_splits,
 )
+from pdserve.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref
+from pdserve.kernels.gated_delta_triton import causal_conv1d_triton, gated_delta_rule_triton
 from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from pdserve.kernels.rotary import rotary_ref, rotary_triton
@@ -175,6 +177,39 @@ def elementwise_cases(sizes: Sizes, device, dtype) -> list[tuple]:
     ]
 
 
+def gated_delta_cases(sizes: Sizes, device, dtype) -> list[tuple]:
+    """(name, shape, bound, work, torch fn, triton fn) for a Gated DeltaNet layer's stateful ops, value heads as
+    many as q heads and key heads as KV heads: the delta rule's decode step (each state read and written once),
+    its prefill of one sequence (the recurrence's FLOPs; Triton steps token by token) and that prefill's conv."""
+    s, t, hv, hk, d = sizes.decode_batch, sizes.prefill_tokens, sizes.num_q_heads, sizes.num_kv_heads, sizes.head_dim
+    size = torch.tensor([], dtype=dtype).element_size()
+
+    def rows(n: int) -> tuple:
+        return (torch.randn(n, hk, d, device=device, dtype=dtype), torch.randn(n, hk, d, device=device, dtype=dtype),
+                torch.randn(n, hv, d, device=device, dtype=dtype), -0.1 * torch.rand(n, hv, device=device),
+                torch.rand(n, hv, device=device, dtype=dtype))
+
+    decode, prefill = rows(s), rows(t)
+    states, slots = torch.zeros(s, hv, d, d, device=device), torch.arange(s, device=device)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+    channels = (2 * hk + hv) * d
+    x = torch.randn(t, channels, device=device, dtype=dtype)
+    weight = torch.randn(channels, 4, device=device, dtype=dtype)
+    conv_states = torch.zeros(1, channels, 3, device=device)
+    heads = f"Hv={hv} Hk={hk} D={d}"
+    return [
+        ("delta_rule decode", f"S={s} {heads}", "bandwidth", 2 * states.numel() * 4 + s * (2 * hk + 2 * hv) * d * size,
+         lambda: gated_delta_rule_ref(*decode, states, slots),
+         lambda: gated_delta_rule_triton(*decode, states, slots)),
+        ("delta_rule prefill", f"T={t} {heads}", "flops", 6.0 * t * hv * d * d,
+         lambda: gated_delta_rule_ref(*prefill, states, slots[:1], cu),
+         lambda: gated_delta_rule_triton(*prefill, states, slots[:1], cu)),
+        ("conv1d prefill", f"T={t} C={channels} K=4", "bandwidth", 2 * t * channels * size,
+         lambda: causal_conv1d_ref(x, weight, conv_states, slots[:1], cu),
+         lambda: causal_conv1d_triton(x, weight, conv_states, slots[:1], cu)),
+    ]
+
+
 def run(device: torch.device) -> dict:
     on_cuda = device.type == "cuda"
     sizes, dtype, iters = (GPU_SIZES, torch.bfloat16, 20) if on_cuda else (CPU_SIZES, torch.float32, 3)
@@ -186,6 +221,9 @@ def run(device: torch.device) -> dict:
     for name, shape, work, torch_fn, triton_fn in elementwise_cases(sizes, device, dtype):
         triton_ms = time_ms(triton_fn, device, iters) if use_triton else None
         rows.append(Row(name, shape, "bandwidth", work, time_ms(torch_fn, device, iters), triton_ms))
+    for name, shape, bound, work, torch_fn, triton_fn in gated_delta_cases(sizes, device, dtype):
+        triton_ms = time_ms(triton_fn, device, iters) if use_triton else None
+        rows.append(Row(name, shape, bound, work, time_ms(torch_fn, device, iters), triton_ms))
     return {"device": torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "sizes": asdict(sizes), "ceilings": ceilings,
             "decode_attention": decode_extra, "rows": [summarize(row, ceilings) for row in rows]}

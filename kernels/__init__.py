@@ -1,4 +1,5 @@
-"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul and GeGLU, linear, MoE experts.
+"""pdserve kernels: KV store, paged attention, RMSNorm, rotary, SiLU-and-mul and GeGLU, linear, MoE experts,
+Gated DeltaNet's causal conv and delta rule.
 
 Each function has a plain-torch reference (`<name>_ref`) beside its Triton version (`<name>_triton`,
 used on CUDA tensors) and, for CPU tensors, a native C++ version (`<name>_native`, kernels/csrc,
@@ -32,6 +33,7 @@ from pdserve.kernels.activation import (
 from pdserve.kernels.backend import KernelBackendError, check_backend, triton_unusable_reason
 from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from pdserve.kernels.gated_delta import causal_conv1d_ref, gated_delta_rule_ref
+from pdserve.kernels.gated_delta_triton import causal_conv1d_triton, gated_delta_rule_triton
 from pdserve.kernels.grouped_gemm import moe_experts_triton
 from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.native_decode_attention import decode_attention_native
@@ -227,15 +229,22 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
                   cu_seqlens: torch.Tensor | None = None, backend: Backend | None = None) -> torch.Tensor:
     """silu(causal depthwise conv) of x [T, C] (weight [C, K]), each sequence continuing from its slot of conv_states
     [slots, C, K - 1] and leaving its last inputs there; cu_seqlens None: one token per sequence."""
-    return causal_conv1d_ref(x, weight, conv_states, slots, cu_seqlens)
+    if (backend or choose_backend(x)) is not Backend.TRITON:
+        return causal_conv1d_ref(x, weight, conv_states, slots, cu_seqlens)
+    with _INTERPRETER_LOCK:
+        return causal_conv1d_triton(x, weight, conv_states, slots, cu_seqlens)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      states: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                      backend: Backend | None = None) -> torch.Tensor:
     """The gated delta rule over each sequence from its slot of states [slots, Hv, Dk, Dv] (updated in place):
-    o [T, Hv, Dv]; chunked for a prefill chunk, one step per token for decode (cu_seqlens None)."""
-    return gated_delta_rule_ref(q, k, v, g, beta, states, slots, cu_seqlens)
+    o [T, Hv, Dv]; the reference runs a prefill chunk chunked, Triton steps through it token by token; decode
+    (cu_seqlens None) steps once."""
+    if (backend or choose_backend(v)) is not Backend.TRITON:
+        return gated_delta_rule_ref(q, k, v, g, beta, states, slots, cu_seqlens)
+    with _INTERPRETER_LOCK:
+        return gated_delta_rule_triton(q, k, v, g, beta, states, slots, cu_seqlens)
 
 
 def decode_layers(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,

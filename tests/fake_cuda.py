@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten
 from tests.fake_devices import FakeDevices, is_cuda_device, storage_key
 
 KERNEL_MODULES = ["pdserve.kernels.decode_attention", "pdserve.kernels.prefill_attention", "pdserve.kernels.store_kv",
-                  "pdserve.kernels.rms_norm", "pdserve.kernels.rotary", "pdserve.kernels.activation"]
+                  "pdserve.kernels.rms_norm", "pdserve.kernels.rotary", "pdserve.kernels.activation",
+                  "pdserve.kernels.gated_delta_triton"]
 
 
 @dataclass(eq=False)

@@ -23,9 +23,10 @@ import torch
 TARGETS = (80, 86, 89, 90)
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}   # opt-in, per block
 KERNELS = {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
-           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel"}
+           "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_gelu_tanh_and_mul_kernel",
+           "_conv_kernel", "_conv_state_kernel", "_recurrent_kernel"}
 MODULES = ["pdserve.kernels.decode_attention", "pdserve.kernels.prefill_attention", "pdserve.kernels.store_kv", "pdserve.kernels.rms_norm",
-           "pdserve.kernels.rotary", "pdserve.kernels.activation"]
+           "pdserve.kernels.rotary", "pdserve.kernels.activation", "pdserve.kernels.gated_delta_triton"]
 # (dtype, q heads, kv heads, head_dim, block size, targets): every 2-byte row of the prefill tile table
 # and its fp32 head_dim 128 row (kernels/prefill_attention.py says why the other fp32 rows need no more).
 # NOTE: fp32 (no tensor cores) compiles to the same code and shared memory on every target, so it is
@@ -47,6 +48,7 @@ def _launch_wrappers(arch: int) -> list:
     from pdserve import kernels  # noqa: F401
     from pdserve.kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
     from pdserve.kernels.decode_attention import decode_attention_triton
+    from pdserve.kernels.gated_delta_triton import causal_conv1d_triton, gated_delta_rule_triton
     from pdserve.kernels.prefill_attention import prefill_attention_triton
     from pdserve.kernels.rms_norm import rms_norm_triton
     from pdserve.kernels.rotary import rotary_triton
@@ -82,7 +84,24 @@ def _launch_wrappers(arch: int) -> list:
     q, k = torch.zeros(4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     rotary_triton(q, k, torch.zeros(4, dtype=torch.int64), torch.zeros(16, 128))
     store_kv_triton(k, k, torch.zeros(4, 2, 2, 16, 8, 128, dtype=torch.bfloat16), 1, torch.zeros(4, dtype=int32))
+    _launch_gated_delta(causal_conv1d_triton, gated_delta_rule_triton)
     return launches
+
+
+def _launch_gated_delta(causal_conv1d_triton, gated_delta_rule_triton) -> None:
+    """Qwen3-Next's linear-attention layer: decode and prefill of the conv (8192 channels, kernel 4) and the
+    delta rule (16 key heads, 32 value heads of 128), on strided row slices as the model passes them."""
+    bf16, slots, cu = torch.bfloat16, torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 4], dtype=torch.int32)
+    projection = torch.zeros(4, 12352, dtype=bf16)
+    x, weight = projection[:, :8192], torch.zeros(8192, 1, 4, dtype=bf16)[:, 0]
+    conv_states = torch.zeros(4, 8192, 3)
+    causal_conv1d_triton(x, weight, conv_states, torch.zeros(4, dtype=torch.int64))
+    causal_conv1d_triton(x, weight, conv_states, slots, cu)
+    q, k = x[:, :2048].reshape(4, 16, 128), x[:, 2048:4096].reshape(4, 16, 128)
+    v, g = x[:, 4096:].reshape(4, 32, 128), torch.zeros(4, 32)
+    states = torch.zeros(4, 32, 128, 128)
+    gated_delta_rule_triton(q, k, v, g, projection[:, -32:], states, torch.zeros(4, dtype=torch.int64))
+    gated_delta_rule_triton(q, k, v, g, projection[:, -32:], states, slots, cu)
 
 
 def _compile(fn, args: tuple, kwargs: dict, arch: int) -> dict:

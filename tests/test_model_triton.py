@@ -34,10 +34,11 @@ def test_triton_kernels_give_the_same_greedy_tokens(monkeypatch, mode):
     assert greedy_tokens(mode) == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "qwen3.5", "qwen3-next"])
 def test_triton_kernels_serve_every_layer_kind(monkeypatch, arch):
     """Windows shorter than the prompt (two prefill chunks), soft-caps, local and global rotary tables, q/k
-    norms, NoPE layers, GeGLU (the kernels' sinks: test_kernels_triton.py)."""
+    norms, NoPE layers, GeGLU, Gated DeltaNet layers' conv and recurrent states (the kernels' sinks:
+    test_kernels_triton.py)."""
     run = dict(model=hf_checkpoint(arch), prompts=[list(range(3, 50))], max_tokens=3, **SLOS_SET)
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")
     expected = greedy_tokens("colocated", **run)
