@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -121,11 +122,12 @@ def test_a_small_pool_gives_fewer_state_slots_than_sequences_and_every_request_w
     engine.close()
 
 
-def test_prefix_caching_is_off_and_said_once_and_speculation_is_refused(caplog):
+def test_prefix_caching_and_tiers_are_off_and_said_once_and_speculation_is_refused(caplog):
     with caplog.at_level(logging.INFO, logger="pdserve"):
-        engine = Engine(engine_config(hf_checkpoint("qwen3.5"), mode="colocated"))
-    assert not engine.config.cache.enable_prefix_caching
-    assert caplog.text.count("prefix caching is off") == 1
+        config = engine_config(hf_checkpoint("qwen3.5"), mode="colocated")
+        engine = Engine(replace(config, cache=replace(config.cache, kv_offload_memory=2**20)))
+    assert not engine.config.cache.enable_prefix_caching and engine.config.cache.kv_offload_memory is None
+    assert caplog.text.count("prefix caching is off for hf-qwen3.5, and with it the KV tiers") == 1
     engine.close()
     with pytest.raises(ValueError, match="recurrent layers keep one state per sequence"):
         Engine(engine_config(hf_checkpoint("qwen3.5"), mode="colocated",
