@@ -42,7 +42,8 @@ from pdserve.kernels.kv_layout import KVLayout  # noqa: E402
 from pdserve.server.app import create_app  # noqa: E402
 from pdserve.server.config import ServerConfig  # noqa: E402
 from pdserve.server.systemd import render_unit  # noqa: E402
-from tests.models import demo_checkpoint, engine_config  # noqa: E402
+from tests.hf_models import reference_model, transformers_greedy  # noqa: E402
+from tests.models import demo_checkpoint, engine_config, hf_checkpoint  # noqa: E402
 from tests.test_engine_modes import assert_pools_free, collect, prompts, transformers_model  # noqa: F401, E402
 from tests.test_supervisor import until  # noqa: E402
 from tests.tolerance import assert_float32_close, reference_logprobs  # noqa: E402
@@ -155,6 +156,30 @@ def test_kv_over_gloo_gives_transformers_greedy_tokens(cluster, transformers_mod
         assert_pools_free(gloo)
     finally:
         gloo.close()
+
+
+def test_a_hybrid_models_state_slots_cross_nodes_with_its_blocks(cluster):
+    """Qwen3.5's Gated DeltaNet states travel to the decode node in their slots, as one more run of blocks."""
+    hybrid = Engine(dataclasses.replace(ENGINE_CONFIG, model=str(hf_checkpoint("qwen3.5"))))
+    batch = prompts([5, 90, 37], seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        await hybrid.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(
+                collect(hybrid.submit(Request(f"h{i}", p, params))) for i, p in enumerate(batch))), 120)
+        finally:
+            await hybrid.stop()
+
+    try:
+        results = asyncio.run(scenario())
+        reference = reference_model(hf_checkpoint("qwen3.5"))
+        assert [tokens for tokens, _ in results] == [transformers_greedy(reference, p, 8) for p in batch]
+        assert_pools_free(hybrid)
+        assert all(a.blocks.num_free_state_slots == a.blocks.state_slots.count for a in hybrid.actors)
+    finally:
+        hybrid.close()
 
 
 def test_a_transport_named_wrong_is_refused_and_gloo_falls_back_for_good():
