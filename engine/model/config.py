@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.model.experts_config import ExpertsConfig, experts_config
 from pdserve.engine.model.recurrent_config import LinearAttentionConfig, linear_attention_config
+from pdserve.engine.model.text_of_multimodal import text_config
 from pdserve.engine.model.families import (
     ConfigError,
     RopeConfig,
@@ -162,7 +163,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """Parse `config.json` of a Hugging Face style directory; raises ConfigError naming the file."""
         path = Path(model_dir) / "config.json"
-        config = parse_config(Path(model_dir), _read_json(path), path)
+        config = parse_config(Path(model_dir), text_config(_read_json(path)), path)
         refusal = next((reason for arch, reason in UNSERVABLE_ARCHITECTURES.values() if arch == config.architecture),
                        None)
         if refusal is not None:

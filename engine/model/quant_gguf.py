@@ -119,7 +119,7 @@ def _check_against_checkpoint(model: CausalLM, matrices: dict[str, GGUFMatrix], 
         for (_, name, order), segment in zip(parts, matrix.segments):
             count = min(CHECKED_ROWS, segment.rows)
             with safe_open(files[name], framework="pt") as f:
-                rows = f.get_slice(name)
+                rows = f.get_slice(files.stored[name])
                 expected = (rows[:count] if order is None else
                             torch.cat([rows[int(r):int(r) + 1] for r in order[:count]])).float()
             if tuple(expected.shape) != (count, segment.in_features):

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.rope import rotary_order
+from pdserve.engine.model.text_of_multimodal import text_name
 
 
 class WeightError(ValueError):
@@ -39,20 +40,33 @@ IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file holding it."""
+class CheckpointFiles(dict):
+    """Every tensor name, as the causal LM names it, -> the safetensors file holding it; `stored` the name in
+    that file (a multimodal checkpoint prefixes its language model's, `text_of_multimodal`)."""
+
+    def __init__(self, stored_files: dict[str, Path]) -> None:
+        super().__init__()
+        self.stored: dict[str, str] = {}
+        for stored, path in stored_files.items():
+            name = text_name(stored)
+            if name is not None:
+                self[name], self.stored[name] = path, stored
+
+
+def checkpoint_files(model_dir: Path) -> CheckpointFiles:
+    """Map every tensor name the model may read to the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise WeightError(f"{index}: malformed index: {e}") from None
-        return {name: model_dir / file for name, file in weight_map.items()}
+        return CheckpointFiles({name: model_dir / file for name, file in weight_map.items()})
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise WeightError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return CheckpointFiles({name: single for name in f.keys()})
 
 
 def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]:
@@ -238,7 +252,7 @@ def load_weights(model: CausalLM, model_dir: str | Path, skip: frozenset[str] = 
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as f:
                 for name in names:
-                    _copy_tensor(f.get_tensor(name), params, expected[name], name, path)
+                    _copy_tensor(f.get_tensor(files.stored[name]), params, expected[name], name, path)
 
 
 def _copy_tensor(tensor: torch.Tensor, params: dict, dest: Destination, name: str, path: Path) -> None:
