@@ -35,7 +35,7 @@ class Destination:
     rows_dim: int = 0
 
 
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$|mtp\.")      # mtp.: multi-token prediction, which transformers skips too
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
