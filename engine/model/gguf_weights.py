@@ -41,11 +41,18 @@ def check_tensors(f: GGUFFile, specs: dict[str, TensorSpec], block_key: str, lay
                       f"{f.integer(block_key)}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}")
     for name, spec in specs.items():
         shape = logical_shape(f.tensors[name])
-        if shape != spec.shape:
+        if _outer_ones_dropped(shape) != _outer_ones_dropped(spec.shape):
             raise f.error(f"tensor {name} has shape {shape}, but {spec.keys} make it {spec.shape}")
         if not can_dequantize(f.tensors[name].tensor_type):
             raise f.error(f"tensor {name} has type {f.tensors[name].tensor_type.name}, which the gguf "
                           f"package cannot dequantize")
+
+
+def _outer_ones_dropped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape without its outer dimensions of 1, which llama-quantize drops (a shared expert's gate: (1, hidden))."""
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 def _block(name: str) -> int | None:
