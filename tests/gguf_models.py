@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.model.demo_corpus import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, tokenizer_json
+from pdserve.engine.model.gguf_weights import dequantized, logical_shape
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 1024
@@ -144,6 +145,35 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, types: di
     writer.add_tensor(name, data, raw_dtype=kind)
 
 
+def rewritten(src: Path, dst: Path, tensors, metadata: dict | None = None) -> Path:
+    """A GGUF file at `dst` with `src`'s metadata (`metadata`'s keys replaced: key -> (value, GGUFValueType), or
+    None to leave the key out) and `tensors`: (name, values or raw blocks, their type or None for the values')."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    metadata = metadata or {}
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF.") and field.name not in metadata:
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for key, value in metadata.items():
+        if value is not None:
+            writer.add_key_value(key, *value)
+    for name, values, kind in tensors:
+        writer.add_tensor(name, values, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def float_tensors(path: Path):
+    """(name, float32 values in row-major shape, None) for every tensor of the GGUF file at `path`, for `rewritten`."""
+    return [(t.name, dequantized(t).float().reshape(logical_shape(t)).numpy(), None)
+            for t in gguf.GGUFReader(path).tensors]
+
+
 def corrupt_tensor(path: Path, name: str) -> None:
     """Overwrite the first block's fp16 scale of tensor `name` (Q8_0, Q4_0 or Q4_1) with NaN, in place."""
     offset = next(t.data_offset for t in gguf.GGUFReader(path).tensors if t.name == name)
@@ -188,17 +218,22 @@ def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = 
     from pdserve.engine.core.block_manager import BlockManager
     from pdserve.engine.core.messages import Request
     from pdserve.engine.core.sequence import Sequence
+    from pdserve.engine.worker.memory import kv_layout
     from pdserve.engine.worker.model_runner import ModelRunner, load_model
+    from pdserve.engine.worker.state_pool import slot_blocks
 
     longest = max(map(len, prompts))
     blocks = -(-longest // 16) * len(prompts)
     model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), longest, quantization)
     if prepare is not None:
         prepare(model)
-    runner, manager = ModelRunner(model, blocks, 16, frozenset()), BlockManager(blocks, 16)
+    state_blocks = len(prompts) * slot_blocks(model.config, kv_layout(model.config, 16), torch.float32)
+    runner = ModelRunner(model, blocks + state_blocks, 16, frozenset(), state_slots=len(prompts))
+    manager = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
         seq.block_table = manager.grow(seq.request_id, seq.num_tokens)
+        seq.state_slot = manager.state_slot(seq.request_id)
     step = RunnerRows().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, s.num_tokens, False) for s in seqs)))
     runner.apply(step)
     with torch.inference_mode():

@@ -118,13 +118,14 @@ class Reference:
         return int(decided.sum())
 
 
-def quantizing_projection_inputs(block: int):
+def quantizing_projection_inputs(block: int, only: set[str] | None = None):
     """For tests/gguf_models.model_logits' `prepare`: every decoder-layer projection of a pdserve model
-    (dense weights) rounds its input per `block` values, as the GGUF kernels do for one block type."""
+    (dense weights), or those named in `only`, rounds its input per `block` values, as the GGUF kernels do for
+    one block type."""
     from pdserve.engine.model.layers import Linear
 
     def prepare(model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and name.startswith("layers."):
+            if isinstance(module, Linear) and name.startswith("layers.") and (only is None or name in only):
                 module.register_forward_pre_hook(lambda m, args: (quantize(args[0], block),))
     return prepare

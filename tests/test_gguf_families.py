@@ -19,12 +19,11 @@ from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model import gguf_modules, quant_gguf
 from pdserve.engine.model.gguf import converted_dir
-from pdserve.engine.model.gguf_weights import dequantized, logical_shape
 from pdserve.engine.model.quant_probe import ProbeResult
 from pdserve.engine.model.weights import checkpoint_files
 from pdserve.engine.text.tokenizer import Tokenizer
 from tests.fixtures.gguf import make_fixtures
-from tests.gguf_models import model_logits
+from tests.gguf_models import float_tensors, model_logits, rewritten
 from tests.hf_models import reference_model, transformers_greedy
 from tests.models import engine_config
 from tests.quant_reference import quantizing_projection_inputs
@@ -33,6 +32,7 @@ from tests.tolerance import SLACK, assert_float32_close, reference_logits
 
 FIXTURES = Path(make_fixtures.__file__).parent
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q8_0_BLOCK = gguf.GGML_QUANT_SIZES[Q8_0][0]
 NAMES = make_fixtures.FIXTURES
 TEXTS = ["Hello world 12345  foo\n\n  bar", "def f(x):\n    return x ** 2", "Größe ≈ 4.0 🚀 你好，世界！",
          "   \t  trailing   ", " leading space", "a\r\nb 1 22 333 4444",
@@ -65,12 +65,17 @@ def prompts(vocab: int, seed: int, lengths=(5, 40, 100)) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_conversion_holds_exactly_the_checkpoints_weights(name):
+    """Every tensor transformers loads (not Qwen3.5's MTP block), bit for bit; A_log, which the file holds as
+    -exp(A_log) in float32, once rounded to the checkpoint's dtype."""
     def tensors(directory: Path) -> dict[str, torch.Tensor]:
-        return {k: v for path in set(checkpoint_files(directory).values()) for k, v in load_file(path).items()}
+        return {k: v for path in set(checkpoint_files(directory).values()) for k, v in load_file(path).items()
+                if not k.startswith("mtp.")}
 
     ours, theirs = tensors(converted_dir(gguf_file(name))), tensors(FIXTURES / name)
     assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[k].float(), theirs[k].float()) for k in ours), name
+    for k in ours:
+        mine = ours[k].to(theirs[k].dtype) if k.endswith("A_log") else ours[k]
+        assert torch.equal(mine.float(), theirs[k].float()), (name, k)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -110,42 +115,37 @@ def test_tokenizer_and_chat_template_match_the_checkpoints(name):
 
 
 def requantized(src: Path, dst: Path) -> Path:
-    """`src` with every projection stored in Q8_0 blocks, its metadata and other tensors as they are (float32)."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
-            kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind,
-                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        values = dequantized(tensor).float().reshape(logical_shape(tensor)).numpy()
-        if tensor.name.startswith("blk.") and values.ndim == 2:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+    """`src` with every projection stored in Q8_0 blocks, its metadata and other tensors as they are (float32),
+    as llama-quantize writes them: projections with rows of whole blocks only (not a Gated DeltaNet's
+    convolution), outer dimensions of 1 dropped (a shared expert's gate: (hidden,))."""
+    tensors = []
+    for name, values, _ in float_tensors(src):
+        while values.ndim > 1 and values.shape[0] == 1:
+            values = values[0]
+        if name.startswith("blk.") and values.ndim == 2 and values.shape[1] % Q8_0_BLOCK == 0:
+            tensors.append((name, gguf.quants.quantize(values, Q8_0), Q8_0))
         else:
-            writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+            tensors.append((name, values, None))
+    return rewritten(src, dst, tensors)
 
 
-@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral"])
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral", "qwen3next", "qwen35"])
 def test_quantized_blocks_of_every_layout_compute_as_their_dequantized_weights(name, tmp_path, monkeypatch):
-    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Qwen2-MoE's shared expert
-    and Mixtral's permuted q/k beside dense experts: the GGUF's own Q8_0
+    """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Qwen2-MoE's shared expert,
+    Mixtral's permuted q/k beside dense experts, and the hybrids' gated queries beside Gated DeltaNet layers
+    (whose projections load dequantized, their conv and decay float): the GGUF's own Q8_0
     blocks (--quantization gguf, which rounds each projection's input per 32 values as llama.cpp does)
-    give the dense model's logits, within SLACK times how far that rounding moves the dense model's own
-    (tests/quant_reference.py)."""
+    give the dense model's logits, within SLACK times how far that rounding (of the projections held in blocks)
+    moves the dense model's own (tests/quant_reference.py)."""
     monkeypatch.setattr(quant_gguf, "probe_blocks", lambda matrices, dtype, threads: ProbeResult(256, ()))
     path = requantized(gguf_file(name), tmp_path / f"{name}.Q8_0.gguf")
     model_dir, batch = converted_dir(path), prompts(384, seed=2)          # one step of 145 rows: the blocks
-    calls = counted(monkeypatch, gguf_modules, "gguf_linear_native")
-    ours = model_logits(model_dir, batch, "gguf")
+    calls, held = counted(monkeypatch, gguf_modules, "gguf_linear_native"), set()
+    ours = model_logits(model_dir, batch, "gguf", prepare=lambda model: held.update(
+        n for n, m in model.named_modules() if isinstance(m, gguf_modules.GGUFLinear)))
     assert calls, "the GGUF kernel never ran"
     exact = model_logits(model_dir, batch, "none")
-    moved = model_logits(model_dir, batch, "none", prepare=quantizing_projection_inputs(32))
+    moved = model_logits(model_dir, batch, "none", prepare=quantizing_projection_inputs(32, held))
     for o, e, m in zip(ours, exact, moved):
         bound = SLACK * (m - e).abs().amax(dim=-1) + 2 ** -20 * e.abs().amax()
         assert ((o - e).abs().amax(dim=-1) <= bound).all()

@@ -77,7 +77,7 @@ class _Plan:
         self.f = f
         self.dims = read_dims(f)
         self.specs = tensor_specs(f, self.dims)
-        check_tensors(f, self.specs, f.arch("block_count"))
+        check_tensors(f, self.specs, f.arch("block_count"), self.dims.num_layers)
         self.tokenizer = tokenizer_files(f, f.integer(f.arch("context_length")))
         folded = {name: dequantized(f.tensors[name]).float().numpy() for name in FOLDED if name in f.tensors}
         ids = {"bos": self.tokenizer.bos_token_id, "eos": self.tokenizer.eos_token_id}

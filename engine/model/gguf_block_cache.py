@@ -28,7 +28,7 @@ from pdserve.kernels.gguf_formats import GGUFMatrix, Segment
 
 logger = logging.getLogger(__name__)
 
-VERSION = 2                            # NOTE: bump when the saved layout changes
+VERSION = 3                            # NOTE: bump when the saved layout changes
 ALIGN = 64
 
 

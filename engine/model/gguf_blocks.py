@@ -5,8 +5,9 @@ to its GGUF tensors (q, k, v; gate, up; one otherwise); each tensor is one segme
 type. llama.cpp's converter permutes the rows of a Llama (and SmolLM3) GGUF's attn_q / attn_k weights
 (interleaved rotary halves); the inverse permutation of transformers' GGUF loader is applied to their
 block rows, which is exact because quantization never crosses a row, as is the model's own order of
-q/k rows under a partial rotary (weights.qkv_rows). Phi-3's attn_qkv and ffn_up are one tensor each.
-A module with a part of a type no kernel takes is left out, with its reason.
+q/k rows under a partial rotary and of a gated attention's queries and gates (weights.fused_qkv_rows).
+Phi-3's attn_qkv and ffn_up are one tensor each. A module with a part of a type no kernel takes is left out,
+with its reason; so are the Gated DeltaNet layers' projections (hybrid models), which load dequantized.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.weights import qkv_rows
+from pdserve.engine.model.weights import fused_qkv_rows
 from pdserve.kernels.gguf_formats import QUANTIZED_TYPES, TYPES, row_bytes
 
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
@@ -47,9 +48,10 @@ def module_sources(config: ModelConfig, tied_head: bool, fused: bool = False) ->
     sources = {EMBEDDING: ["token_embd.weight"]}
     for i in range(config.num_layers):
         blk, attn, mlp = f"blk.{i}", f"layers.{i}.self_attn", f"layers.{i}.mlp"
-        sources[f"{attn}.qkv_proj"] = ([f"{blk}.attn_qkv.weight"] if fused else
-                                       [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"])
-        sources[f"{attn}.o_proj"] = [f"{blk}.attn_output.weight"]
+        if not config.layer_kinds[i].recurrent:
+            sources[f"{attn}.qkv_proj"] = ([f"{blk}.attn_qkv.weight"] if fused else
+                                           [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"])
+            sources[f"{attn}.o_proj"] = [f"{blk}.attn_output.weight"]
         if config.layer_kinds[i].experts:         # NOTE: stacked experts stay dense; a shared expert is a projection
             if config.experts.shared_intermediate_size:
                 sources[f"{mlp}.shared_expert.gate_up_proj"] = [f"{blk}.ffn_gate_shexp.weight",
@@ -94,9 +96,9 @@ def read_gguf_blocks(path: str | Path, config: ModelConfig, tied_head: bool) -> 
 
 
 def _in_model_order(parts: list[TensorBlocks], module: str, config: ModelConfig) -> list[TensorBlocks]:
-    """A q/k/v projection's rows in the order the model stores them (partial rotary: weights.qkv_rows, which
-    reorders rows within each of q and k only), each part keeping its own rows."""
-    order = qkv_rows(config, int(module.split(".")[1])) if module.endswith("qkv_proj") else None
+    """A q/k/v projection's rows in the order the model stores them (weights.fused_qkv_rows, which reorders rows
+    within each of q and k only), each part keeping its own rows."""
+    order = fused_qkv_rows(config, int(module.split(".")[1])) if module.endswith("qkv_proj") else None
     if order is None:
         return parts
     reordered, first = [], 0

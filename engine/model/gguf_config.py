@@ -1,27 +1,31 @@
 """What a GGUF file's metadata says the model is: its `config.json` (its tensors: gguf_tensors.py).
 
-Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, and the mixture-of-experts ones
-(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py), as llama.cpp's converter writes them and llama.cpp
-reads them. Keys follow llama.cpp's names (`llama.embedding_length`, ...). What the
-file leaves to llama.cpp's model code is taken from there: Gemma's sliding-window pattern (every 2nd /
-6th layer global) and attention scale (head_dim, hidden / heads for the 27B models), SmolLM3's every
-4th layer without rotary embedding. Phi-3's sliding window is kept (llama.cpp runs Phi-3 without it;
-transformers and vLLM with it).
+Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, the mixture-of-experts ones
+(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py) and the hybrid ones (Qwen3-Next, Qwen3.5:
+gguf_hybrid.py), as llama.cpp's converter writes them and llama.cpp reads them; the multi-token-prediction
+blocks after a model's layers (`nextn_predict_layers`) are not served. Keys follow llama.cpp's names
+(`llama.embedding_length`, ...). What the file leaves to llama.cpp's model code is taken from there:
+Gemma's sliding-window pattern (every 2nd / 6th layer global) and attention scale (head_dim, hidden / heads
+for the 27B models), SmolLM3's every 4th layer without rotary embedding. Phi-3's sliding window is kept
+(llama.cpp runs Phi-3 without it; transformers and vLLM with it).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from pdserve.engine.model.gguf_experts import expert_config
+from pdserve.engine.model.gguf_hybrid import HYBRID, hybrid_config
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                 "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
 REFUSED = {"gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
                      "embeddings are not supported yet"}
 ROPE_FREQS = "rope_freqs.weight"
@@ -51,10 +55,12 @@ class TensorSpec:
     shape: tuple[int, ...]                 # in the file, row-major: [out, in] (stacked experts: [experts, out, in])
     keys: str                              # the metadata keys the shape comes from, for errors
     unpermute_heads: int | None = None     # undo llama.cpp's Q/K row permutation over this many heads
-    offset: float = 0.0                    # subtract: llama.cpp stores Gemma's norms as 1 + weight
+    offset: float = 0.0                    # subtract: llama.cpp stores Gemma's and the hybrids' norms as 1 + weight
     experts: bool = False                  # one Hugging Face tensor per expert: hf_name.format(expert=e)
     transposed: bool = False               # Hugging Face stores it [.., in, out] (gpt-oss's experts)
-    part: tuple[int, int] = (0, 1)         # (i, n): every n-th column of the Hugging Face tensor from i (interleaved)
+    part: tuple[int, int] = (0, 1)         # (i, n): part i of n of the Hugging Face tensor: its n-th columns from i
+    concatenated: bool = False             # ... or, instead, its i-th block of rows (the parts one after another)
+    undo: tuple[Callable, ...] = ()        # applied in turn to the (joined) tensor: what the converter changed
 
 
 def read_dims(f: GGUFFile) -> Dims:
@@ -70,8 +76,16 @@ def read_dims(f: GGUFFile) -> Dims:
     head_dim = _head_dim(f, hidden, heads)
     return Dims(vocab_size=vocab,
                 hidden_size=hidden, intermediate_size=f.integer(f.arch("feed_forward_length")),
-                num_layers=f.integer(f.arch("block_count")), num_heads=heads,
+                num_layers=_served_layers(f), num_heads=heads,
                 num_kv_heads=_kv_heads(f, heads), head_dim=head_dim, rotary_dim=_rotary_dim(f, head_dim))
+
+
+def _served_layers(f: GGUFFile) -> int:
+    """block_count less the multi-token-prediction blocks that follow the model's layers."""
+    blocks, mtp = f.integer(f.arch("block_count")), f.integer(f.arch("nextn_predict_layers"), 0)
+    if not 0 <= mtp < blocks:
+        raise f.error(f"{f.arch('nextn_predict_layers')} = {mtp} leaves no layer of {f.arch('block_count')} = {blocks}")
+    return blocks - mtp
 
 
 def hf_config(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray], special_ids: dict[str, int | None]) -> dict:
@@ -103,6 +117,8 @@ def _family(f: GGUFFile, d: Dims) -> dict:
         return {"attention_bias": False, "mlp_bias": False}
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         return {"use_sliding_window": False, "sliding_window": None}
+    if arch in HYBRID:
+        return hybrid_config(f, d.num_layers)
     if arch == "gpt-oss":                              # NOTE: transformers' YaRN for gpt-oss does not truncate
         return {"sliding_window": window, "layer_types": _layer_types(f, d), "attention_bias": True,
                 "rope_scaling": (rope_scaling(f, d, {}) or {"rope_type": "default"}) | {"truncate": False}}

@@ -5,12 +5,12 @@ llama.cpp stores a layer's experts stacked, one tensor per projection (`ffn_gate
 with its gate `ffn_gate_inp_shexp`, and calls Mixtral `llama` with an expert count. The conversion writes them
 back as the checkpoint had them: one tensor per expert (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj), or
 gpt-oss's stacked `gate_up_proj` (gate and up interleaved) and `down_proj`, both [experts, in, out]. What the
-file leaves to llama.cpp's model code is taken from there: Qwen3-MoE renormalises its top-k weights and
-Qwen2-MoE does not; gpt-oss's SwiGLU has alpha 1.702 and limit 7.
+file leaves to llama.cpp's model code is taken from there: Qwen3-MoE and Qwen3-Next renormalise their top-k
+weights and Qwen2-MoE does not; gpt-oss's SwiGLU has alpha 1.702 and limit 7.
 """
 from __future__ import annotations
 
-NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True}
 SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}        # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
@@ -36,7 +36,7 @@ def expert_config(f, d) -> dict:
     config = {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": ffn,
               "norm_topk_prob": NORM_TOPK[f.architecture], "decoder_sparse_step": 1,
               "mlp_only_layers": [i for i in range(d.num_layers) if not is_expert_layer(f, i)]}
-    if f.architecture == "qwen2moe":
+    if shared_ffn(f):
         config["shared_expert_intermediate_size"] = shared_ffn(f)
     return config
 

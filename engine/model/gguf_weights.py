@@ -3,7 +3,9 @@
 Each tensor is stored in the narrowest dtype that holds its values exactly: F32, F16 and BF16
 tensors as they are, quantized ones dequantized (by `gguf.quants`) to float32 -- a quantized
 value is an fp16 scale times a small integer (plus an fp16 offset), which fp16 or bf16 would round.
-So a float32 load reproduces transformers' float32 load of the same file bit for bit.
+So a float32 load reproduces transformers' float32 load of the same file bit for bit. A tensor the converter
+changed is changed back (`TensorSpec.undo`): reordered rows exactly, Qwen3-Next's A = -exp(A_log) to within
+float32 rounding.
 """
 from __future__ import annotations
 
@@ -24,28 +26,44 @@ SHARD_BYTES = 256 << 20        # NOTE: bounds the memory of a conversion, and th
 IGNORED = frozenset(FOLDED)     # folded into config.json's rope_scaling
 
 
-def check_tensors(f: GGUFFile, specs: dict[str, TensorSpec], block_key: str) -> None:
-    """GGUFError naming the tensor for one that is missing, unexpected, mis-shaped or of an unusable type."""
+def check_tensors(f: GGUFFile, specs: dict[str, TensorSpec], block_key: str, layers: int) -> None:
+    """GGUFError naming the tensor for one that is missing, unexpected, mis-shaped or of an unusable type.
+    The blocks of `block_key` after the first `layers` (multi-token prediction's) are not served: their tensors
+    are ignored."""
     missing = [n for n in specs if n not in f.tensors]
     if missing:
         raise f.error(f"missing tensor {missing[0]}{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}"
                       f"; {block_key} and the architecture call for it")
-    extra = [n for n in f.tensors if n not in specs and n not in IGNORED]
+    unserved = range(layers, f.integer(block_key))
+    extra = [n for n in f.tensors if n not in specs and n not in IGNORED and _block(n) not in unserved]
     if extra:
         raise f.error(f"unexpected tensor {extra[0]} for {f.architecture} with {block_key} = "
                       f"{f.integer(block_key)}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}")
     for name, spec in specs.items():
         shape = logical_shape(f.tensors[name])
-        if shape != spec.shape:
+        if _outer_ones_dropped(shape) != _outer_ones_dropped(spec.shape):
             raise f.error(f"tensor {name} has shape {shape}, but {spec.keys} make it {spec.shape}")
         if not can_dequantize(f.tensors[name].tensor_type):
             raise f.error(f"tensor {name} has type {f.tensors[name].tensor_type.name}, which the gguf "
                           f"package cannot dequantize")
 
 
+def _outer_ones_dropped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape without its outer dimensions of 1, which llama-quantize drops (a shared expert's gate: (1, hidden))."""
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _block(name: str) -> int | None:
+    block = name.split(".")[1] if name.startswith("blk.") else ""
+    return int(block) if block.isdecimal() else None
+
+
 def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for every spec, in file order, values exactly as stored; stacked experts split
-    one per expert, or the parts of an interleaved tensor (gpt-oss's gate_up_proj) joined once all are read."""
+    """(Hugging Face name, tensor) for every spec, in file order, values exactly as stored but where the spec
+    undoes a change of the converter's; stacked experts split one per expert, or the parts of a tensor
+    (gpt-oss's interleaved gate_up_proj, Qwen3-Next's in_proj_qkvz) joined once all are read."""
     parts: dict[str, list[torch.Tensor | None]] = {}
     for name, spec in specs.items():
         tensor = dequantized(f.tensors[name]).reshape(spec.shape)
@@ -53,8 +71,6 @@ def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tup
             tensor = unpermute(tensor, spec.unpermute_heads)
         if spec.offset:
             tensor = (tensor.float() - spec.offset).to(tensor.dtype)     # NOTE: exact: 1 + w is within 2x of 1
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise f.error(f"tensor {name} holds non-finite values: the file is corrupt")
         if spec.transposed:
             tensor = tensor.transpose(-1, -2)
         index, count = spec.part
@@ -63,7 +79,12 @@ def converted_tensors(f: GGUFFile, specs: dict[str, TensorSpec]) -> Iterator[tup
             joined[index] = tensor
             if any(p is None for p in joined):
                 continue
-            tensor = torch.stack(parts.pop(spec.hf_name), dim=-1).flatten(-2)      # every count-th column
+            tensor = (torch.cat(parts.pop(spec.hf_name)) if spec.concatenated else
+                      torch.stack(parts.pop(spec.hf_name), dim=-1).flatten(-2))    # every count-th column
+        for step in spec.undo:
+            tensor = step(tensor)
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise f.error(f"tensor {name} holds non-finite values: the file is corrupt")
         if spec.experts:
             yield from ((spec.hf_name.format(expert=e), t.contiguous()) for e, t in enumerate(tensor))
         else:

@@ -36,7 +36,7 @@ class Destination:
     rows_dim: int = 0
 
 
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$|mtp\.")      # mtp.: multi-token prediction, which transformers skips too
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -150,16 +150,26 @@ def grouped_projection_rows(la) -> tuple[torch.Tensor, torch.Tensor]:
 def _gated_qkv(c, i: int, kind: str) -> dict[str, Destination]:
     """q_proj holds each head's query, then its output gate (Qwen3-Next): the model stores every query, then every
     gate, then k and v (q and k rows in rotary order)."""
-    q, kv, hd, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim, f"layers.{i}.self_attn"
+    q, kv, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"layers.{i}.self_attn"
+    rows, fused = fused_qkv_rows(c, i), f"{attn}.qkv_proj.{kind}"
+    return {f"model.{attn}.q_proj.{kind}": Destination(fused, 0, 2 * q, rows[:2 * q]),
+            f"model.{attn}.k_proj.{kind}": Destination(fused, 2 * q, 2 * q + kv, rows[2 * q:2 * q + kv] - 2 * q),
+            f"model.{attn}.v_proj.{kind}": Destination(fused, 2 * q + kv, 2 * q + 2 * kv)}
+
+
+def fused_qkv_rows(c, i: int) -> torch.Tensor | None:
+    """Layer i's qkv_proj rows in the order the model stores them, as rows of the checkpoint's q, k and v
+    projections one after another (its q_proj with the output gates, where there are any), or None when that is
+    the checkpoint's order."""
     order = qkv_rows(c, i)
+    if not c.attention_output_gate:
+        return order
+    q, kv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
     dims = torch.arange(hd) if order is None else order[:hd]
     heads = torch.arange(c.num_heads)[:, None] * 2 * hd
-    rows = torch.cat([(heads + dims).reshape(-1), (heads + hd + torch.arange(hd)).reshape(-1)])
-    fused = f"{attn}.qkv_proj.{kind}"
-    return {f"model.{attn}.q_proj.{kind}": Destination(fused, 0, 2 * q, rows),
-            f"model.{attn}.k_proj.{kind}": Destination(fused, 2 * q, 2 * q + kv,
-                                                       None if order is None else order[q:q + kv] - q),
-            f"model.{attn}.v_proj.{kind}": Destination(fused, 2 * q + kv, 2 * q + 2 * kv)}
+    keys = torch.arange(q, q + kv) if order is None else order[q:q + kv]
+    return torch.cat([(heads + dims).reshape(-1), (heads + hd + torch.arange(hd)).reshape(-1),
+                      q + keys, torch.arange(2 * q + kv, 2 * q + 2 * kv)])
 
 
 def qkv_rows(c, i: int) -> torch.Tensor | None:
