@@ -68,6 +68,7 @@ class CausalLM(nn.Module):
                                    for kind in config.layer_kinds)
         self._decode_layers: DecodeLayers | None = None
         self._decode_layers_for: int | None = None     # the first qkv weight's address when built
+        self._one_call = _one_call_serves(config)
 
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed_tokens(batch.input_ids), None
@@ -99,7 +100,7 @@ class CausalLM(nn.Module):
 
     def one_call_layers(self) -> DecodeLayers | None:
         """The layers' table for the one-call native step (None where it cannot serve this model)."""
-        if not _one_call_serves(self.config):
+        if not self._one_call:
             return None
         built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
         if self._decode_layers_for != built_for:

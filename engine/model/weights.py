@@ -36,7 +36,7 @@ class Destination:
     rows_dim: int = 0
 
 
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$|mtp\.")      # mtp.: multi-token prediction, which transformers skips too
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
