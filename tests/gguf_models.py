@@ -228,7 +228,8 @@ def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = 
     if prepare is not None:
         prepare(model)
     state_blocks = len(prompts) * slot_blocks(model.config, kv_layout(model.config, 16), torch.float32)
-    runner = ModelRunner(model, blocks + state_blocks, 16, frozenset(), state_slots=len(prompts))
+    pool = max(blocks, state_blocks) + state_blocks                    # NOTE: state slots take at most half a pool
+    runner = ModelRunner(model, pool, 16, frozenset(), state_slots=len(prompts))
     manager = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
