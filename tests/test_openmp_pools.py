@@ -53,7 +53,7 @@ class Work:
 
 
 class Runner:
-    device, num_blocks, block_size, eos_token_ids = torch.device("cpu"), 1, 16, frozenset()
+    device, num_blocks, block_size, eos_token_ids, state_slots = torch.device("cpu"), 1, 16, frozenset(), None
 
 
 class ParallelStep:
