@@ -129,7 +129,8 @@ def requantized(src: Path, dst: Path) -> Path:
     return rewritten(src, dst, tensors)
 
 
-@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral", "qwen3next", "qwen35"])
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "qwen2moe", "mixtral", "qwen3next", "qwen35",
+                                  "qwen35moe"])
 def test_quantized_blocks_of_every_layout_compute_as_their_dequantized_weights(name, tmp_path, monkeypatch):
     """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Qwen2-MoE's shared expert,
     Mixtral's permuted q/k beside dense experts, and the hybrids' gated queries beside Gated DeltaNet layers

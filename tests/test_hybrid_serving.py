@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
 from dataclasses import replace
@@ -133,3 +134,12 @@ def test_prefix_caching_and_tiers_are_off_and_said_once_and_speculation_is_refus
         Engine(engine_config(hf_checkpoint("qwen3.5"), mode="colocated",
                              speculative=SpeculativeConfig(num_speculative_tokens=2)))
 
+
+
+def test_a_qwen35_moe_config_without_a_dense_mlp_size_parses(tmp_path):
+    """Qwen3.5-MoE's config.json (as transformers' class writes it) has no intermediate_size: every MLP is experts."""
+    raw = json.loads((hf_checkpoint("qwen3.5-moe") / "config.json").read_text())
+    raw.pop("intermediate_size", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.experts is not None and all(kind.experts for kind in config.layer_kinds)

@@ -209,7 +209,7 @@ def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=int(raw.get("intermediate_size") or raw["moe_intermediate_size"]),  # Qwen3.5-MoE
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,

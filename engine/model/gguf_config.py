@@ -1,12 +1,12 @@
 """What a GGUF file's metadata says the model is: its `config.json` (its tensors: gguf_tensors.py).
 
 Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, the mixture-of-experts ones
-(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py) and the hybrid ones (Qwen3-Next, Qwen3.5:
-gguf_hybrid.py), as llama.cpp's converter writes them and llama.cpp reads them; the multi-token-prediction
-blocks after a model's layers (`nextn_predict_layers`) are not served. Keys follow llama.cpp's names
-(`llama.embedding_length`, ...). What the file leaves to llama.cpp's model code is taken from there:
-Gemma's sliding-window pattern (every 2nd / 6th layer global) and attention scale (head_dim, hidden / heads
-for the 27B models), SmolLM3's every 4th layer without rotary embedding. Phi-3's sliding window is kept
+(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py) and the hybrid ones (Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE: gguf_hybrid.py), as llama.cpp's converter writes them and llama.cpp reads them; the
+multi-token-prediction blocks after a model's layers (`nextn_predict_layers`) are not served. Keys follow
+llama.cpp's names (`llama.embedding_length`, ...). What the file leaves to llama.cpp's model code is taken from
+there: Gemma's sliding-window pattern (every 2nd / 6th layer global) and attention scale (head_dim, hidden /
+heads for the 27B models), SmolLM3's every 4th layer without rotary embedding. Phi-3's sliding window is kept
 (llama.cpp runs Phi-3 without it; transformers and vLLM with it).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.engine.model.gguf_experts import expert_config
+from pdserve.engine.model.gguf_experts import expert_config, expert_count, expert_ffn
 from pdserve.engine.model.gguf_hybrid import HYBRID, hybrid_config
 from pdserve.engine.model.gguf_reader import GGUFFile
 
@@ -25,7 +25,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+                 "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+                 "qwen35moe": "Qwen3_5MoeForCausalLM"}
 REFUSED = {"gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
                      "embeddings are not supported yet"}
 ROPE_FREQS = "rope_freqs.weight"
@@ -75,9 +76,15 @@ def read_dims(f: GGUFFile) -> Dims:
     vocab = f.integer(f.arch("vocab_size")) if f.arch("vocab_size") in f else len(f.strings("tokenizer.ggml.tokens"))
     head_dim = _head_dim(f, hidden, heads)
     return Dims(vocab_size=vocab,
-                hidden_size=hidden, intermediate_size=f.integer(f.arch("feed_forward_length")),
+                hidden_size=hidden, intermediate_size=_dense_ffn(f),
                 num_layers=_served_layers(f), num_heads=heads,
                 num_kv_heads=_kv_heads(f, heads), head_dim=head_dim, rotary_dim=_rotary_dim(f, head_dim))
+
+
+def _dense_ffn(f: GGUFFile) -> int:
+    """feed_forward_length; an expert's size in a file with experts and none (Qwen3.5-MoE: every MLP is experts)."""
+    key = f.arch("feed_forward_length")
+    return f.integer(key) if key in f or not expert_count(f) else expert_ffn(f)
 
 
 def _served_layers(f: GGUFFile) -> int:

@@ -1,16 +1,16 @@
 """Mixture-of-experts GGUF files: llama.cpp's expert metadata and stacked expert tensors, as Hugging Face names.
 
 llama.cpp stores a layer's experts stacked, one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
-`ffn_down_exps`: [experts, out, in]), its router as `ffn_gate_inp`, Qwen2-MoE's shared expert as `ffn_*_shexp`
+`ffn_down_exps`: [experts, out, in]), its router as `ffn_gate_inp`, a Qwen shared expert as `ffn_*_shexp`
 with its gate `ffn_gate_inp_shexp`, and calls Mixtral `llama` with an expert count. The conversion writes them
 back as the checkpoint had them: one tensor per expert (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj), or
 gpt-oss's stacked `gate_up_proj` (gate and up interleaved) and `down_proj`, both [experts, in, out]. What the
-file leaves to llama.cpp's model code is taken from there: Qwen3-MoE and Qwen3-Next renormalise their top-k
-weights and Qwen2-MoE does not; gpt-oss's SwiGLU has alpha 1.702 and limit 7.
+file leaves to llama.cpp's model code is taken from there: Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE renormalise
+their top-k weights and Qwen2-MoE does not; gpt-oss's SwiGLU has alpha 1.702 and limit 7.
 """
 from __future__ import annotations
 
-NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True}
+NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True, "qwen35moe": True}
 SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}        # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
@@ -43,7 +43,8 @@ def expert_config(f, d) -> dict:
 
 def expert_ffn(f) -> int:
     """Each expert's size (Mixtral files give it as the feed-forward length)."""
-    return f.integer(f.arch("expert_feed_forward_length"), f.integer(f.arch("feed_forward_length")))
+    key = f.arch("expert_feed_forward_length")
+    return f.integer(key) if key in f else f.integer(f.arch("feed_forward_length"))
 
 
 def shared_ffn(f) -> int:

@@ -1,11 +1,12 @@
-"""Hybrid GGUF files: Qwen3-Next (`qwen3next`) and Qwen3.5 (`qwen35`), whose Gated DeltaNet layers llama.cpp
-stores as `ssm_*` tensors, read back into the Hugging Face checkpoint's names and layout.
+"""Hybrid GGUF files: Qwen3-Next (`qwen3next`), Qwen3.5 (`qwen35`) and Qwen3.5-MoE (`qwen35moe`), whose
+Gated DeltaNet layers llama.cpp stores as `ssm_*` tensors, read back into the Hugging Face checkpoint's names
+and layout (Qwen3-Next's and Qwen3.5-MoE's experts: gguf_experts.py).
 
 Metadata: `ssm.group_count` key heads of `ssm.state_size`, `ssm.time_step_rank` value heads sharing
 `ssm.inner_size`, `ssm.conv_kernel`; the linear-attention layers are those `attention.recurrent_layers`
 marks (it lists the MTP blocks too), else all but every `full_attention_interval`-th, as llama.cpp reads them.
-Qwen3.5's `rope.dimension_sections` (multimodal rotary sections) are not read: a text-only prompt gives
-every section the same position, which is plain rotary embedding.
+Qwen3.5's and Qwen3.5-MoE's `rope.dimension_sections` (multimodal rotary sections) are not read: a text-only
+prompt gives every section the same position, which is plain rotary embedding.
 
 What llama.cpp's converter changed, undone here (`TensorSpec.undo`):
 - `ssm_a` holds A = -exp(A_log): A_log is its log (float32, so within rounding of the checkpoint's);
@@ -13,9 +14,9 @@ What llama.cpp's converter changed, undone here (`TensorSpec.undo`):
 - Qwen3-Next's in_proj_qkvz (each key head's q, k, its value heads' v, then z) is split into `attn_qkv`
   (every q, every k, every v) and `attn_gate` (every z), which are regrouped (older files hold it
   whole as `ssm_in`); its in_proj_ba is `ssm_ba` as it was;
-- Qwen3.5 orders value heads tiled over the key heads (k0's first, k1's first, ..., k0's second, ...)
-  instead of grouped by key head, in in_proj_qkv's v rows, in_proj_z, in_proj_b / in_proj_a (`ssm_beta`,
-  `ssm_alpha`), A_log, dt_bias, conv1d's v channels and out_proj's columns.
+- Qwen3.5 and Qwen3.5-MoE order value heads tiled over the key heads (k0's first, k1's first, ..., k0's
+  second, ...) instead of grouped by key head, in in_proj_qkv's v rows, in_proj_z, in_proj_b / in_proj_a
+  (`ssm_beta`, `ssm_alpha`), A_log, dt_bias, conv1d's v channels and out_proj's columns.
 The zero-centred norms (stored as 1 + weight) are gguf_tensors' offsets; the gated norm `ssm_norm` is not one.
 A full-attention layer's `attn_q` holds each head's query, then its output gate, as q_proj does.
 """
@@ -28,8 +29,8 @@ import torch
 from pdserve.engine.model.recurrent_config import LINEAR, LinearAttentionConfig
 from pdserve.engine.model.weights import grouped_projection_rows
 
-HYBRID = ("qwen3next", "qwen35")
-TILED_V_HEADS = ("qwen35",)
+HYBRID = ("qwen3next", "qwen35", "qwen35moe")
+TILED_V_HEADS = ("qwen35", "qwen35moe")
 FULL_ATTENTION_INTERVAL = 4                  # llama.cpp's default
 
 
