@@ -105,6 +105,23 @@ def test_a_fit_recovers_linear_step_costs_and_never_goes_negative():
     assert min(fit(noisy)) >= 0.0
 
 
+def test_a_fit_prices_a_one_row_decode_step_beside_long_prefill_chunks_within_a_tenth():
+    """Steps that are not one line in their counts (kernels chosen by row count): weighed by their own time, the
+    short decode steps a chat's inter-token latency is made of are not left to absorb the long chunks' error."""
+    def seconds(s: StepShape) -> float:
+        if s.prefill_tokens:
+            return 0.03 + 1e-3 * s.prefill_tokens + 1e-6 * s.prefill_pairs
+        per_row = 3e-4 if s.decode_rows <= 16 else 1.2e-3
+        return (0.007 if s.decode_rows <= 16 else 0.004) + per_row * s.decode_rows + 2e-6 * s.decode_context
+
+    shapes = [StepShape(prefill_tokens=n, prompt_chunks=1, prefill_pairs=n * (n + 1) // 2) for n in (16, 64, 256, 1024)]
+    shapes += [StepShape(decode_rows=r, decode_context=r * c, sampled=r) for r in (1, 4, 16, 32) for c in (32, 1024)]
+    cost = FittedCost({2: fit([(s, seconds(s)) for s in shapes])}, copy_bandwidth=1e9)
+    one_row = StepShape(decode_rows=1, decode_context=300, sampled=1)
+    assert cost.seconds(one_row, threads=2) == pytest.approx(seconds(one_row), rel=0.1)
+    assert all(cost.seconds(s, threads=2) == pytest.approx(seconds(s), rel=0.01) for s in shapes[:4])
+
+
 def _config(mode: str, prefill="cuda:0", decode="cuda:1", **scheduler) -> EngineConfig:
     return EngineConfig(mode=mode, prefill_device=prefill, decode_device=decode,
                         cache=CacheConfig(block_size=16, kv_cache_memory="0.9"), scheduler=SchedulerConfig(**scheduler))

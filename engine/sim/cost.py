@@ -123,14 +123,17 @@ class FittedCost:
 
 
 def fit(samples: Sequence[tuple[StepShape, float]]) -> tuple[float, ...]:
-    """Least-squares coefficients of `features` for (shape, seconds) samples, none negative (a negative one is
-    dropped and the rest refitted); raises ValueError with fewer samples than features."""
+    """Coefficients of `features` for (shape, seconds) samples minimising the squared relative error (each step
+    weighed by its own time: a one-row decode step counts as much as a long prefill chunk, whose absolute error
+    would otherwise set the intercept), none negative (a negative one is dropped and the rest refitted); raises
+    ValueError with fewer samples than features."""
     import numpy as np
 
     if len(samples) < len(FEATURES):
         raise ValueError(f"a fit needs at least {len(FEATURES)} measured steps, got {len(samples)}")
-    x = np.array([features(s) for s, _ in samples])
-    y = np.array([t for _, t in samples])
+    weight = np.array([1.0 / max(t, 1e-9) for _, t in samples])
+    x = np.array([features(s) for s, _ in samples]) * weight[:, None]
+    y = np.array([t for _, t in samples]) * weight
     keep = list(range(len(FEATURES)))
     while True:
         solution = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
