@@ -25,6 +25,15 @@ def native_cpu_kernels_on() -> Iterator[None]:
     native.set_cpu_kernels(True)
 
 
+@pytest.fixture(autouse=True)
+def block_probe_answers_kept_per_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test keeps its own GGUF block probe answers (engine.model.probe_store), so a test that fixes the
+    probe's answer leaves nothing for the next one (a server a test starts keeps them in its cache folder)."""
+    from pdserve.engine.model import probe_store
+
+    monkeypatch.setattr(probe_store, "cache_root", lambda: tmp_path / "cache")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny demo checkpoint, generated once per session under a pytest temp folder.

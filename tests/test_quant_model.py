@@ -26,6 +26,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.model import gguf_modules, quant, quant_gguf, quant_probe
+from pdserve.engine.model.gguf import converted_dir
 from pdserve.engine.model.gguf_modules import GGUFLinear
 from pdserve.engine.model.quant import QuantizedLinear, quantize_model
 from pdserve.engine.model.quant_probe import ProbeResult
@@ -280,3 +281,20 @@ def test_cli_option_reaches_the_engine_config():
     assert engine_config_from_args(parser.parse_args(["--quantization", "gguf"])).quantization == "gguf"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "q4"])
+
+
+def test_the_block_probes_answer_is_kept_and_a_later_start_with_the_same_inputs_takes_it(monkeypatch):
+    """A near tie at the crossover must not give one machine another kernel path at every start."""
+    calls = []
+
+    def probe(matrices, dtype, threads):
+        calls.append(threads)
+        return ProbeResult(len(calls) * 4, ())
+    monkeypatch.setattr(quant_gguf, "probe_blocks", probe)
+    config = ModelConfig.from_dir(converted_dir(Path(__file__).parent / "fixtures/gguf/quantized/tiny-Q8_0.gguf"))
+
+    def max_rows(threads: int) -> int:
+        model = load_model(config, torch.float32, torch.device("cpu"), 64, "gguf", threads)
+        return next(m.max_rows for m in model.modules() if isinstance(m, GGUFLinear))
+    assert (max_rows(2), max_rows(2), calls) == (4, 4, [2])
+    assert (max_rows(1), calls) == (8, [2, 1])                          # other inputs: probed again

@@ -20,6 +20,7 @@ from pdserve.engine.model.gguf_block_cache import CachedBlocks, cached_gguf_bloc
 from pdserve.engine.model.gguf_blocks import EMBEDDING, GGUFBlockError
 from pdserve.engine.model.gguf_modules import GGUFEmbedding, GGUFLinear
 from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.probe_store import ProbeStore, probe_key
 from pdserve.engine.model.quant_probe import probe_blocks, probe_bytes
 from pdserve.engine.model.weights import checkpoint_files, destinations
 from pdserve.kernels.gguf_formats import GGUFMatrix
@@ -58,7 +59,7 @@ def hold_gguf_blocks(model: CausalLM, path: Path, threads: int) -> Held:
             model.set_submodule(name, GGUFLinear(matrix, model.get_submodule(name).bias))
     model.forget_native_decode_layers()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
-    max_rows, probed = _probe(linears, dtype, threads) if linears and device.type == "cpu" else \
+    max_rows, probed = _probe(linears, dtype, threads, path) if linears and device.type == "cpu" else \
         (0, f"On {device}: every batch through the Triton kernels")
     for module in linears.values():
         module.max_rows = max_rows
@@ -73,17 +74,25 @@ def _on_device(blocks: CachedBlocks, device: torch.device) -> dict[str, GGUFMatr
     return {n: m for n, m in blocks.matrices.items() if not set(m.types) & {"F32", "F16", "BF16"}}
 
 
-def _probe(linears: dict[str, GGUFLinear], dtype: torch.dtype, threads: int) -> tuple[int, str]:
+def _probe(linears: dict[str, GGUFLinear], dtype: torch.dtype, threads: int, path: Path) -> tuple[int, str]:
     """The largest batch at which the block kernels beat tiles (at least 1), and what was timed: as many
-    layers of the largest per-layer projection as stream `probe_bytes()` (every layer where there are fewer)."""
+    layers of the largest per-layer projection as stream `probe_bytes()` (every layer where there are fewer);
+    the answer an earlier start kept for the same inputs where there is one (`probe_store`)."""
     layered = {n: m.matrix for n, m in linears.items() if n != "lm_head"} or {n: m.matrix for n, m in linears.items()}
     largest = max(layered, key=lambda n: layered[n].nbytes)
     suffix = largest.rsplit(".", 1)[-1]
     same = [m for n, m in layered.items() if n.endswith(suffix)]
-    count = max(1, probe_bytes() // layered[largest].nbytes)
+    streamed = probe_bytes()
+    count = max(1, streamed // layered[largest].nbytes)
+    store = ProbeStore(probe_key(path, dtype, threads, f"{suffix} x{len(same[:count])}", streamed))
+    kept = store.load()
+    if kept is not None:
+        return kept[0], f"{kept[1]} (kept from an earlier start: {store.path})"
     result = probe_blocks(same[:count], dtype, threads)
-    return max(result.max_rows, 1), (f"Probe on {suffix} x{len(same[:count])} with {threads} threads: "
-                                     f"{result.describe('tiles', 'blocks')}")
+    max_rows, report = max(result.max_rows, 1), (f"Probe on {suffix} x{len(same[:count])} with {threads} threads: "
+                                                 f"{result.describe('tiles', 'blocks')}")
+    store.save(max_rows, report)
+    return max_rows, report
 
 
 def describe(blocks: CachedBlocks, held: set[str]) -> str:
