@@ -5,21 +5,14 @@ stored in the cache folder under a key of those and replayed into fresh cost mod
 stored timing of the same step."""
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.model.cache import cache_root
+from pdserve.engine.model.cache import KeptAnswer, cache_root, pdserve_version
 from pdserve.engine.units.spec import Layout
 from pdserve.engine.worker.startup.defaults import detect_cpu
 from pdserve.engine.worker.tiers.records import model_files
-
-logger = logging.getLogger(__name__)
 
 FORMAT = 3                   # the profile's steps changed: a profile kept before is measured again
 DRIFT = 2.0                  # a probe step this many times slower or faster than stored: the machine changed
@@ -29,36 +22,23 @@ class ProfileStore:
     """One start-up profile's file: `load()` its recorded steps or None, `save(recorded)`."""
 
     def __init__(self, key: dict, root: Path | None = None) -> None:
-        self.key = key
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        self.path = (root or cache_root()) / "profiles" / f"{digest}.json"
+        self.kept = KeptAnswer("profiles", key, FORMAT, root or cache_root())
+        self.key, self.path = key, self.kept.path
 
     def load(self) -> list | None:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        if data.get("format") != FORMAT or data.get("key") != self.key:
-            return None
-        return data["profiles"]
+        data = self.kept.load()
+        return None if data is None else data["profiles"]
 
     def save(self, recorded: list) -> None:
-        """Write atomically (a reader never sees half a file); a cache folder that cannot be written is logged."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"format": FORMAT, "key": self.key, "profiles": recorded}))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            logger.warning("start-up profile not kept (%s): the next start measures again", e)
+        self.kept.save({"profiles": recorded})
 
     def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
+        self.kept.discard()
 
 
 def profile_key(model_dir: Path | None, layout: Layout, quantization: str, cpu_kernels: str, sched) -> dict:
     """Everything the start-up profile's timings depend on."""
-    return {"pdserve": _version(), "machine": _machine(layout), "model": model_files(model_dir),
+    return {"pdserve": pdserve_version(), "machine": _machine(layout), "model": model_files(model_dir),
             "dtype": str(layout.dtype), "quantization": quantization, "cpu_kernels": cpu_kernels,
             "units": [[s.role, str(s.device), len(s.cores), list(s.thread_counts), s.warmup_role]
                       for s in layout.units],
@@ -68,12 +48,6 @@ def profile_key(model_dir: Path | None, layout: Layout, quantization: str, cpu_k
 def drifted(stored: float, measured: float) -> bool:
     return not stored / DRIFT <= measured <= stored * DRIFT
 
-
-def _version() -> str:
-    try:
-        return metadata.version("pdserve")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _machine(layout: Layout) -> list:
@@ -86,4 +60,3 @@ def _machine(layout: Layout) -> list:
             name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else str(device)
             parts.append([name, torch.version.cuda])
     return parts
-

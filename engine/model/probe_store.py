@@ -6,19 +6,13 @@ start's answer is kept under the cache folder and every later start with the sam
 `$PDSERVE_CACHE/probes/` measures again."""
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.model.cache import cache_root
+from pdserve.engine.model.cache import KeptAnswer, cache_root, pdserve_version
 from pdserve.kernels.native import cpu_flags
-
-logger = logging.getLogger(__name__)
 
 FORMAT = 1
 
@@ -27,7 +21,7 @@ def probe_key(path: Path, dtype: torch.dtype, threads: int, probed: str, probe_b
     """Everything the block probe's answer depends on: pdserve, the CPU, the GGUF file, dtype, threads and what
     the probe streams."""
     stat = path.stat()
-    return {"pdserve": _version(), "cpu": [cpu_flags(), os.cpu_count(), probe_bytes],
+    return {"pdserve": pdserve_version(), "cpu": [cpu_flags(), os.cpu_count(), probe_bytes],
             "file": [str(path.resolve()), stat.st_size, stat.st_mtime_ns], "dtype": str(dtype), "threads": threads,
             "probed": probed}
 
@@ -36,32 +30,12 @@ class ProbeStore:
     """One probe answer's file: `load()` the kept (max_rows, report) or None, `save(max_rows, report)`."""
 
     def __init__(self, key: dict, root: Path | None = None) -> None:
-        self.key = key
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        self.path = (root or cache_root()) / "probes" / f"{digest}.json"
+        self.kept = KeptAnswer("probes", key, FORMAT, root or cache_root())
+        self.path = self.kept.path
 
     def load(self) -> tuple[int, str] | None:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        if data.get("format") != FORMAT or data.get("key") != self.key:
-            return None
-        return int(data["max_rows"]), str(data["report"])
+        data = self.kept.load()
+        return None if data is None else (int(data["max_rows"]), str(data["report"]))
 
     def save(self, max_rows: int, report: str) -> None:
-        """Written atomically; a cache folder that cannot be written is logged, and the next start probes again."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"format": FORMAT, "key": self.key, "max_rows": max_rows, "report": report}))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            logger.warning("GGUF block probe not kept (%s): the next start probes again", e)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("pdserve")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+        self.kept.save({"max_rows": max_rows, "report": report})

@@ -10,9 +10,10 @@ import hashlib
 import json
 import struct
 import zlib
-from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
+
+from pdserve.engine.model.cache import pdserve_version
 
 FORMAT = 1                       # the record layout; any change makes older records unreadable, never misread
 MAGIC = b"PDKV"
@@ -61,7 +62,7 @@ def is_blank(raw: bytes) -> bool:
 def validity_key(parts: dict) -> bytes:
     """The key of `parts` (everything that makes a block's bytes valid), with the record format and pdserve's
     version added: a record under another key is ignored, never read."""
-    whole = parts | {"format": FORMAT, "pdserve": _version()}
+    whole = parts | {"format": FORMAT, "pdserve": pdserve_version()}
     return hashlib.sha256(json.dumps(whole, sort_keys=True, default=str).encode()).digest()
 
 
@@ -76,10 +77,3 @@ def model_files(model_dir: Path | None) -> list:
             stat = path.stat()
             parts.append([path.name, stat.st_size, stat.st_mtime_ns])
     return parts
-
-
-def _version() -> str:
-    try:
-        return metadata.version("pdserve")
-    except metadata.PackageNotFoundError:
-        return "unknown"
