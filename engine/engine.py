@@ -71,9 +71,8 @@ class Engine(Recovery):
     def __init__(self, config: EngineConfig, served: ServedModel | None = None, machine: Machine | None = None,
                  load: UnitLoader | None = None, clock: Callable[[], float] = time.monotonic,
                  keep_profile: bool = True) -> None:
-        """`keep_profile`: the start-up profile is kept on disk for the next start (a simulator's is not: its
-        steps cost nothing, and a probe step would move its virtual clock)."""
-        self.config, self.clock, self.keep_profile = config, clock, keep_profile
+        """`keep_profile`: keep the start-up profile on disk for the next start (not a simulator's: free steps)."""
+        self.clock, self.keep_profile = clock, keep_profile
         torch.manual_seed(config.seed)                # unseeded sampling draws from the global generator
         self.served = served or ServedModel.load(config.model)
         self.config = config = serving_config(config, self.served.config)
