@@ -106,6 +106,10 @@ class ModelConfig:
         """Where layer `layer_index` keeps its K and V among the pool's layers."""
         return sum(not kind.recurrent for kind in self.layer_kinds[:layer_index])
 
+    def state_layer(self, layer_index: int) -> int:
+        """Where recurrent layer `layer_index` keeps its state among a state slot's layers."""
+        return layer_index - self.kv_layer(layer_index)
+
     @property
     def dense_mlp_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size

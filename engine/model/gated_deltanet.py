@@ -24,7 +24,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         la = config.linear_attention
         self.config, self.eps = la, config.rms_norm_eps
-        self.state_layer = sum(kind.recurrent for kind in config.layer_kinds[:layer_index])
+        self.state_layer = config.state_layer(layer_index)
         self.in_proj = Linear(config.hidden_size, la.projection_size)
         self.conv_weight = empty_parameter(la.conv_dim, 1, la.conv_kernel)
         self.dt_bias = empty_parameter(la.num_v_heads)
