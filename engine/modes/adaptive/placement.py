@@ -4,6 +4,7 @@ it to a prefill unit, how many prompt tokens each step carries, and whose cores 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pdserve.engine.actors.base import Actor
 from pdserve.engine.actors.view import Decoding, Queued
@@ -17,12 +18,25 @@ from pdserve.engine.units.spec import CoreShare
 
 logger = logging.getLogger(__name__)
 
+STEADY_STEPS = 16     # decode-only steps of one row count that reuse one lending answer (context grows a token a row)
+
+
+@dataclass(slots=True)
+class SteadyLending:
+    """The lending answer of a decode-only step of `rows` rows, kept for the next `steps_left` such steps: asking
+    the planner solves the cost model's fit again after every observed step, host work a one-row step feels."""
+
+    rows: int
+    lend: bool
+    steps_left: int
+
 
 class Placement:
     def __init__(self, coordinator: Coordinator, share: CoreShare | None) -> None:
         self.coordinator, self.share = coordinator, share
         self.planner: Planner | None = None        # None until the SLOs are known: every prompt stays local
         self._last_choice: dict[str, str] = {}
+        self._steady: dict[str, SteadyLending] = {}
 
     def place(self, actor: Actor, seq: Sequence) -> bool:
         """Whether decode unit `actor` prefills `seq` itself; else it goes to the prefill unit with the earliest
@@ -72,11 +86,19 @@ class Placement:
         predicts the step faster so (and within the partner's SLO: the partner waits for it to end)."""
         if self.partner_busy(actor) or self.planner is None:
             return own
-        slos, prefilling = self.planner.slos, actor in self.coordinator.prefill
         rows = batch.decoding                                  # NOTE: verifying rows too, with their drafts
-        context = sum(s.num_computed_tokens for s in rows)
-        lend = self.planner.lend(actor.priced()[0], own, total, len(rows), batch.chunk_tokens, context,
-                                 slos.itl if prefilling else slos.ttft, batch.num_drafts, batch.chunk_pairs)
+        steady = not batch.chunk_tokens and not batch.num_drafts
+        kept = self._steady.get(actor.unit_name) if steady else None
+        if kept is not None and kept.rows == len(rows) and kept.steps_left:
+            kept.steps_left -= 1
+            lend = kept.lend
+        else:
+            slos, prefilling = self.planner.slos, actor in self.coordinator.prefill
+            context = sum(s.num_computed_tokens for s in rows)
+            lend = self.planner.lend(actor.priced()[0], own, total, len(rows), batch.chunk_tokens, context,
+                                     slos.itl if prefilling else slos.ttft, batch.num_drafts, batch.chunk_pairs)
+            if steady:
+                self._steady[actor.unit_name] = SteadyLending(len(rows), lend, STEADY_STEPS - 1)
         if lend:
             self.coordinator.lending.add(actor.unit_name)
         return total if lend else own
