@@ -38,7 +38,7 @@ from pdserve.kernels.grouped_gemm import moe_experts_triton
 from pdserve.kernels.moe import moe_experts_ref
 from pdserve.kernels.native_decode_attention import decode_attention_native
 from pdserve.kernels.native_decode_attention import supports as native_attention_supports
-from pdserve.kernels.native_decode_layers import DecodeLayers, decode_layers_native
+from pdserve.kernels.native_decode_layers import DecodeLayers, Head, decode_layers_native
 from pdserve.kernels.native_linear import linear_native, prefer_native
 from pdserve.kernels.native_linear import supports as native_linear_supports
 from pdserve.kernels.native_rms_norm import rms_norm_native
@@ -249,7 +249,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def decode_layers(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, cos_sin: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  context_lens: torch.Tensor, head: Head | None = None):
     """Every decoder layer of a decode step over h [S, hidden] in one native call (CPU; the caller
-    checks `use_native` and `layers.serves`); returns (last layer's output, residual sum)."""
-    return decode_layers_native(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens)
+    checks `use_native` and `layers.serves`); returns (last layer's output, residual sum), or with `head`
+    (checked by the caller: `head.serves`) the logits [S, head rows] float32."""
+    return decode_layers_native(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens,
+                                head)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.native import FLOAT, INT, POINTER, SUFFIXES, bind, int64_array
+from pdserve.kernels.native import FLOAT, INT, INT64, POINTER, SUFFIXES, bind, int64_array
 from pdserve.kernels.native_decode_attention import MAX_GROUP, MAX_HEAD_DIM, num_splits, table_runs
 from pdserve.kernels.gguf_formats import GGUFMatrix
 from pdserve.kernels.gguf_linear import native_available as gguf_available
@@ -191,18 +191,62 @@ def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, he
             and num_heads // num_kv_heads <= MAX_GROUP)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Head:
+    """The model's final norm and its head, which the one-call step can run after the last layer: the
+    step's logits then come back from the same call (the Python of two more kernel calls, each paying for
+    caches the weights' stream has just emptied, is a one-row step's largest host cost after the layers)."""
+
+    norm: torch.Tensor
+    projection: Projection
+    _words: dict[bool, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, norm: torch.Tensor, projection: Projection, layers: DecodeLayers) -> Head | None:
+        """None where the native step over `layers` cannot run this head (the per-op path keeps it)."""
+        dtype = layers.dtype
+        p, packed = projection, projection.packed
+        dense = [t for t in (norm, p.weight, p.bias) if t is not None]
+        if not all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense):
+            return None
+        if isinstance(packed, GGUFMatrix):
+            served = gguf_supports(packed, dtype) and packed.segments[0].data.is_cpu and gguf_available()
+        else:
+            served = packed is None or (quant_supports(packed.format, packed.shape[1], dtype)
+                                        and layers.quant_linear is not None)   # NOTE: its address comes with them
+        return cls(norm, projection) if served else None
+
+    @property
+    def rows(self) -> int:
+        p = self.projection
+        return p.packed.shape[0] if p.weight is None else p.weight.shape[0]
+
+    def serves(self, rows: int) -> bool:
+        """Whether the head of a step of `rows` rows runs the kernel the per-op path would (the same logits)."""
+        p = self.projection
+        return p.blocks_serve(rows) or _native_linear_takes(p, rows)
+
+    def words(self, rows: int) -> torch.Tensor:
+        blocks = self.projection.blocks_serve(rows)
+        if blocks not in self._words:
+            self._words[blocks] = torch.tensor(self.projection.words(blocks), dtype=torch.int64)
+        return self._words[blocks]
+
+
 @functools.cache
 def _kernel(dtype: torch.dtype):
-    function = bind(f"pd_decode_layers_{SUFFIXES[str(dtype)]}", *[POINTER] * 12, FLOAT, FLOAT, POINTER, INT)
+    function = bind(f"pd_decode_layers_{SUFFIXES[str(dtype)]}", *[POINTER] * 12, FLOAT, FLOAT, POINTER, INT,
+                    POINTER, POINTER, INT64, POINTER, POINTER)
     function.restype = INT
     return function
 
 
 def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,
                          slot_mapping: torch.Tensor, cos_sin: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         context_lens: torch.Tensor, head: Head | None = None):
     """Run every layer over h [S, hidden] (the embeddings of one token per sequence); returns the
-    last layer's output and the residual sum, as the per-op loop leaves them for the final norm."""
+    last layer's output and the residual sum, as the per-op loop leaves them for the final norm, or with
+    `head` (which must serve S rows) the logits [S, head rows] float32 of the final norm and the head."""
     seqs, hidden = h.shape
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_pool.shape
     _check(layers, h, kv_pool, positions, slot_mapping, cos_sin, block_tables, context_lens)
@@ -214,18 +258,22 @@ def decode_layers_native(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.T
     scratch = torch.empty(seqs * width, dtype=h.dtype)
     partials = torch.empty(seqs * layers.num_heads * splits * (head_dim + 1)) if splits > 1 else None
     out, residual = h.clone(), torch.empty_like(h)
-    block, layer, kv, slot, head = kv_pool.stride()[:5]
+    block, layer, kv, slot, head_stride = kv_pool.stride()[:5]
     shape = int64_array(seqs, hidden, layers.num_heads, num_kv_heads, head_dim, layers.inner, num_layers, splits,
-                        block_size, block, layer, kv, slot, head, block_tables.stride(0), cos_sin.stride(0), 0,
+                        block_size, block, layer, kv, slot, head_stride, block_tables.stride(0), cos_sin.stride(0), 0,
                         layers.window)
+    final = (None, None, 0, None, None)
+    if head is not None:
+        head_out, logits = torch.empty(seqs, head.rows, dtype=h.dtype), torch.empty(seqs, head.rows)
+        final = (head.norm.data_ptr(), head.words(seqs).data_ptr(), head.rows, head_out.data_ptr(), logits.data_ptr())
     status = _kernel(h.dtype)(out.data_ptr(), residual.data_ptr(), layers.table(seqs).data_ptr(), shape,
                               kv_pool.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), cos_sin.data_ptr(),
                               block_tables.data_ptr(), context_lens.data_ptr(), scratch.data_ptr(),
                               None if partials is None else partials.data_ptr(), layers.eps, layers.scale,
-                              layers.quant_linear, threads)
+                              layers.quant_linear, threads, *final)
     if status != 0:
         raise RuntimeError("decode_layers: quant_linear refused a projection it was checked for")
-    return out, residual
+    return (out, residual) if head is None else logits
 
 
 def _check(layers: DecodeLayers, h: torch.Tensor, kv_pool: torch.Tensor, positions: torch.Tensor,

@@ -18,7 +18,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.quant_probe import ProbeResult
 from pdserve.engine.model import gguf_modules, quant, quant_gguf
 from pdserve.engine.worker.model_runner import load_model
-from pdserve.kernels import native
+from pdserve.kernels import native, native_decode_layers
 from pdserve.kernels.native_decode_layers import DecodeLayers
 from tests.models import demo_checkpoint, engine_config, hf_checkpoint
 from tests.test_quant_model import write_gguf_model
@@ -30,9 +30,10 @@ PROMPT_LENGTHS = (3, 16, 17, 40)              # one under a block, a full block,
 
 def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "colocated", **config):
     monkeypatch.setattr(DecodeLayers, "serves", lambda self, rows: one_call)
+    monkeypatch.setattr(native_decode_layers, "prefer_native", kernels.prefer_native)    # the head's, as linear's
     calls = []
     real = kernels.decode_layers
-    monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(len(a) > 8 and a[8] is not None) or real(*a))
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     llm = LLM(config=replace(engine_config(model, mode=mode, max_prefill_tokens=24, block_size=16, **config),
@@ -42,6 +43,7 @@ def generate(model, dtype: str, one_call: bool, monkeypatch, mode: str = "coloca
     finally:
         llm.close()
     assert bool(calls) == one_call
+    assert not one_call or any(calls)     # NOTE: the final norm and the head ran in the same call (the logits)
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
 
 

@@ -13,7 +13,7 @@ from pdserve.engine.model.gated_deltanet import GatedDeltaNet
 from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm
 from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.rope import cos_sin_table
-from pdserve.kernels.native_decode_layers import DecodeLayers, LayerTensors
+from pdserve.kernels.native_decode_layers import DecodeLayers, Head, LayerTensors, Projection
 
 
 class DecoderLayer(nn.Module):
@@ -68,12 +68,11 @@ class CausalLM(nn.Module):
                                    for kind in config.layer_kinds)
         self._decode_layers: DecodeLayers | None = None
         self._decode_layers_for: int | None = None     # the first qkv weight's address when built
+        self._head: Head | None = None                 # the final norm and head, built with the layers' table
         self._one_call = _one_call_serves(config)
 
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed_tokens(batch.input_ids), None
-        if self.config.embed_scale != 1.0:
-            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)    # NOTE: in h's dtype, as transformers
+        h, residual = self._embed(batch), None
         native = self.native_decode_layers(h) if batch.is_decode else None
         if native is not None:
             h, residual = kernels.decode_layers(native, h, kv_pool, batch.positions, batch.slot_mapping,
@@ -85,6 +84,23 @@ class CausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
+    def decode_logits(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's logits (as `compute_logits(forward(...))` gives them) from one native call that runs
+        the layers, the final norm and the head; None where that call does not serve the step."""
+        rows = batch.input_ids.shape[0]
+        layers = self._native_layers(rows, self.embed_tokens.weight.dtype) if batch.is_decode else None
+        head = self._head if layers is not None else None
+        if head is None or not head.serves(rows) or self.config.final_softcap:
+            return None
+        return kernels.decode_layers(layers, self._embed(batch), kv_pool, batch.positions, batch.slot_mapping,
+                                     self.cos_sin, batch.block_tables, batch.context_lens, head)
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        if self.config.embed_scale != 1.0:
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)    # NOTE: in h's dtype, as transformers
+        return h
+
     def use_backend(self, backend: kernels.Backend) -> None:
         """Every op of this model takes `backend` from now on (a runner chooses it once, at load)."""
         for module in self.modules():
@@ -93,10 +109,14 @@ class CausalLM(nn.Module):
 
     def native_decode_layers(self, h: torch.Tensor) -> DecodeLayers | None:
         """Every layer in one native call for this decode step, when the native kernels serve it."""
-        if (self.backend or kernels.choose_backend(h)) is not kernels.Backend.NATIVE:
+        return self._native_layers(h.shape[0], h.dtype, h)
+
+    def _native_layers(self, rows: int, dtype: torch.dtype, h: torch.Tensor | None = None) -> DecodeLayers | None:
+        backend = self.backend or (kernels.choose_backend(h) if h is not None else None)
+        if backend is not kernels.Backend.NATIVE:
             return None
         layers = self.one_call_layers()
-        return layers if layers is not None and layers.dtype == h.dtype and layers.serves(h.shape[0]) else None
+        return layers if layers is not None and layers.dtype == dtype and layers.serves(rows) else None
 
     def one_call_layers(self) -> DecodeLayers | None:
         """The layers' table for the one-call native step (None where it cannot serve this model)."""
@@ -105,6 +125,7 @@ class CausalLM(nn.Module):
         built_for = self.layers[0].self_attn.qkv_proj.weight.data_ptr()   # NOTE: moved weights rebuild it
         if self._decode_layers_for != built_for:
             self._decode_layers, self._decode_layers_for = self._build_decode_layers(), built_for
+            self._head = None if self._decode_layers is None else self._build_head(self._decode_layers)
         return self._decode_layers
 
     def forget_native_decode_layers(self) -> None:
@@ -118,6 +139,14 @@ class CausalLM(nn.Module):
             return None
         return DecodeLayers.build(layers, config.num_heads, config.num_kv_heads, config.head_dim,
                                   config.rms_norm_eps, config.layer_kinds[0].window)
+
+    def _build_head(self, layers: DecodeLayers) -> Head | None:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.lm_head is None and type(head) is not Embedding:
+            return None
+        projection = Projection(head.weight.data) if self.lm_head is None else (
+            head.native_projection() if hasattr(head, "native_projection") else None)
+        return None if projection is None else Head.build(self.norm.weight.data, projection, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """logits: [S, V] float32 (soft-capped where the family caps them)."""

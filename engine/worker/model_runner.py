@@ -227,6 +227,9 @@ class ModelRunner:
         if decode_only and self.graphs is not None and self.graphs.fits(*step_shape(step, self.block_size)[1:]):
             return self.graphs.run(self.rows, step), self.graphs.buffers, None
         batch = self.prepare(step)
+        logits = self.model.decode_logits(batch, self.kv_pool) if decode_only else None
+        if logits is not None:
+            return logits, self.buffers, None
         hidden = self.model(batch, self.kv_pool)
         return self.model.compute_logits(hidden[batch.logits_indices]), self.buffers, hidden
 

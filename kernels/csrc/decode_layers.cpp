@@ -156,6 +156,23 @@ static int decode_layers(T* h, T* residual, const int64_t* table, const StepShap
   return 0;
 }
 
+// The model's final norm of the last layer's output, and its head: logits [S, head_rows] float32 (the head's
+// output in T, widened, as the per-op path's `.float()`).
+template <typename T>
+static int final_head(T* h, T* residual, const StepShape& sh, const T* final_norm, const int64_t* head,
+                      int64_t head_rows, T* head_out, float* logits, const Scratch<T>& s, float eps,
+                      QuantLinear quant, int threads) {
+  Ops<T>::rms_norm(h, sh.hidden, residual, sh.hidden, final_norm, eps, s.normed, residual, sh.seqs, sh.hidden,
+                   threads);
+  Projection p;
+  std::memcpy(&p, head, sizeof p);
+  if (project(p, s.normed, head_out, sh.seqs, head_rows, sh.hidden, quant, threads)) return -1;
+  const int64_t n = sh.seqs * head_rows;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; ++i) logits[i] = to_float(head_out[i]);
+  return 0;
+}
+
 template <typename T>
 static Scratch<T> carve(T* scratch, float* partials, const StepShape& sh) {
   const int64_t q_size = sh.q_heads * sh.head_dim, qkv = q_size + 2 * sh.kv_heads * sh.head_dim;
@@ -173,17 +190,24 @@ static Scratch<T> carve(T* scratch, float* partials, const StepShape& sh) {
 
 }  // namespace pd
 
-// Returns 0, or -1 when quant_linear refused a projection (the Python side checked them: a bug).
+// Returns 0, or -1 when quant_linear refused a projection (the Python side checked them: a bug). With
+// final_norm, the step goes on through the final norm and the head into logits (see final_head).
 #define PD_DECODE_LAYERS(SUFFIX, T)                                                                             \
   extern "C" int pd_decode_layers_##SUFFIX(T* h, T* residual, const int64_t* table, const int64_t* shape, T* pool, \
                                            const int32_t* positions, const int32_t* slots, const float* cos_sin,   \
                                            const int32_t* tables, const int32_t* lens, T* scratch,                \
                                            float* partials, float eps, float scale, pd::QuantLinear quant,        \
-                                           int threads) {                                                         \
+                                           int threads, const T* final_norm, const int64_t* head,                 \
+                                           int64_t head_rows, T* head_out, float* logits) {                       \
     pd::StepShape sh;                                                                                            \
     std::memcpy(&sh, shape, sizeof sh);                                                                          \
-    return pd::decode_layers(h, residual, table, sh, pool, positions, slots, cos_sin, tables, lens,              \
-                             pd::carve(scratch, partials, sh), eps, scale, quant, threads);                      \
+    const pd::Scratch<T> s = pd::carve(scratch, partials, sh);                                                   \
+    if (pd::decode_layers(h, residual, table, sh, pool, positions, slots, cos_sin, tables, lens, s, eps, scale,  \
+                          quant, threads))                                                                       \
+      return -1;                                                                                                 \
+    if (!final_norm) return 0;                                                                                   \
+    return pd::final_head(h, residual, sh, final_norm, head, head_rows, head_out, logits, s, eps, quant,         \
+                          threads);                                                                              \
   }
 
 PD_DECODE_LAYERS(f32, float)
