@@ -516,3 +516,22 @@ def test_a_short_prompt_starts_in_the_next_step_where_no_stream_is_pushed_past_i
     assert now.misses == 0 and decision.chosen is now                  # one 128 ms step: the 100 ms mean holds
     assert now.first_token < min(c.first_token for c in decision.candidates if c is not now)
     assert max(decision.candidates, key=lambda c: c.tokens_per_second).action == "remote"   # the rule before's pick
+
+
+def test_one_slow_lent_step_does_not_decide_every_lending_after_it():
+    """A 512-token prompt's first lent step ran 933 ms where lent ones run ~550 and one-core ones ~800 (its first
+    time at that shape, or the machine's noise): the fit then predicted one core faster, and the next prompt of
+    that size ran on one core. One remembered step at a shape is not enough to stop trying it."""
+    cost = StepCostModel()
+    for _ in range(60):
+        cost.observe(2, 1, 0, 0.008)                                     # lent one-row decode steps
+    for _ in range(4):
+        cost.observe(1, 0, 512, 0.80)                                    # one-core prompt steps
+        cost.observe(1, 1, 0, 0.012)
+    cost.observe(2, 0, 512, 0.933)                                       # the one slow lent prompt step
+    planner = Planner(SLOS, max_prefill_tokens=2048)
+    assert cost.predict(2, 0, 512) > cost.predict(1, 0, 512)            # the fit now says one core is faster
+    assert not cost.covers(2, 0, 512)
+    assert planner.lend(cost, 1, 2, 0, 512, 0, partner_slo=10.0)         # so lending is tried again
+    cost.observe(2, 0, 512, 0.55)                                        # as fast as lent prompt steps are
+    assert cost.covers(2, 0, 512) and planner.lend(cost, 1, 2, 0, 512, 0, partner_slo=10.0)

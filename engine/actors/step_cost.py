@@ -27,6 +27,7 @@ from pdserve.engine.core.weighted_fit import WeightedFit
 CONTEXT_UNIT = 1000.0        # K is fit in thousands of tokens, A in millions: the ridge term then weighs them alike
 PAIRS_UNIT = CONTEXT_UNIT ** 2
 FEATURES = 6
+COVERING_STEPS = 2          # remembered steps at least as large that a prediction for a step needs (`covers`)
 
 
 @dataclass(slots=True)
@@ -87,12 +88,13 @@ class StepCostModel:
         return last is not None and self._observed - last > self.memory
 
     def covers(self, threads: int | None, decode_rows: int, prefill_tokens: int) -> bool:
-        """Whether the steps the fit at `threads` still remembers (its last `memory`) reached this many
-        decode rows and prefill tokens: beyond them its prediction extrapolates coefficients no step separated
-        (one-row decode steps and prefill chunks mispredict a large batch's step)."""
+        """Whether `COVERING_STEPS` of the steps the fit at `threads` still remembers (its last `memory`) reached
+        this many decode rows, and as many this many prefill tokens: beyond them its prediction extrapolates
+        coefficients no step separated (one-row decode steps and prefill chunks mispredict a large batch's
+        step), and one step is no measure (a noisy one decided every lending after it)."""
         shapes = self._recent_shapes.get(threads, ())
-        return (decode_rows <= max((rows for rows, _ in shapes), default=-1)
-                and prefill_tokens <= max((tokens for _, tokens in shapes), default=-1))
+        return (sum(rows >= decode_rows for rows, _ in shapes) >= COVERING_STEPS
+                and sum(tokens >= prefill_tokens for _, tokens in shapes) >= COVERING_STEPS)
 
     def coefficients(self, threads: int | None) -> np.ndarray | None:
         """(fixed, per decode row, per prefill token, per thousand context tokens, per step that prefills, per
