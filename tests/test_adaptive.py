@@ -405,3 +405,27 @@ def test_lending_weighs_a_verify_steps_rows_and_drafts():
     assert (own, total) == (1, 2)
     assert (rows, tokens, context, drafts, pairs) == (1, 0, 40, 3, 0)
     engine.close()
+
+
+@pytest.mark.parametrize("prefill_units", [1, 2])
+def test_a_prefill_unit_borrows_within_the_ttft_slo_unless_another_can_hand_off_meanwhile(prefill_units):
+    """Lending needs an idle partner: a decode unit with no stream, where what waits for the lent step is a prompt's
+    first token. Bounded by the ITL SLO, a 512-token prompt step sent to the prefill unit ran on one core while
+    the same step kept on the decode unit ran on two. With a second prefill unit a stream can arrive meanwhile,
+    and the ITL SLO bounds the step again."""
+    from pdserve.engine.core.batch import Batch, ScheduledChunk
+
+    engine = seed_costs(Engine(engine_config(demo_checkpoint(), mode="adaptive", prefill_device=",".join(
+        ["cpu"] * prefill_units), **SLOS)), speedup=2.0)
+    prefill, decode = engine.coordinator.prefill[0], engine.coordinator.decode[0]
+    planner, asked = Planner(Slos(ttft=1.0, itl=0.05), 2048), []
+    engine.mode.placement.planner = planner
+    real_lend = planner.lend
+    planner.lend = lambda *args: asked.append(args) or real_lend(*args)
+    seq = Sequence(Request("prompt", list(range(3, 515)), GREEDY))
+    batch = Batch.of(chunks=(ScheduledChunk(seq, 0, 512, True),))
+    engine.mode.placement.step_threads(prefill, batch, 1, 2)
+    assert asked[-1][6] == (1.0 if prefill_units == 1 else 0.05)
+    engine.mode.placement.step_threads(decode, batch, 1, 2)
+    assert asked[-1][6] == 1.0
+    engine.close()

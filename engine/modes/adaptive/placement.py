@@ -93,15 +93,21 @@ class Placement:
             kept.steps_left -= 1
             lend = kept.lend
         else:
-            slos, prefilling = self.planner.slos, actor in self.coordinator.prefill
             context = sum(s.num_computed_tokens for s in rows)
             lend = self.planner.lend(actor.priced()[0], own, total, len(rows), batch.chunk_tokens, context,
-                                     slos.itl if prefilling else slos.ttft, batch.num_drafts, batch.chunk_pairs)
+                                     self.partner_slo(actor), batch.num_drafts, batch.chunk_pairs)
             if steady:
                 self._steady[actor.unit_name] = SteadyLending(len(rows), lend, STEADY_STEPS - 1)
         if lend:
             self.coordinator.lending.add(actor.unit_name)
         return total if lend else own
+
+    def partner_slo(self, actor: Actor) -> float:
+        """The bound on a step `actor` runs on its idle partner's cores: what waits for it there. A decode partner
+        idles with no stream, so what waits is a prompt's first token (TTFT), unless another prefill unit can
+        hand it a stream meanwhile, whose next token would wait (ITL)."""
+        slos = self.planner.slos
+        return slos.itl if actor in self.coordinator.prefill and len(self.coordinator.prefill) > 1 else slos.ttft
 
     def cores_lent(self, actor: Actor) -> bool:
         """Whether a unit of the other role steps on `actor`'s cores now: `actor` waits for that step to end
@@ -132,7 +138,7 @@ class Placement:
         if share is not None and self.planner is not None:     # the threads a step gets while its partner idles
             slos, tokens = self.planner.slos, self.planner.max_prefill_tokens
             decode_alone = self._lent(decode, share.decode_own, rows, 0, context, slos.ttft)
-            prefill_alone = self._lent(prefill, share.prefill_own, 0, tokens, 0, slos.itl)
+            prefill_alone = self._lent(prefill, share.prefill_own, 0, tokens, 0, self.partner_slo(prefill))
         queue = self._waiting(decode.queued())
         own = share and share.prefill_own
         prefilling = tuple(Running(s.tokens, s.pairs, own if s.threads is None else s.threads)
