@@ -2,7 +2,7 @@
 
 The exponential race (argmax of p / q, q ~ Exp(1) per column) needs one random number and one
 logarithm per vocabulary column: on CPU, for a large vocabulary, as much as a batch-1 decode step
-(bench/RESULTS.md, "Sampled decode").
+(bench/RESULTS.md, "Measured once").
 Inverse CDF needs one uniform per row and two passes over the probabilities, in blocks of columns:
 the blocks' sums (fp32, summed pairwise) and their running sum (float64) pick a block, and only
 that block is summed column by column (float64). The draw is the exact inverse CDF to within ~1e-7
