@@ -20,6 +20,7 @@ from pdserve.engine.coordinator.slo import MeasuredUnits, prefill_step_tokens, p
 from pdserve.engine.units.spec import Layout, UnitSpec
 from pdserve.engine.units.units import Units
 from pdserve.engine.worker.compute import Compute
+from pdserve.engine.worker.memory import return_freed_memory
 from pdserve.engine.worker.startup.warmup import StepShape, slot_count, synthetic_step
 from pdserve.engine.worker.step import StepInput, StepWork
 
@@ -154,6 +155,7 @@ async def measure_units(sched: SchedulerConfig, layout: Layout, units: Units, vo
         kept = [await profile_unit(profile, sched, layout.max_model_len, vocab_size, alike) for profile in profiles]
         if store is not None:
             store.save(kept)
+    return_freed_memory()
     return MeasuredUnits(decode.cost, share and share.decode_own, prefill.cost, share and share.prefill_own,
                          decode.own_timing(one_row_shape(sched, layout.max_model_len)),
                          prefill.own_timing(typical_prompt_shape(sched, layout.max_model_len)))

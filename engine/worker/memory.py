@@ -85,3 +85,17 @@ def keep_freed_memory_in_process() -> bool:
                     and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS, once (glibc's `malloc_trim`): the start-up profile's largest
+    steps (a full decode batch's logits among them) leave tens of MB free, which `keep_freed_memory_in_process`
+    would hold for the process's life. Serving steps take what they need again. False where not glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(name) and bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
