@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.engine.args import add_engine_args, engine_config_from_args
 from pdserve.engine.coordinator import profile_store
-from pdserve.engine.coordinator.profile import PROBES
+from pdserve.engine.coordinator.profile import DRIFT_PROBE_ROWS, PROBES
 from pdserve.engine.coordinator.profile_store import DRIFT
 from pdserve.engine.engine import Engine
 from tests.models import demo_checkpoint, engine_config
@@ -84,15 +84,15 @@ def test_refresh_another_setup_a_drifted_probe_or_a_damaged_file_measure_again(c
 
 
 def test_a_profile_kept_from_a_busy_machine_is_caught_by_its_largest_lent_step(config, monkeypatch, tmp_path):
-    """A profile taken while other work ran is slowest where threads contend: its lent full-batch decode step (not
-    its first, one-row step) shows it, and the next start measures again."""
+    """A profile taken while other work ran is slowest where threads contend: its largest lent decode step checked
+    (not its first, one-row step) shows it, and the next start measures again."""
     monkeypatch.setattr(profile_store, "DRIFT", 1e3)
     first, measured = started(config, monkeypatch, tmp_path)
     first.close()
     [kept] = (tmp_path / "profiles").iterdir()
     data = json.loads(kept.read_text())
     lent = data["profiles"][2]                               # the decode unit on lent threads
-    heaviest = max((e for e in lent if e[0] == "decode"), key=lambda e: (e[1], -e[3]))
+    heaviest = max((e for e in lent if e[0] == "decode" and e[1] <= DRIFT_PROBE_ROWS), key=lambda e: (e[1], -e[3]))
     heaviest[-1] *= 1e4
     kept.write_text(json.dumps(data))
     again = started(config, monkeypatch, tmp_path)[1]
@@ -135,3 +135,13 @@ def test_the_command_line_spells_on_refresh_and_off():
                                 (["--no-startup-profile", *slos], (False, False))):
         sched = engine_config_from_args(parser.parse_args(argv)).scheduler
         assert (sched.startup_profile, sched.refresh_profile) == (on, refresh), argv
+
+
+def test_the_drift_check_runs_no_decode_batch_past_its_row_cap():
+    """A full batch's logits and activations were most of a lightly loaded server's peak memory (a restart's
+    check ran a 256-row step): the check takes the heaviest decode step of at most DRIFT_PROBE_ROWS rows."""
+    from pdserve.engine.coordinator.profile import _probes
+
+    own = [["decode", 1, 1, 64, 1, 0, 0.01], ["decode", 256, 256, 64, 1, 0, 0.2]]
+    lent = [["decode", rows, rows, 64, 2, 0, 0.001 * rows] for rows in (1, 8, DRIFT_PROBE_ROWS, 4 * DRIFT_PROBE_ROWS)]
+    assert _probes([own, lent]) == [(0, own[0]), (1, lent[2])]

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 PROBES = 3                   # runs of each probe step a kept profile is checked with (their median)
 MESSAGE_TOKENS = 16384       # prompt tokens one profile step's rows carry at most: a step's message to a worker
 #                              process (~4.5 bytes a token) stays within a socket buffer
+DRIFT_PROBE_ROWS = 64        # the largest decode batch a kept profile is checked with (see `_probes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +186,12 @@ async def _drifted(profiles: list[UnitProfile], kept: list[list[list]], vocab_si
 
 
 def _probes(kept: list[list[list]]) -> list[tuple[int, list]]:
-    """(profile index, kept entry) of the steps `_drifted` runs again."""
+    """(profile index, kept entry) of the steps `_drifted` runs again: the first, and the heaviest decode step of
+    at most `DRIFT_PROBE_ROWS` rows (a full batch's logits and activations were most of a lightly loaded
+    server's peak memory, for a check that a smaller contended step makes as well)."""
     first = (0, kept[0][0])
-    decodes = [(i, entry) for i, observed in enumerate(kept) for entry in observed if entry[0] == "decode"]
+    decodes = [(i, entry) for i, observed in enumerate(kept) for entry in observed
+               if entry[0] == "decode" and entry[1] <= DRIFT_PROBE_ROWS]
     if not decodes:
         return [first]
     heaviest = max(decodes, key=lambda item: (item[1][4] or 0, item[1][1], -item[1][3]))
