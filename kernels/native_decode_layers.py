@@ -200,6 +200,7 @@ class Head:
     norm: torch.Tensor
     projection: Projection
     _words: dict[bool, torch.Tensor] = field(default_factory=dict)
+    _serves: dict[tuple[int, int], bool] = field(default_factory=dict)     # (rows, threads) ->
 
     @classmethod
     def build(cls, norm: torch.Tensor, projection: Projection, layers: DecodeLayers) -> Head | None:
@@ -223,8 +224,12 @@ class Head:
 
     def serves(self, rows: int) -> bool:
         """Whether the head of a step of `rows` rows runs the kernel the per-op path would (the same logits)."""
-        p = self.projection
-        return p.blocks_serve(rows) or _native_linear_takes(p, rows)
+        key = (rows, torch.get_num_threads())
+        served = self._serves.get(key)
+        if served is None:
+            p = self.projection
+            served = self._serves[key] = p.blocks_serve(rows) or _native_linear_takes(p, rows)
+        return served
 
     def words(self, rows: int) -> torch.Tensor:
         blocks = self.projection.blocks_serve(rows)
