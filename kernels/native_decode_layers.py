@@ -176,19 +176,23 @@ def _int8(layers: list[LayerTensors]) -> list[KernelWeight]:
 
 
 def _supported(layers: list[LayerTensors], num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    dtype = layers[0].input_norm.dtype
-    dense = [t for layer in layers for t in (layer.input_norm, layer.post_norm,
-                                             *(x for p in layer.projections for x in (p.weight, p.bias)))
-             if t is not None]
-    packed = _int8(layers)
-    blocks = [p.packed for layer in layers for p in layer.projections if isinstance(p.packed, GGUFMatrix)]
+    norms = [t for layer in layers for t in (layer.input_norm, layer.post_norm)]
+    return (_runs_native(norms, [p for layer in layers for p in layer.projections], layers[0].input_norm.dtype)
+            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP)
+
+
+def _runs_native(norms: list[torch.Tensor], projections: list[Projection], dtype: torch.dtype) -> bool:
+    """Whether the native step takes these norms and projections in `dtype`: dense tensors contiguous on the CPU
+    in it, int8 blocks of a format quant_linear.c has, GGUF blocks on the CPU of types gguf_linear.cpp has."""
+    dense = [t for t in (*norms, *(x for p in projections for x in (p.weight, p.bias))) if t is not None]
+    packed = [p.packed for p in projections if isinstance(p.packed, KernelWeight)]
+    blocks = [p.packed for p in projections if isinstance(p.packed, GGUFMatrix)]
     return (dtype in NATIVE_DTYPES and all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense)
             and all(quant_supports(p.format, p.shape[1], dtype) for p in packed)
             and (not packed or quant_available())
             and all(gguf_supports(m, dtype) and m.segments[0].data.is_cpu for m in blocks)
-            and (not blocks or gguf_available())
-            and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUP)
+            and (not blocks or gguf_available()))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -205,16 +209,8 @@ class Head:
     @classmethod
     def build(cls, norm: torch.Tensor, projection: Projection, layers: DecodeLayers) -> Head | None:
         """None where the native step over `layers` cannot run this head (the per-op path keeps it)."""
-        dtype = layers.dtype
-        p, packed = projection, projection.packed
-        dense = [t for t in (norm, p.weight, p.bias) if t is not None]
-        if not all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in dense):
-            return None
-        if isinstance(packed, GGUFMatrix):
-            served = gguf_supports(packed, dtype) and packed.segments[0].data.is_cpu and gguf_available()
-        else:
-            served = packed is None or (quant_supports(packed.format, packed.shape[1], dtype)
-                                        and layers.quant_linear is not None)   # NOTE: its address comes with them
+        no_entry = isinstance(projection.packed, KernelWeight) and layers.quant_linear is None   # NOTE: int8's
+        served = _runs_native([norm], [projection], layers.dtype) and not no_entry    # entry comes with the layers
         return cls(norm, projection) if served else None
 
     @property
