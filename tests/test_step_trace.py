@@ -36,6 +36,11 @@ def test_the_trace_holds_every_step_and_the_work_it_did(tmp_path, monkeypatch):
     assert {s["unit"] for s in prefill} == {"prefill"} and len(by_unit) == 2
     assert sum(s["prefill_tokens"] for s in prefill) == sum(lengths)          # every prompt token, once
     assert sum(s["decode_rows"] for s in steps) == len(lengths) * (NEW_TOKENS - 1)   # the first token: prefill's
+    # the counts a step's cost is fitted to: a prompt's chunks read n(n+1)/2 pairs in all, however it was cut; a
+    # decode row at position p reads p + 1 tokens (positions n .. n + NEW_TOKENS - 2 for a prompt of n)
+    assert sum(s["prefill_pairs"] for s in steps) == sum(n * (n + 1) // 2 for n in lengths)
+    assert all((s["prompt_chunks"] > 0) == (s["prefill_tokens"] > 0) for s in steps)
+    assert sum(s["decode_context"] for s in steps) == sum(p + 1 for n in lengths for p in range(n, n + NEW_TOKENS - 1))
     for unit_steps in by_unit.values():
         assert [s["step"] for s in unit_steps] == sorted(s["step"] for s in unit_steps)
         assert all(s["launched"] <= s["done"] and s["seconds"] > 0 for s in unit_steps)

@@ -201,10 +201,8 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
         if step.batch.sequences():
             self.observe_step(step.batch, outcome.seconds, outcome.threads)
         if self.trace is not None:
-            batch = step.batch
-            self.trace.step(self.unit_name, step.step_id, step.started, outcome.seconds, outcome.threads,
-                            len(batch.decode), len(batch.verify), batch.chunk_tokens,
-                            batch.num_drafts)
+            self.trace.step(self.unit_name, step.step_id, step.started, self.clock(), outcome.seconds,
+                            outcome.threads, step.batch)
         if outcome.mask_seconds:
             self.mask_seconds.append(outcome.mask_seconds)
         self.end_faulted(step.batch, outcome.result.faults)

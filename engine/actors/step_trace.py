@@ -1,20 +1,21 @@
 """`PDSERVE_STEP_TRACE=FILE`: one JSON line per finished step of every actor, for finding where time goes.
 
-Each line: the unit, the step's id, when it was launched and finished (time.monotonic(), seconds), its compute
-seconds and CPU threads, its decode and verify rows, the draft tokens it verified, and its prefill chunk tokens.
-Steps are what the planner's cost models learn from, so a trace shows what they saw: which thread count each step
-ran on (core lending), how large the batches and chunks were, and the host time between steps (the next launch
-minus this finish).
+Each line: the unit, the step's id, when it was launched and finished (the actor's clock: virtual in a simulation,
+so a simulated run's trace reads like a served one's), its compute seconds and CPU threads, and its work in the
+counts a step's cost is fitted to (decode rows and their summed context, prefill chunk tokens and the attention
+pairs they read, verify rows and drafts). Steps are what the planner's cost models learn from, so a trace shows
+what they saw: which thread count each step ran on (core lending), how large the batches and chunks were, and the
+host time between steps (the next launch minus this finish).
 Unset (the default), nothing is written and a step pays one attribute test.
 """
 from __future__ import annotations
 
 import threading
-import time
 
 import orjson
 
 from pdserve import env
+from pdserve.engine.core.batch import Batch
 
 
 class StepTrace:
@@ -36,9 +37,12 @@ class StepTrace:
                 cls._opened[path] = cls(path)
             return cls._opened[path]
 
-    def step(self, unit: str, step_id: int, launched: float, seconds: float, threads: int | None,
-             decode_rows: int, verify_rows: int, prefill_tokens: int, draft_tokens: int = 0) -> None:
+    def step(self, unit: str, step_id: int, launched: float, done: float, seconds: float, threads: int | None,
+             batch: Batch) -> None:
         self._file.write(orjson.dumps({
-            "unit": unit, "step": step_id, "launched": round(launched, 6), "done": round(time.monotonic(), 6),
-            "seconds": round(seconds, 6), "threads": threads, "decode_rows": decode_rows,
-            "verify_rows": verify_rows, "draft_tokens": draft_tokens, "prefill_tokens": prefill_tokens}) + b"\n")
+            "unit": unit, "step": step_id, "launched": round(launched, 6), "done": round(done, 6),
+            "seconds": round(seconds, 6), "threads": threads, "decode_rows": len(batch.decode),
+            "decode_context": sum(batch.decode_positions) + len(batch.decode_positions),
+            "verify_rows": len(batch.verify), "draft_tokens": batch.num_drafts,
+            "prefill_tokens": batch.chunk_tokens, "prompt_chunks": len(batch.chunks),
+            "prefill_pairs": sum(chunk.pairs for chunk in batch.chunks)}) + b"\n")
