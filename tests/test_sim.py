@@ -10,6 +10,7 @@ import shlex
 from dataclasses import replace
 
 import pytest
+import torch
 
 from pdserve.bench import loadtest, plan, simulate
 from pdserve.bench.sim_replay import WordIds, send
@@ -18,9 +19,10 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Schedu
 from pdserve.engine.sim.clock import SimulationStalled, run_virtual
 from pdserve.engine.sim.cost import FittedCost, Roofline, StepShape, fit, step_shape
 from pdserve.engine.sim.target import Target, simulated_engine
+from pdserve.engine.sim.units import CoreSet, SimCompute, UnitModel
 from pdserve.engine.sim.hardware import HARDWARE
 from pdserve.engine.sim.shapes import NAMED_SHAPES
-from pdserve.engine.worker.step import ChunkInput, StepInput
+from pdserve.engine.worker.step import ChunkInput, StepInput, StepWork
 from pdserve.server.cli import COMMANDS
 from tests.models import hf_checkpoint
 
@@ -120,6 +122,39 @@ def test_a_fit_prices_a_one_row_decode_step_beside_long_prefill_chunks_within_a_
     one_row = StepShape(decode_rows=1, decode_context=300, sampled=1)
     assert cost.seconds(one_row, threads=2) == pytest.approx(seconds(one_row), rel=0.1)
     assert all(cost.seconds(s, threads=2) == pytest.approx(seconds(s), rel=0.01) for s in shapes[:4])
+
+
+class _SecondsPerThreads:
+    """A cost model whose step takes 1 s on one thread and 0.6 s on two, whatever the step."""
+
+    def seconds(self, shape: StepShape, threads: int | None = None) -> float:
+        return 1.0 if threads == 1 else 0.6
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return 0.0
+
+
+def test_units_that_lend_each_other_cores_step_side_by_side_and_a_lent_step_waits_for_both_cores():
+    """Adaptive mode's prefill and decode units share one core set: a one-thread step of each runs at once (as the
+    served units' threads do), a two-thread step takes both cores, and a unit runs its own steps one at a time."""
+    cores = CoreSet([0.0, 0.0])
+    model = dict(device=torch.device("cpu"), num_blocks=8, block_size=16, eos_token_ids=frozenset(), token_id=1,
+                 cost=_SecondsPerThreads(), cores=cores, links=(), block_bytes=1)
+    prefill, decode = SimCompute(UnitModel(**model)), SimCompute(UnitModel(**model))
+    step = StepInput(decode_rows=(0,), decode_positions=(3,))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = [prefill.submit(StepWork(step, threads=1)), decode.submit(StepWork(step, threads=1))]
+        own = decode.submit(StepWork(step, threads=1))          # the decode unit's next step: after its first
+        lent = prefill.submit(StepWork(step, threads=2))        # both cores: after every step above
+        ends = []
+        for future in (*first, own, lent):
+            await future
+            ends.append(loop.time())
+        return ends
+
+    assert run_virtual(main()) == pytest.approx([1.0, 1.0, 2.0, 2.6])
 
 
 def _config(mode: str, prefill="cuda:0", decode="cuda:1", **scheduler) -> EngineConfig:

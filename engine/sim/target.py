@@ -11,7 +11,7 @@ from pdserve.engine.config import DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine, Machine
 from pdserve.engine.served import ServedModel
 from pdserve.engine.sim.hardware import Hardware
-from pdserve.engine.sim.units import SimCompute, Timeline, UnitModel
+from pdserve.engine.sim.units import CoreSet, SimCompute, Timeline, UnitModel
 from pdserve.engine.units.pools import blocks_within
 from pdserve.engine.units.spec import Layout, parse_devices
 from pdserve.engine.units.units import Units
@@ -73,19 +73,20 @@ def block_bytes(target: Target, block_size: int) -> int:
 
 def _loader(target: Target):
     def load(config: EngineConfig, model_config: ModelConfig, layout: Layout, eos: frozenset[int]) -> Units:
-        """One SimCompute per unit; units on one device (or one CPU core set) share its timeline, and each prefill
+        """One SimCompute per unit; units on one device (or one CPU core set) share its cores, and each prefill
         unit has a link of its own to every unit that decodes."""
         blocks = target.num_blocks or named_pool_blocks(config, layout, target)
         token = next(t for t in range(model_config.vocab_size) if t not in eos)
         costs = target.cost if isinstance(target.cost, tuple) else (target.cost,) * len(blocks)
-        timelines: dict[tuple, Timeline] = {}
+        core_sets: dict[tuple, CoreSet] = {}
         size, per_block, links = config.cache.block_size, block_bytes(target, config.cache.block_size), \
             len(layout.decoding)
         computes = []
         for spec, n, cost in zip(layout.units, blocks, costs):
             device = torch.device(spec.device)
-            compute = timelines.setdefault((str(device), spec.cores if device.type == "cpu" else ()), Timeline())
-            computes.append(SimCompute(UnitModel(device, n, size, eos, token, cost, compute,
+            cores = spec.cores if device.type == "cpu" else ()
+            shared = core_sets.setdefault((str(device), cores), CoreSet([0.0] * max(len(cores), 1)))
+            computes.append(SimCompute(UnitModel(device, n, size, eos, token, cost, shared,
                                                  tuple(Timeline() for _ in range(0 if spec.decodes else links)),
                                                  per_block, layout.own_threads(spec))))
         return Units(layout.units, tuple(computes))

@@ -24,6 +24,23 @@ class Timeline:
         return self.free_at
 
 
+@dataclass(slots=True)
+class CoreSet:
+    """The cores of a core set (one entry for a GPU), each free at its own time: units that lend each other
+    their cores share one, so two one-thread steps run side by side and a two-thread step waits for both."""
+
+    free_at: list[float]
+
+    def book(self, now: float, seconds: float, threads: int, after: float = 0.0) -> float:
+        """Run `seconds` on the `threads` cores free soonest, once they all are and not before `after`."""
+        count = min(max(threads, 1), len(self.free_at))
+        chosen = sorted(range(len(self.free_at)), key=self.free_at.__getitem__)[:count]
+        end = max(now, after, *(self.free_at[i] for i in chosen)) + seconds
+        for i in chosen:
+            self.free_at[i] = end
+        return end
+
+
 class SimHandle:
     """A simulated KV copy: done once the clock passes its end."""
 
@@ -49,7 +66,7 @@ class UnitModel:
     eos_token_ids: frozenset[int]
     token_id: int
     cost: object                     # cost.Roofline or cost.FittedCost
-    compute: Timeline
+    cores: CoreSet                   # shared with the units on the same device or core set
     links: tuple[Timeline, ...]      # one per decode unit a prefill unit copies to (KVCopy.peer)
     block_bytes: int
     threads: int = 1
@@ -66,6 +83,7 @@ class SimCompute:
         self.state_slots = None                  # NOTE: simulated steps keep no state
         self.eos_token_ids = model.eos_token_ids
         self.steps: list[tuple[float, float]] = []     # (start, seconds) of every step, for the report
+        self.busy_until = 0.0                          # one step at a time, as a unit's compute thread runs them
 
     def submit(self, work: StepWork) -> asyncio.Future:
         loop, m = asyncio.get_running_loop(), self.model
@@ -74,7 +92,7 @@ class SimCompute:
         synchronous = getattr(m.cost, "synchronous_copies", False)
         copy_seconds = [m.cost.transfer_seconds(len(c.src_blocks) * m.block_bytes) for c in work.copies]
         seconds += sum(copy_seconds) if synchronous else 0.0
-        end = m.compute.book(loop.time(), seconds)
+        end = self.busy_until = m.cores.book(loop.time(), seconds, threads, after=self.busy_until)
         self.steps.append((end - seconds, seconds))
         copies = tuple((c.key, self._copy(loop, c, end, s, synchronous)) for c, s in zip(work.copies, copy_seconds))
         token = m.token_id
