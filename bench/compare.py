@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pdserve import env
 from pdserve.bench import loadtest
 from pdserve.bench.compare_report import evaluate_targets, render_report, roles_plot_path, write_report
 from pdserve.bench.documents import arguments_dict, machine_description, write_json
@@ -57,6 +58,17 @@ OUT_DIR = REPO / "bench" / "out"  # ignored by git: a run's report, JSON, plots 
 RESULTS_PAGE = REPO / "bench" / "RESULTS.md"  # the hand-kept results page, never written here
 
 
+def _step_trace(spec: ServerSpec, args: argparse.Namespace, log_dir: Path) -> dict[str, str]:
+    """With --step-trace, a pdserve server writes a line per step (PDSERVE_STEP_TRACE) to LOG_DIR/NAME.steps.jsonl,
+    started empty (another server ignores the variable)."""
+    if not args.step_trace:
+        return {}
+    path = log_dir / f"{spec.name}.steps.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return {env.STEP_TRACE: str(path)}
+
+
 def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Options,
                log_dir: Path) -> ServerOutcome:
     """Start `spec`, benchmark it, stop it; every failure becomes the outcome's error."""
@@ -67,7 +79,8 @@ def run_server(spec: ServerSpec, args: argparse.Namespace, options: loadtest.Opt
         return ServerOutcome(spec, command, error=spec.unavailable)
     print(f"--- {spec.title}: {command}", file=sys.stderr)
     started = time.monotonic()
-    with ManagedServer(argv, log_dir / f"{spec.name}.log", spec.env, args.stop_grace) as server:
+    with ManagedServer(argv, log_dir / f"{spec.name}.log", spec.env | _step_trace(spec, args, log_dir),
+                       args.stop_grace) as server:
         base_url = f"http://127.0.0.1:{port}"
         try:
             model = server.wait_ready(base_url, args.server_timeout)
@@ -136,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role-interval", type=float, default=0.25,
                         help="seconds between two reads of a server's /metrics for its role timeline")
     parser.add_argument("--log-dir", default=str(OUT_DIR / "logs"), help="one server log per server")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="each pdserve server writes one line per step to LOG_DIR/NAME.steps.jsonl "
+                             "(PDSERVE_STEP_TRACE: unit, threads, work, compute seconds; for finding where time goes)")
     parser.add_argument("--section", default=None,
                         help="name of this run: the report's title and the default file names (e.g. one per "
                              "workload; default: 'default', 'prefix-caching' with --prefix-caching-ab)")

@@ -5,6 +5,8 @@
 #
 #   MODEL=smollm2 MODE=adaptive OUT=bench/out/validate bash bench/validate_simulation.sh [LOAD ...]
 #
+# Each engine's steps go to $OUT/steps_{served,simulated}_LOAD.jsonl (PDSERVE_STEP_TRACE: the same line per step,
+# virtual times in the simulated one), to see where a prediction parts from the run.
 # LOADs: saturated long30 long10 multiturn (default: all four). EXTRA: flags added to every bench and simulate
 # (e.g. EXTRA="--num-prompts 8" for a quick try); SERVE_EXTRA: flags added to serve and simulate (engine options).
 set -euo pipefail
@@ -25,7 +27,8 @@ declare -A LOAD=(
 for name in "${@:-saturated long30 long10 multiturn}"; do
   for load in $name; do
     flags="${LOAD[$load]} --tokenizer $TOKENIZER --num-warmups 2 --seed 0 --slo $SLO ${EXTRA:-}"
-    $PDSERVE serve --model "$MODEL" --mode "$MODE" --port "$PORT" ${SERVE_EXTRA:-} > "$OUT/serve_$load.log" 2>&1 &
+    rm -f "$OUT/steps_served_$load.jsonl" "$OUT/steps_simulated_$load.jsonl"
+    PDSERVE_STEP_TRACE="$OUT/steps_served_$load.jsonl" $PDSERVE serve --model "$MODEL" --mode "$MODE" --port "$PORT" ${SERVE_EXTRA:-} > "$OUT/serve_$load.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null || true' EXIT
     until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
@@ -34,7 +37,7 @@ for name in "${@:-saturated long30 long10 multiturn}"; do
     done
     $PDSERVE bench --base-url "http://127.0.0.1:$PORT" --disable-tqdm $flags --result-json "$OUT/bench_$load.json"
     kill $server; wait $server || true
-    $PDSERVE simulate --hardware measured --model "$MODEL" --mode "$MODE" ${SERVE_EXTRA:-} \
+    PDSERVE_STEP_TRACE="$OUT/steps_simulated_$load.jsonl" $PDSERVE simulate --hardware measured --model "$MODEL" --mode "$MODE" ${SERVE_EXTRA:-} \
       --profile-json "$OUT/profile_$MODE.json" $flags --result-json "$OUT/sim_$load.json" \
       --compare "$OUT/bench_$load.json" | tee "$OUT/compare_$load.txt" | sed -n '/^predicted/,$p'
   done

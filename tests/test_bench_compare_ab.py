@@ -117,3 +117,12 @@ def test_ab_run_on_the_multiturn_workload(tmp_path):
     assert compare.run_comparison([on, off], args, options, "MODEL", "python -m pdserve.bench.compare --ab") == 0
     verdict = json.loads((tmp_path / "ab.json").read_text())["targets"][AB_TARGET]
     assert " vs " in verdict and verdict.endswith("met")
+
+
+def test_step_trace_gives_each_server_its_own_fresh_trace_file(tmp_path):
+    spec = servers.ServerSpec("prefix-caching-off", "pdserve prefix-caching-off", ("pdserve", "serve"))
+    old = tmp_path / "prefix-caching-off.steps.jsonl"
+    old.write_text('{"step": 1}\n')                          # a trace of an earlier run
+    traced = compare.parse_args(["--step-trace"])
+    assert compare._step_trace(spec, traced, tmp_path) == {"PDSERVE_STEP_TRACE": str(old)} and not old.exists()
+    assert compare._step_trace(spec, compare.parse_args([]), tmp_path) == {}
