@@ -479,6 +479,18 @@ def test_with_every_gap_counted_a_chunk_keeps_the_margin_its_fits_recent_errors_
     assert attention_cost().overrun(None) == pytest.approx(1.0, abs=0.01)      # a fit that holds: no margin
 
 
+def test_a_prefill_step_that_ran_past_its_prediction_sets_the_margin_before_any_step_decodes_beside_one():
+    """A chunk sized to every gap's bound must keep the margin the lagging cores showed on the prompts prefilled
+    alone, before the first step that decodes beside a chunk overruns (and misses the bound)."""
+    cost = StepCostModel()
+    for step in range(40):
+        tokens = (16, 64, 256)[step % 3]
+        cost.observe(None, 0, tokens, (0.02 + 0.0005 * tokens) * (1.25 if step >= 30 else 1.0))
+    for step in range(10):
+        cost.observe(None, 1 + step % 4, 0, 0.02 + 0.001 * (1 + step % 4))
+    assert 1.1 < cost.overrun(None) < 1.3
+
+
 def test_a_prompts_attention_pairs_are_the_same_however_it_is_chunked():
     """What the planner's fitting plan rests on: chunking moves a prompt's attention work between steps, it does
     not change it."""
@@ -535,3 +547,6 @@ def test_one_slow_lent_step_does_not_decide_every_lending_after_it():
     assert planner.lend(cost, 1, 2, 0, 512, 0, partner_slo=10.0)         # so lending is tried again
     cost.observe(2, 0, 512, 0.55)                                        # as fast as lent prompt steps are
     assert cost.covers(2, 0, 512) and planner.lend(cost, 1, 2, 0, 512, 0, partner_slo=10.0)
+    served = StepCostModel()
+    served.learn_from(cost)          # a start-up profile's errors were against its own half-grown fit: not kept
+    assert served.overrun(None) == 1.0 and served.predict(None, 0, 64) == cost.predict(None, 0, 64)

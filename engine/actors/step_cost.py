@@ -41,14 +41,14 @@ class StepCostModel:
     _observed: int = 0                                                    # steps observed, every thread count
     _last_observed: dict[int | None, int] = field(default_factory=dict)   # threads -> _observed at its latest
     _recent_shapes: dict[int | None, deque] = field(default_factory=dict)  # threads -> (rows, tokens) it remembers
-    _overruns: dict[int | None, deque] = field(default_factory=dict)      # threads -> measured / predicted, mixed steps
+    _overruns: dict[int | None, deque] = field(default_factory=dict)      # threads -> measured / predicted, prefills
 
     def observe(self, threads: int | None, decode_rows: int, prefill_tokens: int, seconds: float,
                 context: int = 0, drafts: int = 0, pairs: int | None = None) -> None:
         """One step's seconds; `pairs` None: its prefill is one prompt's first chunk (see `predict`)."""
         fit = self._fits.setdefault(threads, WeightedFit(FEATURES, self.decay, self.ridge))
         features = _features(decode_rows, prefill_tokens, context, drafts, pairs)
-        if decode_rows and prefill_tokens and fit.observations >= FEATURES:
+        if prefill_tokens and fit.observations >= FEATURES:
             predicted = float(fit.coefficients() @ features)
             if predicted > 0:
                 self._overruns.setdefault(threads, deque(maxlen=math.ceil(self.memory))).append(seconds / predicted)
@@ -62,14 +62,15 @@ class StepCostModel:
 
     def learn_from(self, profile: "StepCostModel") -> None:
         """Start from what `profile` observed (the start-up profile's shapes separate the coefficients, which a
-        few serving steps alone do not); the steps observed after it weigh more as its observations decay."""
+        few serving steps alone do not); the steps observed after it weigh more as its observations decay. Not
+        its overruns: each was measured against the fit of the profile steps before it, half grown, so they say
+        how much the profile had still to learn, not how far a served step runs past a fitted prediction."""
         for threads, fit in profile._fits.items():
             self._fits[threads] = copy.deepcopy(fit)
         self._prefill_steps.update(profile._prefill_steps)
         self._observed = max(self._observed, profile._observed)
         self._last_observed.update(profile._last_observed)
         self._recent_shapes.update({t: copy.copy(shapes) for t, shapes in profile._recent_shapes.items()})
-        self._overruns.update({t: copy.copy(ratios) for t, ratios in profile._overruns.items()})
 
     @property
     def memory(self) -> float:
@@ -138,10 +139,12 @@ class StepCostModel:
         return min(most, int((math.sqrt(linear * linear + 2 * per_pair * room) - linear) / per_pair))
 
     def overrun(self, threads: int | None) -> float:
-        """How far past its prediction a step that decodes and prefills ran, the worst of the latest such steps
-        at `threads` (measured / predicted over the fit's memory; at least 1, and 1 before any): the margin a
-        step sized to a limit no step may pass (an ITL SLO that counts every gap) keeps: the fit predicts the
-        mean step, so a step sized to the limit itself runs past it about as often as not."""
+        """How far past its prediction a step that prefills ran, the worst of the latest such steps at `threads`
+        (measured / predicted over the fit's memory; at least 1, and 1 before any): the margin a step sized to a
+        limit no step may pass (an ITL SLO that counts every gap) keeps: the fit predicts the mean step, so a step
+        sized to the limit itself runs past it about as often as not. Every step that prefills counts, not only
+        those that also decode: a prompt's chunk runs as long past its prediction on cores that lag (a shared
+        VM's second vCPU) whether or not rows decode beside it, and steps alone come first and far more often."""
         return max((1.0, *self._overruns.get(threads, ())))
 
     def seconds_per_prefill_token(self, threads: int | None) -> float | None:
