@@ -41,8 +41,8 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-shape", choices=sorted(NAMED_SHAPES), default=None,
                    help="a published model shape, no weights needed (default: --model's config.json)")
     g.add_argument("--step-overhead-ms", type=float, default=None,
-                   help="fixed host and launch time added to every step (default: 1 ms on named hardware; 0 "
-                        "with measured, whose fits time the model runner only)")
+                   help="fixed host and launch time added to every step (default: 1 ms on named hardware; with "
+                        "measured, each unit's hand-off from its compute thread to the loop, timed with its profile)")
     g.add_argument("--profile-json", default=None,
                    help="measured: read the fitted step costs from this file if it exists, else measure and "
                         "write them there")
@@ -75,15 +75,15 @@ def target_from_args(args: argparse.Namespace, config: EngineConfig) -> Target:
     """The simulated units' shape and cost model; raises ValueError naming the option."""
     measured = args.hardware == MEASURED
     overhead_ms = args.step_overhead_ms if args.step_overhead_ms is not None else \
-        0.0 if measured else DEFAULT_STEP_OVERHEAD_S * 1e3
-    if overhead_ms < 0:
+        None if measured else DEFAULT_STEP_OVERHEAD_S * 1e3
+    if overhead_ms is not None and overhead_ms < 0:
         raise ValueError("--step-overhead-ms must be non-negative")
     if measured:
         from pdserve.engine.sim.profile import measured_target
 
         if args.model_shape:
             raise ValueError("--hardware measured profiles the real model: give --model, not --model-shape")
-        return measured_target(config, args.profile_json, overhead_ms / 1e3)
+        return measured_target(config, args.profile_json, None if overhead_ms is None else overhead_ms / 1e3)
     shape = model_shape(args.model_shape, config.model)
     hardware = HARDWARE[args.hardware]
     return Target(shape, Roofline(shape, hardware, overhead=overhead_ms / 1e3), hardware)

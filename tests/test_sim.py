@@ -346,6 +346,10 @@ def test_measured_hardware_profiles_the_real_units_and_reuses_the_profile(tiny_m
     units = json.loads(profile.read_text())["units"]
     assert [u["role"] for u in units] == ["colocated"] and units[0]["num_blocks"] > 0
     assert all(c >= 0 for fits in units[0]["cost"]["coefficients"].values() for c in fits)
+    assert units[0]["step_overhead"] > 0                   # a step's result reaches the loop after its compute
+    for extra, overhead in (([], units[0]["step_overhead"]), (["--step-overhead-ms", "2"], 0.002)):
+        args = parser.parse_args(argv + extra)                 # each step pays the measured hand-off, or the one given
+        assert simulate.target_from_args(args, simulate.engine_config_from_args(args)).cost[0].overhead == overhead
     first = json.loads(bench.read_text())["requests"]
     assert simulate.run(parser.parse_args(argv + ["--compare", str(bench)])) == 0      # read back, not measured
     assert "| request_throughput |" in capsys.readouterr().out

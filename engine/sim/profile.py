@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 REPEATS = 3                      # the median of three runs of each step: one preempted run does not count
 
 
-def measured_target(config: EngineConfig, profile_json: str | None = None, overhead: float = 0.0) -> Target:
+def measured_target(config: EngineConfig, profile_json: str | None = None, overhead: float | None = None) -> Target:
     """The Target of this machine's units for `config`: read from `profile_json` when that file exists (and
-    was written for the same setup), else measured now (and written there when a path is given); `overhead`
-    seconds are added to every step."""
+    was written for the same setup), else measured now (and written there when a path is given). Every step
+    costs `overhead` seconds more; None: each unit's measured hand-off (`step_overhead`)."""
     if config.workers != "thread":
         raise ValueError("--hardware measured profiles thread units: drop --workers process (a worker process "
                          "steps the same model runner; its pipe adds a little per step)")
@@ -55,7 +55,9 @@ def measured_target(config: EngineConfig, profile_json: str | None = None, overh
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(data, indent=1) + "\n")
-    costs = tuple(replace(FittedCost.from_json(unit["cost"]), overhead=overhead) for unit in data["units"])
+    costs = tuple(replace(FittedCost.from_json(unit["cost"]),
+                          overhead=unit.get("step_overhead", 0.0) if overhead is None else overhead)
+                  for unit in data["units"])
     shape = replace(served.config, eos_token_ids=tuple(sorted(served.eos_token_ids)))
     return Target(shape, costs, machine=machine, num_blocks=tuple(unit["num_blocks"] for unit in data["units"]),
                   dtype_bytes=layout.dtype.itemsize)
@@ -69,18 +71,22 @@ def setup(config: EngineConfig, model_dir: Path, layout: Layout) -> str:
 
 
 def profile_units(config: EngineConfig, layout: Layout, units: Units) -> list[dict]:
-    """Each unit (prefill units first): its pool's blocks and its fitted cost, one fit per thread count."""
+    """Each unit (prefill units first): its pool's blocks, its fitted cost (one fit per thread count) and its
+    `step_overhead`: the median seconds a step's result took to reach the loop beyond the step's own (the compute
+    thread's hand-off), which a served step pays and the fits leave out."""
     bandwidth = copy_bandwidth(units)
     measured = []
     for spec, unit in zip(units.specs, units.computes):
         counts = spec.thread_counts if unit.device.type == "cpu" else (0,)
-        fits = {}
+        fits, handoffs = {}, []
         for threads in counts:
-            samples = asyncio.run(_time_grid(unit, config, layout.max_model_len, spec.warmup_role, threads or None))
+            samples = asyncio.run(_time_grid(unit, config, layout.max_model_len, spec.warmup_role, threads or None,
+                                             handoffs))
             fits[threads] = fit(samples)
             logger.info("measured %s at %s threads: %s", unit.device, threads, fits[threads])
         cost = FittedCost(fits, bandwidth, synchronous_copies=unit.device.type == "cpu")
-        measured.append({"role": spec.warmup_role, "num_blocks": unit.num_blocks, "cost": cost.to_json()})
+        measured.append({"role": spec.warmup_role, "num_blocks": unit.num_blocks, "cost": cost.to_json(),
+                         "step_overhead": statistics.median(handoffs)})
     return measured
 
 
@@ -105,21 +111,26 @@ def grid(role: str, max_num_seqs: int, max_prefill_tokens: int, max_model_len: i
     return shapes
 
 
-async def _time_grid(unit, config: EngineConfig, max_model_len: int, role: str,
-                     threads: int | None) -> list[tuple[StepShape, float]]:
+async def _time_grid(unit, config: EngineConfig, max_model_len: int, role: str, threads: int | None,
+                     handoffs: list[float]) -> list[tuple[StepShape, float]]:
+    """(shape, median seconds) of each grid step; each timed run's hand-off goes to `handoffs`."""
     sched, rng = config.scheduler, random.Random(0)
     samples = []
     for synthetic in grid(role, sched.max_num_seqs, sched.max_prefill_tokens, max_model_len):
         step = synthetic_step(synthetic, _vocab(unit), unit.block_size, unit.num_blocks, rng)
-        seconds = [await _run(unit, step, threads) for _ in range(REPEATS + 1)][1:]    # the first one warms up
-        samples.append((step_shape(step), statistics.median(seconds)))
+        runs = [await _run(unit, step, threads) for _ in range(REPEATS + 1)][1:]    # the first one warms up
+        samples.append((step_shape(step), statistics.median(seconds for seconds, _ in runs)))
+        handoffs.extend(handoff for _, handoff in runs)
     return samples
 
 
-async def _run(unit, step: StepInput, threads: int | None) -> float:
+async def _run(unit, step: StepInput, threads: int | None) -> tuple[float, float]:
+    """The step's seconds, and how much longer its result took to reach the loop."""
+    started = time.perf_counter()
     outcome = await unit.submit(StepWork(step, threads=threads))
+    handoff = max(time.perf_counter() - started - outcome.seconds, 0.0)
     await unit.submit(StepWork(StepInput(freed_rows=tuple(new.row for new in step.new_rows)), threads=threads))
-    return outcome.seconds
+    return outcome.seconds, handoff
 
 
 def _vocab(unit) -> int:
