@@ -45,4 +45,4 @@ class StepTrace:
             "decode_context": sum(batch.decode_positions) + len(batch.decode_positions),
             "verify_rows": len(batch.verify), "draft_tokens": batch.num_drafts,
             "prefill_tokens": batch.chunk_tokens, "prompt_chunks": len(batch.chunks),
-            "prefill_pairs": sum(chunk.pairs for chunk in batch.chunks)}) + b"\n")
+            "prefill_pairs": batch.chunk_pairs}) + b"\n")

@@ -73,17 +73,11 @@ def keep_freed_memory_in_process() -> bool:
     defaults each one is a fresh mmap whose pages fault in again on every step, which
     cost a large share of a CPU decode step (bench/RESULTS.md, "Measured once"). Returns False where not glibc.
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
+    libc = _glibc()
     try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
                     and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
 
 
@@ -91,11 +85,20 @@ def return_freed_memory() -> bool:
     """Give the heap's free pages back to the OS, once (glibc's `malloc_trim`): the start-up profile's largest
     steps (a full decode batch's logits among them) leave tens of MB free, which `keep_freed_memory_in_process`
     would hold for the process's life. Serving steps take what they need again. False where not glibc."""
+    libc = _glibc()
+    try:
+        return bool(libc and libc.malloc_trim(0))
+    except AttributeError:
+        return False
+
+
+def _glibc():
+    """The C library, or None where it cannot be loaded."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        return bool(name) and bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
