@@ -171,7 +171,8 @@ class Generation:
         self.metrics.observe_finished(choice.finish_reason, choice.num_prompt_tokens, choice.num_output_tokens,
                                       now - self.start, mean_itl)
         if self.engine.slos is not None:
-            self.metrics.observe_slos(self.engine.slos, choice.finish_reason, ttft, mean_itl)
+            self.metrics.observe_slos(self.engine.slos, choice.finish_reason, choice.num_prompt_tokens, ttft,
+                                      mean_itl)
 
     def _latencies(self, choice: Choice) -> tuple[float | None, float | None]:
         """(TTFT, mean inter-token latency) of a finished choice; None where it has no such interval."""

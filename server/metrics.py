@@ -204,15 +204,17 @@ class Metrics:
         self.e2e.observe(e2e)
         self.vllm.observe_finished(finish_reason, prompt_tokens, output_tokens, e2e, mean_itl)
 
-    def observe_slos(self, slos: Slos, finish_reason: str, ttft: float | None, itl: float | None) -> None:
-        """Judge one finished request (`ttft` None: no token came; `itl` None: fewer than two tokens, met)."""
+    def observe_slos(self, slos: Slos, finish_reason: str, prompt_tokens: int, ttft: float | None,
+                     itl: float | None) -> None:
+        """Judge one finished request of `prompt_tokens` (`ttft` None: no token came; `itl` None: fewer than two
+        tokens, met)."""
         self.slo_seconds.labels("ttft").set(slos.ttft)
         self.slo_seconds.labels("itl").set(slos.itl)
         if finish_reason == FinishReason.ABORT.value:
             return
         self.slo_checked.inc()
         ok = finish_reason != FinishReason.ERROR.value
-        ttft_met = ok and ttft is not None and ttft <= slos.ttft
+        ttft_met = ok and ttft is not None and ttft <= slos.ttft_for(prompt_tokens)
         itl_met = ok and (itl is None or itl <= slos.itl)
         for slo, met in (("ttft", ttft_met), ("itl", itl_met), ("both", ttft_met and itl_met)):
             if met:

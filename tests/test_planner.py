@@ -365,6 +365,24 @@ def test_slo_defaults_are_derived_from_the_measured_steps():
         derive_slos(SchedulerConfig(ttft_slo_ms=800), 4096, MeasuredUnits(StepCostModel(), 1, prefill, 1))
 
 
+def test_a_derived_ttft_slo_scales_with_the_prompt_and_a_stated_one_does_not():
+    """A document no idle unit could answer within a chat's derived bound is not counted late whatever the planner
+    does (it traded every stream's gaps for such prompts); a stated SLO is the operator's, one bound for all."""
+    sched = SchedulerConfig(max_num_seqs=16, max_prefill_tokens=512)
+    prefill = linear_cost(0.01, 0.0, 0.002)
+    derived = derive_slos(sched, 4096, MeasuredUnits(decode_cost(), None, prefill, None, one_row_step=0.015,
+                                                     typical_prompt_step=0.5))
+    assert derived.ttft == pytest.approx(1.0) and derived.ttft_tokens == 128
+    assert [derived.ttft_for(n) for n in (1, 128, 512)] == pytest.approx([1.0, 1.0, 4.0])
+    assert "scaled by length past 128 tokens" in derived.describe()
+    stated = derive_slos(SchedulerConfig(ttft_slo_ms=1000, itl_slo_ms=50), 4096, None)
+    assert stated.ttft_for(100_000) == 1.0 and "scaled" not in stated.describe()
+    document = [next(p for p in Planner(slos, max_prefill_tokens=2048).place(
+        1000, 1000, state(), decode_cost(), prefill).candidates if p.action == "remote") for slos in (derived, stated)]
+    assert document[0].first_token == pytest.approx(2.01, rel=0.05)     # past 1 s, within 1000 / 128 s
+    assert (document[0].ttft_misses, document[1].ttft_misses) == (0, 1)
+
+
 def test_the_slos_are_engine_options_and_the_itl_target_is_gone():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

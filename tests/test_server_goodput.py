@@ -6,7 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.engine.coordinator.slo import Slos
 from pdserve.engine.engine import Engine
+from pdserve.server.metrics import Metrics
 from tests.test_server_api import client, engine_config, scrape, serve, wait_until_idle  # noqa: F401  (fixtures)
 
 LOOSE, TIGHT = 60_000.0, 1e-6          # ms: every request meets it / no interval of two tokens can
@@ -74,3 +76,14 @@ async def test_derived_slos_are_the_engines_and_are_exported(serve, tiny_model_d
     assert samples[("pdserve_slo_seconds", (("slo", "itl"),))] == pytest.approx(slos.itl)
     assert samples[("pdserve_requests_slo_checked_total", ())] == 1
     engine.close()
+
+
+def test_a_derived_ttft_slo_judges_each_request_at_its_prompts_length():
+    metrics = Metrics(lambda: None, lambda: [])
+    slos = Slos(ttft=1.0, itl=0.05, ttft_source="derived", ttft_tokens=100)
+    for prompt_tokens in (100, 400):                       # bounds 1 s and 4 s: a 3 s first token meets the second
+        metrics.observe_slos(slos, "length", prompt_tokens, 3.0, 0.01)
+    value = metrics.registry.get_sample_value
+    assert value("pdserve_requests_slo_checked_total") == 2
+    assert value("pdserve_requests_slo_met_total", {"slo": "ttft"}) == 1
+    assert value("pdserve_requests_slo_met_total", {"slo": "both"}) == 1

@@ -9,7 +9,9 @@ profile timed on this machine (`profile.py`; docs/adaptive.md says why each):
   prediction of it, which a fit to a few profile steps can get far wrong.
 - TTFT: twice the first token of a typical chat prompt (a quarter of `--max-prefill-tokens`) on an idle prefill
   unit's own cores (the colocated unit in that mode): the wait a chat user would notice past, not the longest
-  prompt's, under which the planner would have no reason to answer a chat sooner than a long step allows.
+  prompt's, under which the planner would have no reason to answer a chat sooner than a long step allows. A
+  longer prompt's is scaled by its length (`Slos.ttft_for`): a document no idle unit could answer within a chat's
+  bound would count late whatever the planner did, and the planner would trade every stream's gaps for it.
 """
 from __future__ import annotations
 
@@ -31,10 +33,18 @@ class Slos:
     ttft_source: str = "set"         # "set" (the user's option) or how it was derived
     itl_source: str = "set"
     itl_kind: str = "mean"           # the planner's ITL miss: a stream's mean gap, or any one ("max")
+    ttft_tokens: int = 0             # a derived TTFT's prompt length, past which it scales (0: stated, one bound)
+
+    def ttft_for(self, prompt_tokens: int) -> float:
+        """The TTFT SLO of a prompt of `prompt_tokens` tokens."""
+        if not self.ttft_tokens or prompt_tokens <= self.ttft_tokens:
+            return self.ttft
+        return self.ttft * prompt_tokens / self.ttft_tokens
 
     def describe(self) -> str:
         kind = "" if self.itl_kind == "mean" else f", every gap ({self.itl_kind})"
-        return (f"TTFT SLO {self.ttft * 1e3:.1f} ms ({self.ttft_source}), "
+        scaled = f", scaled by length past {self.ttft_tokens} tokens" if self.ttft_tokens else ""
+        return (f"TTFT SLO {self.ttft * 1e3:.1f} ms ({self.ttft_source}{scaled}), "
                 f"ITL SLO {self.itl * 1e3:.1f} ms ({self.itl_source}{kind})")
 
 
@@ -72,6 +82,7 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
     context = profile_context(sched, max_model_len)
     tokens = typical_prompt_tokens(sched, max_model_len)
     itl_source = ttft_source = "set"
+    ttft_tokens = 0
     if itl is None:
         step, why = _knee_step(measured, sched.max_num_seqs, context)
         itl = HEADROOM * step * 1e3
@@ -82,7 +93,8 @@ def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUn
                          "--ttft-slo-ms")
         ttft = HEADROOM * step * 1e3
         ttft_source = f"{HEADROOM:g} x the {step * 1e3:.1f} ms first token of a typical {tokens}-token prompt"
-    return Slos(ttft / 1e3, itl / 1e3, ttft_source, itl_source, sched.itl_slo_kind)
+        ttft_tokens = tokens
+    return Slos(ttft / 1e3, itl / 1e3, ttft_source, itl_source, sched.itl_slo_kind, ttft_tokens)
 
 
 def _knee_step(measured: MeasuredUnits | None, rows: int, context: int) -> tuple[float, str]:

@@ -95,7 +95,8 @@ class Planner:
             candidates.append(self._local(queue, fitting, state, decode, threads, backlog=backlog))
         candidates.append(self._local(queue, chunk_plan(queue, whole, rows, context, decode, threads), state, decode,
                                       threads, backlog=backlog))
-        if state.decode_rows and state.decode_remaining and all(w.waited <= self.slos.ttft for w in queue):
+        if state.decode_rows and state.decode_remaining and \
+                all(w.waited <= self.slos.ttft_for(w.served) for w in queue):
             candidates.append(self._wait(queue, state, decode, threads, backlog))
         return candidates
 
@@ -126,7 +127,7 @@ class Planner:
 
     def _ttft_misses(self, queue: Sequence[Waiting], plan: PrefillPlan, delay: float = 0.0) -> int:
         """The prompts of `queue` whose first token, `plan`'s steps after `delay` seconds, comes past the SLO."""
-        return sum(w.waited + delay + plan.seconds_until(steps) > self.slos.ttft
+        return sum(w.waited + delay + plan.seconds_until(steps) > self.slos.ttft_for(w.served)
                    for w, steps in zip(queue, plan.finished))
 
     def _prefill_only(self, queue: Sequence[Waiting], plan: PrefillPlan, action: str = "prefill") -> Prediction:
@@ -161,7 +162,7 @@ class Planner:
         threads = state.decode_threads if decode.coefficients(state.decode_threads) is not None else \
             state.local_threads             # NOTE: its own cores not measured yet: predicted as it steps now
         step = decode.predict(threads, rows, 0, state.decode_context) if rows else 0.0
-        ttft_misses = int(waited + first_token > self.slos.ttft)
+        ttft_misses = int(waited + first_token > self.slos.ttft_for(length))
         span, served = first_token, length + state.remote_backlog_tokens
         if state.local_queue:
             meanwhile = best(self._local_candidates(state.local_queue, replace(state, prefill_busy=True), decode,
