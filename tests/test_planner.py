@@ -68,7 +68,7 @@ def test_a_new_prompts_first_token_counts_from_its_arrival():
 
 
 def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spent_ones_do_not():
-    planner = Planner(SLOS, max_prefill_tokens=2048)
+    planner = Planner(SLOS, max_prefill_tokens=4096)       # a typical prompt: 1,024 tokens, so the rule decides
     prefill = linear_cost(0.01, 0.0, 0.0009)          # e.g. one core, where the decode unit steps on two
     fresh = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 10)
     decision = planner.place(1000, 1000, fresh, decode_cost(), prefill)
@@ -88,7 +88,7 @@ def test_streams_with_slack_under_their_mean_itl_absorb_a_local_prefill_and_spen
 
 def test_with_itl_slo_kind_max_one_long_step_is_a_miss_whatever_slack_the_streams_mean_has():
     """The case above with every gap counted: the 530 ms step the streams' mean absorbed misses for each of them."""
-    planner = Planner(Slos(ttft=1.0, itl=0.05, itl_kind="max"), max_prefill_tokens=2048)
+    planner = Planner(Slos(ttft=1.0, itl=0.05, itl_kind="max"), max_prefill_tokens=4096)    # a typical prompt
     prefill = linear_cost(0.01, 0.0, 0.0009)
     fresh = LoadState(10, (), 0, decode_remaining=64, streams=(Stream(remaining=64),) * 10)
     decision = planner.place(1000, 1000, fresh, decode_cost(), prefill)
@@ -185,9 +185,28 @@ def test_a_short_prompt_stays_local_when_it_fits_the_itl_slo():
 
 def test_with_nothing_decoding_a_prompt_is_prefilled_locally_at_the_full_budget():
     planner = Planner(SLOS, max_prefill_tokens=512)
-    decision = planner.place(2000, 2000, state(rows=0), decode_cost(), decode_cost())     # two alike units
-    assert decision.local and decision.chosen.chunk == 512          # no stream to stall: a tie, kept here
+    decision = planner.place(128, 128, state(rows=0), decode_cost(), decode_cost())     # two alike units
+    assert decision.local and decision.chosen.chunk == 128          # no stream to stall: a tie, kept here
     assert planner.step_budget(state(rows=0, queue=[Waiting(2000)]), decode_cost()).chosen.chunk == 512
+
+
+def test_a_prompt_longer_than_a_typical_one_goes_to_the_prefill_unit_where_that_adds_no_predicted_miss():
+    """Started here on two threads it would answer sooner, but the decode unit's steps would hold it for the whole
+    prompt, and the prompts that arrive meanwhile are in no prediction (documents at 1 req/s: whole 2,048-token
+    documents in 4.3 s decode steps while the prefill unit idled). Where the prefill unit would miss, it stays."""
+    planner = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)         # a typical prompt: 512 tokens
+    prefill = linear_cost(0.01, 0.0, 0.0009)
+    document = planner.place(1000, 1000, state(rows=0), decode_cost(), prefill)
+    local = next(p for p in document.candidates if p.action == "local")
+    assert local.misses == 0 and local.first_token < document.chosen.first_token      # 0.52 s here, 0.91 there
+    assert not document.local and document.chosen.misses == 0
+    short = planner.place(500, 500, state(rows=0), decode_cost(), prefill)
+    assert short.local                                   # a typical prompt: the earliest first token decides
+    cached = planner.place(100, 1000, state(rows=0), decode_cost(), prefill)
+    assert cached.local                                  # its prefix is cached here: 100 tokens to compute
+    tight = Planner(Slos(ttft=0.7, itl=0.05), max_prefill_tokens=2048).place(1000, 1000, state(rows=0), decode_cost(),
+                                                                             prefill)
+    assert tight.local and tight.chosen.misses == 0      # 0.91 s there: past its SLO
 
 
 def test_the_step_budget_keeps_a_decode_step_within_the_itl_slo_until_ttft_misses_outnumber_the_streams():
