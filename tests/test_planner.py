@@ -190,23 +190,22 @@ def test_with_nothing_decoding_a_prompt_is_prefilled_locally_at_the_full_budget(
     assert planner.step_budget(state(rows=0, queue=[Waiting(2000)]), decode_cost()).chosen.chunk == 512
 
 
-def test_a_prompt_longer_than_a_typical_one_goes_to_the_prefill_unit_where_that_adds_no_predicted_miss():
-    """Started here on two threads it would answer sooner, but the decode unit's steps would hold it for the whole
-    prompt, and the prompts that arrive meanwhile are in no prediction (documents at 1 req/s: whole 2,048-token
-    documents in 4.3 s decode steps while the prefill unit idled). Where the prefill unit would miss, it stays."""
-    planner = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)         # a typical prompt: 512 tokens
-    prefill = linear_cost(0.01, 0.0, 0.0009)
+def test_a_prompt_whose_local_step_outlasts_a_typical_first_token_goes_to_the_prefill_unit_where_no_miss_is_added():
+    """Started here it would answer sooner, but in one decode step longer than a typical prompt's TTFT SLO: every
+    prompt arriving during it, in no prediction, would be late (documents at 1 req/s: whole 2,048-token documents
+    in 4.3 s decode steps while the prefill unit idled). Where the prefill unit would miss, it stays."""
+    slos = Slos(ttft=0.4, itl=0.05, ttft_tokens=500)          # a typical prompt's 0.4 s, scaled past 500 tokens
+    planner, prefill = Planner(slos, max_prefill_tokens=2048), linear_cost(0.01, 0.0, 0.0006)
     document = planner.place(1000, 1000, state(rows=0), decode_cost(), prefill)
     local = next(p for p in document.candidates if p.action == "local")
-    assert local.misses == 0 and local.first_token < document.chosen.first_token      # 0.52 s here, 0.91 there
-    assert not document.local and document.chosen.misses == 0
-    short = planner.place(500, 500, state(rows=0), decode_cost(), prefill)
-    assert short.local                                   # a typical prompt: the earliest first token decides
-    cached = planner.place(100, 1000, state(rows=0), decode_cost(), prefill)
-    assert cached.local                                  # its prefix is cached here: 100 tokens to compute
-    tight = Planner(Slos(ttft=0.7, itl=0.05), max_prefill_tokens=2048).place(1000, 1000, state(rows=0), decode_cost(),
-                                                                             prefill)
-    assert tight.local and tight.chosen.misses == 0      # 0.91 s there: past its SLO
+    assert local.misses == 0 and local.step > slos.ttft and local.first_token < document.chosen.first_token
+    assert not document.local and document.chosen.misses == 0                 # 0.52 s here, 0.61 s there
+    assert planner.place(500, 500, state(rows=0), decode_cost(), prefill).local      # a 0.27 s step: the sooner
+    assert planner.place(100, 1000, state(rows=0), decode_cost(), prefill).local     # its prefix is cached here
+    stated = Planner(Slos(ttft=10.0, itl=0.05), max_prefill_tokens=2048)     # an operator's bound no step outlasts
+    assert stated.place(1000, 1000, state(rows=0), decode_cost(), prefill).local
+    slow = planner.place(1000, 1000, state(rows=0), decode_cost(), linear_cost(0.01, 0.0, 0.0009))
+    assert slow.local and slow.chosen.misses == 0              # 0.91 s there: past its 0.8 s
 
 
 def test_the_step_budget_keeps_a_decode_step_within_the_itl_slo_until_ttft_misses_outnumber_the_streams():

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.engine import Engine
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
-from tests.test_adaptive import SLOS, frozen
+from tests.test_adaptive import SLOS, seed_costs
 from tests.test_engine_modes import prompts
 from tests.test_prompt_logprobs_engine import ARCH, assert_prompt_logprobs_match, reference
 from tests.test_server_api import client, serve, wait_until_idle  # noqa: F401  (fixture)
@@ -19,24 +19,13 @@ CHUNK = 16                                      # --max-prefill-tokens: every pr
 LENGTHS = (40, 150)                             # with the seeded costs, adaptive keeps the first and sends the second
 
 
-def seed_slow_prefill_unit(engine: Engine) -> Engine:
-    """A prefill unit slow enough that both prompts miss the 100 ms TTFT SLO there, a decode unit where the
-    shorter one meets it in three chunked steps: adaptive keeps the shorter one and sends the longer one, which
-    misses either way."""
-    for actor in engine.actors:
-        prefilling = actor in engine.coordinator.prefill
-        actor.cost = frozen(0.01, 0.0, 0.003, 1.0) if prefilling else frozen(0.005, 0.001, 0.0005, 1.0)
-        engine.mode.costs["prefill" if prefilling else "decode", actor.index] = actor.cost
-    return engine
-
-
 def build(mode: str, **overrides) -> Engine:
     """`mode`, or `mode/process`: with worker processes."""
     mode, _, workers = mode.partition("/")
     if workers:
         overrides["workers"] = workers
     if mode == "adaptive":
-        return seed_slow_prefill_unit(Engine(engine_config(hf_checkpoint(ARCH), mode=mode, max_prefill_tokens=CHUNK,
+        return seed_costs(Engine(engine_config(hf_checkpoint(ARCH), mode=mode, max_prefill_tokens=CHUNK,
                                                **SLOS, **overrides)))
     return Engine(engine_config(hf_checkpoint(ARCH), mode=mode, max_prefill_tokens=CHUNK, **SLOS_SET, **overrides))
 

@@ -71,12 +71,7 @@ def prefill_step_tokens(sched: SchedulerConfig, max_model_len: int) -> int:
 
 def typical_prompt_tokens(sched: SchedulerConfig, max_model_len: int) -> int:
     """A typical chat prompt's tokens, the TTFT SLO is derived from: a quarter of a prefill step."""
-    return typical_of(prefill_step_tokens(sched, max_model_len))
-
-
-def typical_of(step_tokens: int) -> int:
-    """A typical chat prompt's tokens beside a prefill step of `step_tokens`: a quarter of it."""
-    return max(1, step_tokens // 4)
+    return max(1, prefill_step_tokens(sched, max_model_len) // 4)
 
 
 def derive_slos(sched: SchedulerConfig, max_model_len: int, measured: MeasuredUnits | None) -> Slos:

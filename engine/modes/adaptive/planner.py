@@ -2,8 +2,9 @@
 rule"). For each candidate action (local chunks, the whole queue local, waiting, a remote prefill, lending cores)
 the step cost models predict the waiting prompts' first tokens and the decoding streams' steps; the planner takes
 the action with the fewest predicted SLO misses (DistServe's goodput), among equals the least waiting it adds
-(`decisions.best`), then the most tokens per second; a prompt longer than a typical one goes to the prefill unit
-wherever that adds no miss. Nothing here reads a clock: the placement hands in how long each prompt has waited.
+(`decisions.best`), then the most tokens per second; a prompt whose local plan holds a decode step longer than a
+typical prompt's TTFT SLO goes to the prefill unit wherever that adds no miss. Nothing here reads a clock: the
+placement hands in how long each prompt has waited.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import replace
 from pdserve.engine.actors.step_cost import StepCostModel
 from pdserve.engine.modes.adaptive.decisions import Decision, LoadState, Prediction, Stream, best
 from pdserve.engine.modes.adaptive.prefill_plans import PrefillPlan, StepsUpTo, Waiting, chunk_plan, fitting_plan
-from pdserve.engine.coordinator.slo import Slos, typical_of
+from pdserve.engine.coordinator.slo import Slos
 
 
 class Planner:
@@ -24,7 +25,6 @@ class Planner:
     def __init__(self, slos: Slos, max_prefill_tokens: int) -> None:
         self.slos = slos
         self.max_prefill_tokens = max_prefill_tokens      # NOTE: the runner's step size: a hard limit
-        self.typical_prompt = typical_of(max_prefill_tokens)
 
     # the prefill a decode step carries
     def step_budget(self, state: LoadState, decode: StepCostModel) -> Decision:
@@ -40,10 +40,9 @@ class Planner:
               prefill: StepCostModel | None, length: int = 0, waited: float = 0.0) -> Decision:
         """Prefill a new prompt of `length` tokens here (`local_tokens` to compute) or on the prefill unit
         (`remote_tokens`); `length` 0: the larger of the two. It arrived `waited` seconds ago: its first
-        token counts from then, as every queued prompt's does. More to compute here than a typical prompt, it goes
-        to the prefill unit where that adds no predicted miss, though it would answer sooner here: the decode
-        unit's steps would carry it whole or in chunks, and the prompts arriving meanwhile, in no prediction,
-        would wait behind it."""
+        token counts from then, as every queued prompt's does. Where the local plan takes a decode step longer than
+        a typical prompt's TTFT SLO, it goes to the prefill unit wherever that adds no predicted miss, though it
+        would answer sooner here: every prompt arriving during that step, in no prediction, would be late."""
         if decode.coefficients(state.local_threads) is None:
             return Decision(Prediction("local", self.max_prefill_tokens, 0, 0, 0.0, 0.0, 0.0))
         length = length or max(local_tokens, remote_tokens)
@@ -54,7 +53,8 @@ class Planner:
         if remote is not None:
             candidates.append(remote)
         chosen = best(candidates)
-        if remote is not None and local_tokens > self.typical_prompt and remote.misses <= chosen.misses:
+        if remote is not None and chosen.action == "local" and chosen.step > self.slos.ttft and \
+                remote.misses <= chosen.misses:
             chosen = remote
         return Decision(chosen, tuple(candidates))
 
