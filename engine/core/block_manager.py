@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from pdserve.engine.core.state_slots import StateSlots
 
 
 class NoFreeBlocks(RuntimeError):
@@ -12,21 +13,6 @@ class NoFreeBlocks(RuntimeError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-@dataclass(frozen=True, slots=True)
-class StateSlots:
-    """A model with recurrent layers keeps each sequence's state in a slot: `count` slots of `blocks_per_slot`
-    consecutive blocks each, after the pool's KV blocks (slot i starts at block first_block + i * blocks_per_slot),
-    so a slot is copied as one run of blocks."""
-
-    count: int
-    blocks_per_slot: int
-    first_block: int
-
-    def blocks(self, slot: int) -> tuple[int, ...]:
-        first = self.first_block + slot * self.blocks_per_slot
-        return tuple(range(first, first + self.blocks_per_slot))
 
 
 class BlockManager:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.core.block_manager import StateSlots
+from pdserve.engine.core.state_slots import StateSlots
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner

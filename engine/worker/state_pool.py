@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from pdserve.engine.core.block_manager import StateSlots
+from pdserve.engine.core.state_slots import StateSlots
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.forward_batch import RecurrentStates
 from pdserve.engine.model.recurrent_config import STATE_DTYPE_BYTES

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.core.block_manager import StateSlots
+from pdserve.engine.core.state_slots import StateSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.transfer.select import select_transfer

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import kernels
-from pdserve.engine.core.block_manager import StateSlots
+from pdserve.engine.core.state_slots import StateSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.layers import Linear
