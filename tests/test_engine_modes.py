@@ -177,13 +177,16 @@ def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list
 def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
     """Sequences grow past their sliding windows in a pool too small for all of them: some are preempted,
     prefilled again (prompt and tokens so far) and finish with transformers' tokens. A model with recurrent
-    layers gets a state slot for each of the eight sequences besides (its state starts again from zero)."""
+    layers gets a state slot for each of the eight sequences besides (its state starts again from zero). Where
+    every layer slides, a sequence holds only its window's blocks: sixteen shorter prompts, in pools that hold a
+    whole sequence (a preempted one is prefilled again whole) but not sixteen windows."""
     config = ModelConfig.from_dir(hf_checkpoint(arch))
     token_bytes = config.kv_elements_per_token() * 4
+    count, length, pool_tokens = (16, 20, 560) if config.kv_window else (8, 40, 1024)
     requests = [Request(f"p{i}", p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
-                for i, p in enumerate(prompts([40] * 8, seed=4))]
+                for i, p in enumerate(prompts([length] * count, seed=4))]
     states = dict(max_num_seqs=8) if arch in HYBRID_ARCHS else {}
-    memory = 1024 * token_bytes + 8 * config.state_bytes()
+    memory = pool_tokens * token_bytes + 8 * config.state_bytes()
     tight = Engine(engine_config(hf_checkpoint(arch), mode=mode, max_model_len=256, kv_cache_memory=memory, **states))
     got = asyncio.run(run_engine(tight, staggered(tight, requests)))
     assert got == [expected_tokens(arch, r.prompt_token_ids, 100) for r in requests]

@@ -68,7 +68,7 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
         self.clock: Callable[[], float] = time.monotonic     # the coordinator's, once wired (virtual in a simulator)
         self.routed_prefill = self.routed_decode = 0     # what the coordinator routed here
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(unit.num_blocks, unit.block_size, prefix_caching, unit.state_slots)
+        self.blocks = BlockManager(unit.num_blocks, unit.block_size, prefix_caching, unit.state_slots, unit.kv_window)
         self.emit = emit
         self.on_failure: OnFailure = lambda actor, error: None
         self.failure: str | None = None
@@ -207,6 +207,7 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
             self.mask_seconds.append(outcome.mask_seconds)
         self.end_faulted(step.batch, outcome.result.faults)
         self.cache_landed(step.batch)
+        self.release_behind_window(step.batch)
         self.tier_copies_done(step.step_id, outcome)
         output = self.record(step.batch, outcome)
         self.steps += 1

@@ -38,11 +38,12 @@ class DecodeActor(Actor):
         """
         size, held = self.blocks.block_size, seq.num_tokens
         hits = cached_prefix(self.blocks, seq, held)      # NOTE: copied KV: no last token to compute here
-        if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits):
+        first = self.blocks.first_needed_block(held)      # the blocks behind the KV window are not copied
+        if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits, first):
             return None
         self.blocks.count_lookup(held, len(hits) * size)
         mark = len(self.blocks.evicted or ())
-        table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits))
+        table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits, first_block=first))
         return Reservation(table, len(hits), self.index, tuple(self.blocks.take_evicted(mark)),
                            self.blocks.state_blocks(seq.request_id))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.actors.base import Actor, Emit
 from pdserve.engine.core.batch import Batch, ScheduledChunk
-from pdserve.engine.core.block_manager import blocks_for
+from pdserve.engine.core.block_manager import NO_BLOCK, blocks_for
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.messages import Abort, FinishReason, KVHandoff, Preempted, Release, Request, StepOutput
 from pdserve.engine.core.scheduler import PrefillScheduler
@@ -103,7 +103,9 @@ class PrefillActor(Actor):
         start = 0 if chunk.start == seq.num_cached_tokens else chunk.start   # the first chunk sends the hits too
         first = max(start // size, out.decode_cached)
         last = blocks_for(chunk.stop, size) if chunk.sample else chunk.stop // size
-        src, dst = tuple(seq.block_table[first:last]), out.decode_blocks[first:last]
+        pairs = [(s, d) for s, d in zip(seq.block_table[first:last], out.decode_blocks[first:last])
+                 if NO_BLOCK not in (s, d)]                 # NOTE: behind the KV window: never read there
+        src, dst = tuple(s for s, _ in pairs), tuple(d for _, d in pairs)
         if chunk.sample:
             src, dst = src + self.blocks.state_blocks(seq.request_id), dst + out.decode_state_blocks
         return BlockCopy(seq.request_id, src, dst, out.decode_unit) if src else None

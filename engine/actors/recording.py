@@ -45,6 +45,13 @@ class Recording:
                 self.blocks.register(seq.request_id, hashes, seq.num_registered_blocks)
                 seq.num_registered_blocks = full
 
+    def release_behind_window(self, batch: Batch) -> None:
+        """Give back the blocks this finished step's sequences will never read again (a KV window's)."""
+        if self.blocks.kv_window:
+            for seq, landed in batch.landed():
+                if not seq.done and self.blocks.release_behind(seq.request_id, landed):
+                    self.blocks_released()
+
     def record_prompt_logprobs(self, batch: Batch, outcome: StepOutcome) -> dict[str, PromptLogprobs]:
         """Each asking chunk's prompt logprobs join its sequence's; those of the sequences whose last chunk this
         step ran, whole, by request id (they go out with the first token)."""

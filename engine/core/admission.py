@@ -10,15 +10,16 @@ from pdserve.engine.core.sequence import Sequence as SequenceState
 
 
 def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: int | None = None,
-              watermark: float = 1.0, prefix: Sequence[int] = ()) -> bool:
-    """True when `seq_id` may grow to `num_tokens` tokens in `blocks`' pool, sharing the cached `prefix`.
+              watermark: float = 1.0, prefix: Sequence[int] = (), first_block: int = 0) -> bool:
+    """True when `seq_id` may grow to `num_tokens` tokens in `blocks`' pool, sharing the cached `prefix` (a new
+    table holding nothing before `first_block`: `BlockManager.grow`).
 
     It must fit in the free blocks. An empty pool takes any sequence that fits (so a prompt
     longer than the watermark still runs); otherwise the pool must hold fewer than
     `max_num_seqs` other sequences (None: no limit) and stay at or under `watermark` usage once
     it is admitted. The defaults leave only the first rule: it fits.
     """
-    needed = blocks.blocks_needed(seq_id, num_tokens, prefix)
+    needed = blocks.blocks_needed(seq_id, num_tokens, prefix, first_block)
     if needed > blocks.num_free or blocks.lacks_state_slot(seq_id):
         return False
     if blocks.num_sequences == 0:

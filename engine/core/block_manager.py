@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from pdserve.engine.core.state_slots import StateSlots
 
 
+NO_BLOCK = -1          # a table entry whose block went back to the pool: behind the KV window, never read again
+
+
 class NoFreeBlocks(RuntimeError):
     pass
 
@@ -29,12 +32,18 @@ class BlockManager:
 
     State slots (`state_slots`, a model with recurrent layers): a new table takes a free slot and gives it back
     when it is freed (or its fence passes), so a slot is held exactly as long as the table.
+
+    KV window (`kv_window`, every attention layer slides with it): a block wholly behind the window of the next
+    position to compute goes back (`release_behind`, a table entry becomes NO_BLOCK), and a table may start with
+    NO_BLOCK entries where its KV is needed only from a later block on (`grow`'s `first_block`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 state_slots: StateSlots | None = None) -> None:
+                 state_slots: StateSlots | None = None, kv_window: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_window = kv_window
+        self._behind: dict[str, int] = {}                   # seq -> its leading NO_BLOCK entries
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # first out first
         self._ref_counts = [0] * num_blocks
@@ -81,11 +90,18 @@ class BlockManager:
     def holds(self, seq_id: str) -> bool:
         return seq_id in self._tables
 
-    def blocks_needed(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> int:
-        """Free blocks that growing `seq_id` to `num_tokens` tokens takes (sharing `prefix` first)."""
-        held = len(self._tables.get(seq_id, ())) or len(prefix)
+    def blocks_needed(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0) -> int:
+        """Free blocks that growing `seq_id` to `num_tokens` tokens takes (sharing `prefix` first; a new table
+        holds nothing before `first_block`)."""
+        held = len(self._tables.get(seq_id, ())) or max(len(prefix), first_block)
         idle_hits = sum(1 for block in prefix if self._ref_counts[block] == 0)
         return max(blocks_for(num_tokens, self.block_size) - held, 0) + idle_hits
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block that computing position `num_tokens` (or a later one) reads: 0 without a KV window."""
+        if not self.kv_window:
+            return 0
+        return max(num_tokens + 1 - self.kv_window, 0) // self.block_size
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free and not self.lacks_state_slot(seq_id)
@@ -107,15 +123,16 @@ class BlockManager:
     def num_free_state_slots(self) -> int:
         return len(self._free_slots)
 
-    def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+    def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0) -> list[int]:
         """Extend (or create) the table of `seq_id` to cover `num_tokens` tokens; returns the table.
 
-        A new table starts with the cached blocks `prefix` (from `match`). Raises NoFreeBlocks,
-        changing nothing, when there are not enough free blocks.
+        A new table starts with the cached blocks `prefix` (from `match`), then NO_BLOCK up to `first_block`
+        (KV nobody will read: behind the window). Raises NoFreeBlocks, changing nothing, when there are not enough
+        free blocks.
         """
         if seq_id in self._tables:
-            prefix = ()
-        needed = self.blocks_needed(seq_id, num_tokens, prefix)
+            prefix, first_block = (), 0
+        needed = self.blocks_needed(seq_id, num_tokens, prefix, first_block)
         if needed > len(self._free):
             raise NoFreeBlocks(f"need {needed} blocks, {len(self._free)} free")
         if self.lacks_state_slot(seq_id):
@@ -126,6 +143,10 @@ class BlockManager:
         for block in prefix:
             self._share(block)
             table.append(block)
+        if len(table) < first_block:
+            table.extend([NO_BLOCK] * (first_block - len(table)))
+            if not prefix:                           # NOTE: else its blocks come first, released by release_behind
+                self._behind[seq_id] = first_block
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self._take_free())
         return table
@@ -168,7 +189,7 @@ class BlockManager:
             return
         for index in range(start, min(len(hashes), len(table))):
             block, digest = table[index], hashes[index]
-            if self._hash_of[block] is None and digest not in self._cached:
+            if block != NO_BLOCK and self._hash_of[block] is None and digest not in self._cached:
                 self._cached[digest] = block
                 self._hash_of[block] = digest
 
@@ -185,6 +206,20 @@ class BlockManager:
         self.prefix_hits += hit_tokens
 
     # release
+    def release_behind(self, seq_id: str, num_tokens: int) -> int:
+        """Release the blocks of `seq_id` that computing position `num_tokens` or a later one never reads (none
+        without a KV window). Returns the number released."""
+        table = self._tables.get(seq_id)
+        if table is None or not self.kv_window:
+            return 0
+        first, stop = self._behind.get(seq_id, 0), min(self.first_needed_block(num_tokens), len(table))
+        if stop <= first:
+            return 0
+        behind = table[first:stop]
+        table[first:stop] = [NO_BLOCK] * (stop - first)
+        self._behind[seq_id] = stop
+        return self._release(behind)
+
     def truncate(self, seq_id: str, num_tokens: int) -> int:
         """Release the blocks of `seq_id` past those covering `num_tokens` tokens (no step may still use
         them: rejected draft positions). Returns the number released."""
@@ -202,6 +237,7 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        self._behind.pop(seq_id, None)
         self._free_slot(self._slot_of.pop(seq_id, None))
         return self._release(table)
 
@@ -217,6 +253,8 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        self._behind.pop(seq_id, None)
+        table = [block for block in table if block != NO_BLOCK]
         self._deferred.setdefault(fence, []).append(table)
         self.num_deferred += len(table)
         slot = self._slot_of.pop(seq_id, None)
@@ -236,13 +274,17 @@ class BlockManager:
         return released
 
     def _release(self, table: list[int]) -> int:
+        released = 0
         for block in reversed(table):                        # NOTE: a table's tail is evicted before its head
+            if block == NO_BLOCK:
+                continue
+            released += 1
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
                 if self._hash_of[block] is None:             # nothing worth keeping: handed out first
                     self._free.move_to_end(block, last=False)
-        return len(table)
+        return released
 
     def check_consistency(self) -> None:
         """Raise AssertionError if the accounting is off (used by tests)."""
@@ -251,7 +293,8 @@ class BlockManager:
         assert self.num_deferred == sum(len(t) for t in deferred), "deferred count"
         for table in [*self._tables.values(), *deferred]:
             for block in table:
-                held[block] = held.get(block, 0) + 1
+                if block != NO_BLOCK:
+                    held[block] = held.get(block, 0) + 1
         for block in range(self.num_blocks):
             assert self._ref_counts[block] == held.get(block, 0), f"block {block} ref count"
             assert (block in held) != (block in self._free), f"block {block} both free and held"

@@ -185,6 +185,13 @@ class ModelConfig:
         """Each layer's sliding window (0: the layer attends to every earlier token)."""
         return tuple(kind.window for kind in self.layer_kinds)
 
+    @property
+    def kv_window(self) -> int:
+        """The window every attention layer slides with, when they share one (0: some layer reads every token):
+        a sequence's KV blocks behind it are never read again."""
+        windows = {kind.window for kind in self.layer_kinds if not kind.recurrent}
+        return windows.pop() if len(windows) == 1 else 0
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():

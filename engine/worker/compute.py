@@ -27,6 +27,7 @@ class Compute(Protocol):
     block_size: int
     eos_token_ids: frozenset[int]
     state_slots: StateSlots | None
+    kv_window: int                   # ModelConfig.kv_window: KV blocks behind it go back to the pool
 
     def submit(self, work: StepWork) -> asyncio.Future:
         """Start the step on the unit; the future's result is its StepOutcome (or the step's exception)."""
@@ -62,6 +63,7 @@ class ThreadCompute:
         self.runner: ModelRunner = step_runner.runner
         self.device, self.num_blocks = self.runner.device, self.runner.num_blocks
         self.state_slots = self.runner.state_slots
+        self.kv_window = self.runner.kv_window
         self.block_size, self.eos_token_ids = self.runner.block_size, self.runner.eos_token_ids
         self.cpu_cores = cpu_cores
         self.fault = Fault.from_env(name)

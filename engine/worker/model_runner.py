@@ -71,6 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
+        self.kv_window = c.kv_window
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
         self.forward_seconds = 0.0       # device work of a step (forward, logits, sampling), summed
         self.kv_layout = kv_layout(c, block_size)

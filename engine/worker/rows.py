@@ -49,7 +49,8 @@ class RowState:
     def _write_blocks(self, row: int, first: int, block_ids) -> None:
         if first + len(block_ids) > self.max_blocks:
             raise ValueError(f"row {row}: {first + len(block_ids)} blocks exceed the table width {self.max_blocks}")
-        self.block_tables[row, first:first + len(block_ids)] = block_ids
+        self.block_tables[row, first:first + len(block_ids)] = np.maximum(np.asarray(block_ids, np.int32), 0)
+        #                                   NOTE: NO_BLOCK (behind the KV window: never read) reads as padding does
 
     def _ensure(self, rows: int) -> None:
         if rows <= self.capacity:

@@ -59,6 +59,7 @@ class ProcessCompute:
         self.device = torch.device(spec.device)
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
         self.state_slots = spec.state_slots()
+        self.kv_window = spec.model_config.kv_window
         if self.state_slots is not None:
             self.num_blocks = self.state_slots.first_block
         self.eos_token_ids = spec.eos_token_ids
