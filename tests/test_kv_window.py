@@ -58,15 +58,19 @@ def test_a_table_may_start_behind_the_window():
     blocks.check_consistency()
 
 
-def test_a_shared_prefix_before_the_window_is_released_as_the_sequence_advances():
+def test_a_table_shares_only_the_cached_blocks_its_window_reads():
     blocks = BlockManager(8, 4, enable_caching=True, kv_window=6)
     blocks.grow("a", 8)
     blocks.register("a", [b"x", b"y"])
-    hits = blocks.match([b"x", b"y"])
-    table = blocks.grow("c", 21, prefix=hits, first_block=3)
-    assert table[:3] == [*hits, NO_BLOCK] and blocks.num_used == 5
     blocks.free("a")
-    assert blocks.release_behind("c", 20) == 2 and blocks.num_used == 3
+    hits = blocks.match([b"x", b"y"])
+    assert blocks.blocks_needed("c", 21, hits, first_block=3) == 3
+    table = blocks.grow("c", 21, prefix=hits, first_block=3)
+    assert table[:3] == [NO_BLOCK] * 3 and blocks.num_used == 3            # behind the window: left in the cache
+    assert blocks.match([b"x", b"y"]) == hits
+    later = blocks.grow("d", 9, prefix=hits, first_block=1)                # the window reads the second one
+    assert later[:2] == [NO_BLOCK, hits[1]] and blocks.num_used == 5
+    assert blocks.release_behind("d", 14) == 1 and later[:2] == [NO_BLOCK] * 2 and blocks.num_used == 4
     blocks.check_consistency()
 
 

@@ -47,10 +47,9 @@ class Recording:
 
     def release_behind_window(self, batch: Batch) -> None:
         """Give back the blocks this finished step's sequences will never read again (a KV window's)."""
-        if self.blocks.kv_window:
-            for seq, landed in batch.landed():
-                if not seq.done and self.blocks.release_behind(seq.request_id, landed):
-                    self.blocks_released()
+        if self.blocks.kv_window and sum(self.blocks.release_behind(seq.request_id, landed)
+                                         for seq, landed in batch.landed() if not seq.done):
+            self.blocks_released()
 
     def record_prompt_logprobs(self, batch: Batch, outcome: StepOutcome) -> dict[str, PromptLogprobs]:
         """Each asking chunk's prompt logprobs join its sequence's; those of the sequences whose last chunk this

@@ -35,7 +35,8 @@ class BlockManager:
 
     KV window (`kv_window`, every attention layer slides with it): a block wholly behind the window of the next
     position to compute goes back (`release_behind`, a table entry becomes NO_BLOCK), and a table may start with
-    NO_BLOCK entries where its KV is needed only from a later block on (`grow`'s `first_block`).
+    NO_BLOCK entries where its KV is needed only from a later block on (`grow`'s `first_block`): a table is always
+    a run of NO_BLOCK, then blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
@@ -43,7 +44,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_window = kv_window
-        self._behind: dict[str, int] = {}                   # seq -> its leading NO_BLOCK entries
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # first out first
         self._ref_counts = [0] * num_blocks
@@ -94,7 +94,7 @@ class BlockManager:
         """Free blocks that growing `seq_id` to `num_tokens` tokens takes (sharing `prefix` first; a new table
         holds nothing before `first_block`)."""
         held = len(self._tables.get(seq_id, ())) or max(len(prefix), first_block)
-        idle_hits = sum(1 for block in prefix if self._ref_counts[block] == 0)
+        idle_hits = sum(1 for block in prefix[first_block:] if self._ref_counts[block] == 0)
         return max(blocks_for(num_tokens, self.block_size) - held, 0) + idle_hits
 
     def first_needed_block(self, num_tokens: int) -> int:
@@ -126,8 +126,8 @@ class BlockManager:
     def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0) -> list[int]:
         """Extend (or create) the table of `seq_id` to cover `num_tokens` tokens; returns the table.
 
-        A new table starts with the cached blocks `prefix` (from `match`), then NO_BLOCK up to `first_block`
-        (KV nobody will read: behind the window). Raises NoFreeBlocks, changing nothing, when there are not enough
+        A new table starts with the cached blocks `prefix` (from `match`), NO_BLOCK before `first_block` (KV
+        nobody will read: behind the window). Raises NoFreeBlocks, changing nothing, when there are not enough
         free blocks.
         """
         if seq_id in self._tables:
@@ -140,13 +140,10 @@ class BlockManager:
         if self.state_slots is not None and seq_id not in self._tables:
             self._slot_of[seq_id] = self._free_slots.pop()
         table = self._tables.setdefault(seq_id, [])
-        for block in prefix:
+        table.extend([NO_BLOCK] * first_block)               # NOTE: cached blocks behind the window stay free
+        for block in prefix[first_block:]:
             self._share(block)
             table.append(block)
-        if len(table) < first_block:
-            table.extend([NO_BLOCK] * (first_block - len(table)))
-            if not prefix:                           # NOTE: else its blocks come first, released by release_behind
-                self._behind[seq_id] = first_block
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self._take_free())
         return table
@@ -212,12 +209,12 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if table is None or not self.kv_window:
             return 0
-        first, stop = self._behind.get(seq_id, 0), min(self.first_needed_block(num_tokens), len(table))
-        if stop <= first:
-            return 0
+        stop = min(self.first_needed_block(num_tokens), len(table))
+        first = stop
+        while first > 0 and table[first - 1] != NO_BLOCK:      # NOTE: only the newly passed blocks are walked
+            first -= 1
         behind = table[first:stop]
         table[first:stop] = [NO_BLOCK] * (stop - first)
-        self._behind[seq_id] = stop
         return self._release(behind)
 
     def truncate(self, seq_id: str, num_tokens: int) -> int:
@@ -237,7 +234,6 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
-        self._behind.pop(seq_id, None)
         self._free_slot(self._slot_of.pop(seq_id, None))
         return self._release(table)
 
@@ -253,7 +249,6 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
-        self._behind.pop(seq_id, None)
         table = [block for block in table if block != NO_BLOCK]
         self._deferred.setdefault(fence, []).append(table)
         self.num_deferred += len(table)
