@@ -78,6 +78,7 @@ async def wait_idle(engine: Engine) -> None:
 def assert_pools_free(engine: Engine) -> None:
     for actor in engine.actors:
         assert actor.blocks.num_used == 0, actor.name
+        assert not actor.blocks.windows or actor.blocks.windows.pool.num_held == 0, actor.name
         actor.blocks.check_consistency()
 
 

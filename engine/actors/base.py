@@ -68,7 +68,8 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
         self.clock: Callable[[], float] = time.monotonic     # the coordinator's, once wired (virtual in a simulator)
         self.routed_prefill = self.routed_decode = 0     # what the coordinator routed here
         self.max_model_len = max_model_len
-        self.blocks = BlockManager(unit.num_blocks, unit.block_size, prefix_caching, unit.state_slots, unit.kv_window)
+        self.blocks = BlockManager(unit.num_blocks, unit.block_size, prefix_caching, unit.state_slots, unit.kv_window,
+                                   unit.window_slots)
         self.emit = emit
         self.on_failure: OnFailure = lambda actor, error: None
         self.failure: str | None = None
@@ -249,7 +250,7 @@ class Actor(Recording, UnitView, Tiering, abc.ABC):
     # compute thread
     def prepare(self, batch: Batch) -> StepWork:
         """What the compute unit runs for `batch`, built on the loop."""
-        return StepWork(self.rows.step_input(batch))
+        return StepWork(self.rows.step_input(batch, self.blocks.take_window_assignments()))
 
     def step_threads(self, batch: Batch) -> int | None:
         """CPU threads for `batch`'s step (None: keep the compute thread's own); lending overrides it."""

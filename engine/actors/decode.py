@@ -39,13 +39,14 @@ class DecodeActor(Actor):
         size, held = self.blocks.block_size, seq.num_tokens
         hits = cached_prefix(self.blocks, seq, held)      # NOTE: copied KV: no last token to compute here
         first = self.blocks.first_needed_block(held)      # the blocks behind the KV window are not copied
-        if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits, first):
+        if not can_admit(self.blocks, seq.request_id, held + 1, self.max_num_seqs, self.kv_watermark, hits, first,
+                         window_from=held):
             return None
         self.blocks.count_lookup(held, len(hits) * size)
         mark = len(self.blocks.evicted or ())
-        table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits, first_block=first))
+        table = tuple(self.blocks.grow(seq.request_id, held + 1, prefix=hits, first_block=first, window_from=held))
         return Reservation(table, len(hits), self.index, tuple(self.blocks.take_evicted(mark)),
-                           self.blocks.state_blocks(seq.request_id))
+                           self.blocks.state_blocks(seq.request_id), self.blocks.window_blocks(seq.request_id))
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that was never handed off (no step of this actor has used it)."""

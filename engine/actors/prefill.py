@@ -31,6 +31,7 @@ class Outgoing:
     decode_cached: int              # leading decode blocks the decode pool already held: not copied
     decode_unit: int                # which decode unit holds the reservation
     decode_state_blocks: tuple[int, ...] = ()     # its state slot there: copied with the last chunk's blocks
+    decode_window_blocks: tuple[tuple[int, ...], ...] = ()   # per decode block, its window slot's blocks there
     transfers: list = field(default_factory=list)
     handed_off: bool = False        # the decode unit owns the reservation now
 
@@ -73,7 +74,7 @@ class PrefillActor(Actor):
         if reservation is None:
             return False
         self.outgoing[seq.request_id] = Outgoing(seq, reservation.blocks, reservation.num_cached, reservation.unit,
-                                                 reservation.state_blocks)
+                                                 reservation.state_blocks, reservation.window_blocks)
         if reservation.evicted and self.tier_plan is not None:     # NOTE: saved before this step copies into them
             self.tier_plan.peer_evicted(reservation.unit, reservation.evicted)
         return True
@@ -92,7 +93,7 @@ class PrefillActor(Actor):
 
     def prepare(self, batch: Batch) -> StepWork:
         copies = tuple(copy for chunk in batch.chunks if (copy := self._finished_blocks(chunk)) is not None)
-        return StepWork(self.rows.step_input(batch), copies)
+        return StepWork(self.rows.step_input(batch, self.blocks.take_window_assignments()), copies)
 
     def _finished_blocks(self, chunk: ScheduledChunk) -> BlockCopy | None:
         """The blocks this chunk completes (the partial last one too, after the last chunk) that the
@@ -106,6 +107,10 @@ class PrefillActor(Actor):
         pairs = [(s, d) for s, d in zip(seq.block_table[first:last], out.decode_blocks[first:last])
                  if NO_BLOCK not in (s, d)]                 # NOTE: behind the KV window: never read there
         src, dst = tuple(s for s, _ in pairs), tuple(d for _, d in pairs)
+        if out.decode_window_blocks:                      # NOTE: only blocks inside the window there have slots
+            here = self.blocks.window_blocks(seq.request_id)
+            slots = [(s, d) for s, d in zip(here[first:last], out.decode_window_blocks[first:last]) if s and d]
+            src, dst = src + sum((s for s, _ in slots), ()), dst + sum((d for _, d in slots), ())
         if chunk.sample:
             src, dst = src + self.blocks.state_blocks(seq.request_id), dst + out.decode_state_blocks
         return BlockCopy(seq.request_id, src, dst, out.decode_unit) if src else None

@@ -47,7 +47,7 @@ class Recording:
 
     def release_behind_window(self, batch: Batch) -> None:
         """Give back the blocks this finished step's sequences will never read again (a KV window's)."""
-        if self.blocks.kv_window and sum(self.blocks.release_behind(seq.request_id, landed)
+        if self.blocks.releases_behind and sum(self.blocks.release_behind(seq.request_id, landed)
                                          for seq, landed in batch.landed() if not seq.done):
             self.blocks_released()
 

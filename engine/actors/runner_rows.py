@@ -24,7 +24,7 @@ class RunnerRows:
         self._num_rows = 0
         self._freed: list[int] = []
 
-    def step_input(self, batch: Batch) -> StepInput:
+    def step_input(self, batch: Batch, window_slots: tuple[tuple[int, int], ...] = ()) -> StepInput:
         new_rows, appends = [], []
         for seq in batch.sequences():
             if seq.row < 0:
@@ -38,7 +38,7 @@ class RunnerRows:
                        for s, p, d in zip(batch.verify, batch.verify_positions, batch.verify_drafts))
         return StepInput(freed, tuple(new_rows), tuple(appends), tuple([s.row for s in decode]),
                          batch.decode_positions or tuple([s.num_computed_tokens - 1 for s in decode]),
-                         tuple(_chunk_input(c) for c in batch.chunks), verify)
+                         tuple(_chunk_input(c) for c in batch.chunks), verify, window_slots)
 
     def _new_row(self, seq: Sequence) -> NewRow:
         seq.row = self._free_rows.pop() if self._free_rows else self._take_new_row()

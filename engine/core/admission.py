@@ -10,9 +10,10 @@ from pdserve.engine.core.sequence import Sequence as SequenceState
 
 
 def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: int | None = None,
-              watermark: float = 1.0, prefix: Sequence[int] = (), first_block: int = 0) -> bool:
+              watermark: float = 1.0, prefix: Sequence[int] = (), first_block: int = 0,
+              window_from: int | None = None) -> bool:
     """True when `seq_id` may grow to `num_tokens` tokens in `blocks`' pool, sharing the cached `prefix` (a new
-    table holding nothing before `first_block`: `BlockManager.grow`).
+    table holding nothing before `first_block`, its window slots from position `window_from`: `BlockManager.grow`).
 
     It must fit in the free blocks. An empty pool takes any sequence that fits (so a prompt
     longer than the watermark still runs); otherwise the pool must hold fewer than
@@ -20,7 +21,8 @@ def can_admit(blocks: BlockManager, seq_id: str, num_tokens: int, max_num_seqs: 
     it is admitted. The defaults leave only the first rule: it fits.
     """
     needed = blocks.blocks_needed(seq_id, num_tokens, prefix, first_block)
-    if needed > blocks.num_free or blocks.lacks_state_slot(seq_id):
+    if (needed > blocks.num_free or blocks.lacks_state_slot(seq_id)
+            or blocks.lacks_window_slots(seq_id, num_tokens, prefix, window_from)):
         return False
     if blocks.num_sequences == 0:
         return True

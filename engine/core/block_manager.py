@@ -5,6 +5,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.engine.core.state_slots import StateSlots
+from pdserve.engine.core.window_slots import WindowSlotPool, WindowSlots, WindowTables
 
 
 NO_BLOCK = -1          # a table entry whose block went back to the pool: behind the KV window, never read again
@@ -37,10 +38,14 @@ class BlockManager:
     position to compute goes back (`release_behind`, a table entry becomes NO_BLOCK), and a table may start with
     NO_BLOCK entries where its KV is needed only from a later block on (`grow`'s `first_block`): a table is always
     a run of NO_BLOCK, then blocks.
+
+    Window slots (`window_slots`, a model mixing one window with full layers): a table's blocks inside its window
+    also hold a slot for the sliding layers' K and V (`engine.core.window_slots`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 state_slots: StateSlots | None = None, kv_window: int = 0) -> None:
+                 state_slots: StateSlots | None = None, kv_window: int = 0,
+                 window_slots: WindowSlots | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_window = kv_window
@@ -60,10 +65,18 @@ class BlockManager:
         self.state_slots = state_slots
         self._free_slots = list(range(state_slots.count - 1, -1, -1)) if state_slots else []
         self._slot_of: dict[str, int] = {}
+        self.windows = window_slots and WindowTables(WindowSlotPool(window_slots, num_blocks), block_size,
+                                                     lambda block: self._hash_of[block] is not None)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a table may take now (each one inside a window needs a window slot too)."""
+        return min(len(self._free), self.windows.pool.available) if self.windows else len(self._free)
+
+    @property
+    def releases_behind(self) -> bool:
+        """Whether a table gives back what lies behind a window as it advances (`release_behind`)."""
+        return bool(self.kv_window or self.windows)
 
     @property
     def num_used(self) -> int:
@@ -104,7 +117,18 @@ class BlockManager:
         return max(num_tokens + 1 - self.kv_window, 0) // self.block_size
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= self.num_free and not self.lacks_state_slot(seq_id)
+        return (self.blocks_needed(seq_id, num_tokens) <= self.num_free and not self.lacks_state_slot(seq_id)
+                and not self.lacks_window_slots(seq_id, num_tokens))
+
+    def lacks_window_slots(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (),
+                           window_from: int | None = None) -> bool:
+        """Growing `seq_id` (a new table: from the cached `prefix`, computing from position `window_from`) to
+        `num_tokens` tokens needs more window slots than are available."""
+        if not self.windows:
+            return False
+        start = self.windows.first_block(len(prefix) * self.block_size if window_from is None else window_from)
+        needed = self.windows.needed(self._tables.get(seq_id), blocks_for(num_tokens, self.block_size), prefix, start)
+        return needed > self.windows.pool.available
 
     def lacks_state_slot(self, seq_id: str) -> bool:
         """A new table here needs a state slot and none is free."""
@@ -123,18 +147,22 @@ class BlockManager:
     def num_free_state_slots(self) -> int:
         return len(self._free_slots)
 
-    def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0) -> list[int]:
+    def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0,
+             window_from: int | None = None) -> list[int]:
         """Extend (or create) the table of `seq_id` to cover `num_tokens` tokens; returns the table.
 
         A new table starts with the cached blocks `prefix` (from `match`), NO_BLOCK before `first_block` (KV
-        nobody will read: behind the window). Raises NoFreeBlocks, changing nothing, when there are not enough
-        free blocks.
+        nobody will read: behind the window); its window slots from the block of position `window_from` (default:
+        the first after the prefix). Raises NoFreeBlocks, changing nothing, when there are not enough free blocks.
         """
         if seq_id in self._tables:
             prefix, first_block = (), 0
         needed = self.blocks_needed(seq_id, num_tokens, prefix, first_block)
         if needed > len(self._free):
             raise NoFreeBlocks(f"need {needed} blocks, {len(self._free)} free")
+        if self.lacks_window_slots(seq_id, num_tokens, prefix, window_from):
+            raise NoFreeBlocks(f"no window slots for {num_tokens} tokens: {self.windows.pool.available} available")
+        old_len = len(self._tables.get(seq_id, ()))
         if self.lacks_state_slot(seq_id):
             raise NoFreeBlocks(f"no free state slot of {self.state_slots.count}")
         if self.state_slots is not None and seq_id not in self._tables:
@@ -146,6 +174,9 @@ class BlockManager:
             table.append(block)
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self._take_free())
+        if self.windows:
+            position = len(prefix) * self.block_size if window_from is None else window_from
+            self.windows.extend(seq_id, table, old_len, self.windows.first_block(position))
         return table
 
     def _share(self, block: int) -> None:
@@ -162,6 +193,8 @@ class BlockManager:
             if self.evicted is not None:
                 self.evicted.append((block, stale))
         self._ref_counts[block] = 1
+        if self.windows:
+            self.windows.pool.drop(block)
         return block
 
     # prefix cache
@@ -175,7 +208,17 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return self.windows.usable(hits) if self.windows else hits
+
+    def window_blocks(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
+        """For each block of `seq_id`'s table, the pool blocks of its window slot (none: behind the window)."""
+        pool = self.windows.pool if self.windows else None
+        return tuple(pool.slots.blocks(pool.slot_of[block]) if pool and block != NO_BLOCK and
+                     pool.slot_of[block] >= 0 else () for block in self._tables[seq_id])
+
+    def take_window_assignments(self) -> tuple[tuple[int, int], ...]:
+        """The (block, window slot) pairs given out since the last call, for the runner."""
+        return self.windows.pool.take_assigned() if self.windows else ()
 
     def register(self, seq_id: str, hashes: Sequence[bytes], start: int = 0) -> None:
         """Register blocks start .. len(hashes) - 1 of `seq_id`'s table (full, KV computed) under `hashes`."""
@@ -207,6 +250,8 @@ class BlockManager:
         """Release the blocks of `seq_id` that computing position `num_tokens` or a later one never reads (none
         without a KV window). Returns the number released."""
         table = self._tables.get(seq_id)
+        if table is not None and self.windows:
+            return self.windows.pass_to(seq_id, table, min(self.windows.first_block(num_tokens), len(table)))
         if table is None or not self.kv_window:
             return 0
         stop = min(self.first_needed_block(num_tokens), len(table))
@@ -224,6 +269,8 @@ class BlockManager:
         if table is None:
             return 0
         keep = blocks_for(num_tokens, self.block_size)
+        if self.windows:
+            self.windows.trim(seq_id, table, keep)
         tail = table[keep:]
         del table[keep:]
         return self._release(tail)
@@ -234,6 +281,8 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        if self.windows:
+            self.windows.close(seq_id, table)
         self._free_slot(self._slot_of.pop(seq_id, None))
         return self._release(table)
 
@@ -249,6 +298,8 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
+        if self.windows:
+            self.windows.close(seq_id, table, fence)
         table = [block for block in table if block != NO_BLOCK]
         self._deferred.setdefault(fence, []).append(table)
         self.num_deferred += len(table)
@@ -260,6 +311,8 @@ class BlockManager:
     def release_through(self, fence: int) -> int:
         """Free the tables deferred to fences up to `fence`; returns the number of blocks released."""
         released = 0
+        if self.windows:
+            self.windows.release_through(fence)
         for passed in [f for f in self._deferred if f <= fence]:
             for table in self._deferred.pop(passed):
                 released += self._release(table)
@@ -299,3 +352,5 @@ class BlockManager:
             held_slots = [*self._slot_of.values(), *(s for slots in self._deferred_slots.values() for s in slots)]
             assert set(self._slot_of) == set(self._tables), "a table without its state slot"
             assert sorted(held_slots + self._free_slots) == list(range(self.state_slots.count)), "state slots"
+        if self.windows:
+            self.windows.check(self._tables)

@@ -135,6 +135,7 @@ class Reservation:
     unit: int = 0
     evicted: tuple[tuple[int, bytes], ...] = ()
     state_blocks: tuple[int, ...] = ()      # its state slot's blocks there (a model with recurrent layers)
+    window_blocks: tuple[tuple[int, ...], ...] = ()   # per block, its window slot's blocks there (none: no slot)
 
 
 @dataclass(frozen=True, slots=True)

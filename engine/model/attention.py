@@ -24,6 +24,7 @@ class Attention(nn.Module):
         kind = config.layer_kinds[layer_index]
         self.layer_index = layer_index
         self.kv_layer = config.kv_layer(layer_index)      # its K and V's layer in the pool (recurrent ones keep none)
+        self.split_layer = config.pool_layer(layer_index, split=True) if config.split_window else -1
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -51,18 +52,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        layer, slots, tables = self.kv_layer, batch.slot_mapping, batch.block_tables
+        if batch.window is not None:                    # NOTE: the sliding layers' K and V live apart
+            layer = self.split_layer
+            if self.window:
+                kv_pool, slots, tables = batch.window.pool, batch.window.slot_mapping, batch.window.block_tables
         if cos_sin is None:
-            kernels.store_kv(k, v, kv_pool, self.kv_layer, batch.slot_mapping, self.backend)
+            kernels.store_kv(k, v, kv_pool, layer, slots, self.backend)
         else:
-            q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, self.kv_layer,
-                                        batch.slot_mapping, self.backend)
+            q = kernels.rotary_store_kv(q, k, v, batch.positions, cos_sin, kv_pool, layer, slots, self.backend)
         options = dict(window=self.window, softcap=self.softcap, sinks=self.sinks)
         if batch.is_decode:
-            o = kernels.decode_attention(q, kv_pool, self.kv_layer, batch.block_tables,
-                                         batch.context_lens, self.scale, self.backend, **options)
+            o = kernels.decode_attention(q, kv_pool, layer, tables, batch.context_lens, self.scale, self.backend,
+                                         **options)
         else:
-            o = kernels.prefill_attention(q, kv_pool, self.kv_layer, batch.cu_seqlens_q,
-                                          batch.context_lens, batch.block_tables, self.scale, self.backend,
-                                          **options)
+            o = kernels.prefill_attention(q, kv_pool, layer, batch.cu_seqlens_q, batch.context_lens, tables,
+                                          self.scale, self.backend, **options)
         o = o.reshape(tokens, self.q_size)
         return self.o_proj(o * torch.sigmoid(gate) if self.gate_size else o)

@@ -192,6 +192,27 @@ class ModelConfig:
         windows = {kind.window for kind in self.layer_kinds if not kind.recurrent}
         return windows.pop() if len(windows) == 1 else 0
 
+    @property
+    def split_window(self) -> int:
+        """The one window of the sliding layers of a model that also has full-attention layers (0: the model has
+        no such mix): their K and V can live apart from the full layers' (`WindowSlots`), for the window only."""
+        windows = {kind.window for kind in self.layer_kinds if not kind.recurrent}
+        if len(windows) != 2 or 0 not in windows or self.num_recurrent_layers:
+            return 0
+        return max(windows)
+
+    def pool_layer(self, layer_index: int, split: bool) -> int:
+        """Where attention layer `layer_index` keeps its K and V: among the pool's layers, or with `split` (a
+        `split_window` model whose sliding layers keep theirs apart) among its own kind's layers."""
+        if not split:
+            return self.kv_layer(layer_index)
+        window = self.layer_kinds[layer_index].window
+        return sum(kind.window == window and not kind.recurrent for kind in self.layer_kinds[:layer_index])
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(kind.window == 0 and not kind.recurrent for kind in self.layer_kinds)
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():

@@ -16,6 +16,15 @@ class RecurrentStates:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowKV:
+    """Where a `split_window` model's sliding layers keep their K and V this step: their own pool, tables, slots."""
+
+    pool: torch.Tensor                     # [window slots, layers, 2, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor             # [S, max_blocks] int32: each block's window slot
+    slot_mapping: torch.Tensor             # [T] int64, -1 skips the store
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """Tensors describing one model step over a packed batch of S sequences and T tokens.
 
@@ -30,6 +39,7 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor | None  # [S + 1] int32; None for decode
     logits_indices: torch.Tensor   # [S'] int64, rows of the hidden states to sample from
     state: RecurrentStates | None = None   # the sequences' state slots (a model with recurrent layers)
+    window: WindowKV | None = None         # the sliding layers' K and V apart (a model run with window slots)
 
     @property
     def is_decode(self) -> bool:

@@ -63,8 +63,11 @@ class RayCompute:
         self.num_blocks, self.block_size = spec.pool.num_blocks, spec.pool.layout.block_size
         self.state_slots = spec.state_slots()
         self.kv_window = spec.model_config.kv_window
+        self.window_slots = spec.window_slots()
         if self.state_slots is not None:
             self.num_blocks = self.state_slots.first_block
+        if self.window_slots is not None:
+            self.num_blocks = self.window_slots.first_block
         self.eos_token_ids = spec.eos_token_ids
         self.lost: str | None = None           # why the actor is gone; None while it serves
         self.where: dict = {}

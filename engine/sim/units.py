@@ -82,6 +82,7 @@ class SimCompute:
         self.device, self.num_blocks, self.block_size = model.device, model.num_blocks, model.block_size
         self.state_slots = None                  # NOTE: simulated steps keep no state
         self.kv_window = 0                       # NOTE: simulated tables hold every block
+        self.window_slots = None
         self.eos_token_ids = model.eos_token_ids
         self.steps: list[tuple[float, float]] = []     # (start, seconds) of every step, for the report
         self.busy_until = 0.0                          # one step at a time, as a unit's compute thread runs them

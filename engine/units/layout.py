@@ -14,6 +14,8 @@ from pdserve.engine.core.block_manager import blocks_for
 from pdserve.engine.units.pools import pool_shares
 from pdserve.engine.units.spec import CoreShare, Layout, StepBuffers, UnitSpec, deal_cores, parse_devices, unit_names
 from pdserve.engine.worker.memory import kv_layout
+from pdserve.engine.worker.window_pool import slot_blocks as window_slot_blocks
+from pdserve.engine.worker.window_pool import wanted_slots
 from pdserve.engine.worker.startup.defaults import choose_devices, choose_dtype, visible_gpus
 from pdserve.engine.worker.state_pool import slot_blocks
 
@@ -85,7 +87,10 @@ def make_layout(config: EngineConfig, model_config: ModelConfig, roles: UnitRole
     shared = tuple(sorted({c for role_cores in by_role.values() for c in role_cores}))
     share = CoreShare(len(by_role["prefill"]), len(by_role["decode"])) if lending else None
     per_seq = blocks_for(max_model_len, block_size)
+    window_seqs = sched.max_num_seqs if split_windows(config, model_config) else 0
     states = sched.max_num_seqs * slot_blocks(model_config, kv_layout(model_config, block_size), dtype)
+    if window_seqs:
+        states = window_slot_blocks(model_config) * wanted_slots(model_config, block_size, window_seqs, per_seq)
     pools = [(share, cap + states) for share, cap in pool_shares(placed, per_seq, sched.max_num_seqs)]
     specs = []
     for role in dict.fromkeys(r for r, _ in placed):
@@ -97,7 +102,14 @@ def make_layout(config: EngineConfig, model_config: ModelConfig, roles: UnitRole
                                   _thread_counts(share, unit_cores), roles.warmup_role(role), *pools[i],
                                   sched.max_num_seqs if config.cuda_graph and role != "prefill" else 0))
     buffers = StepBuffers(per_seq, sched.max_prefill_tokens + sched.max_num_seqs, 2 * sched.max_num_seqs)
-    return Layout(tuple(specs), dtype, max_model_len, block_size, buffers, share)
+    return Layout(tuple(specs), dtype, max_model_len, block_size, buffers, share, window_seqs)
+
+
+def split_windows(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether a model mixing one window with full layers keeps its sliding layers' K and V for the window only:
+    yes, unless KV tiers are on (a tier record holds a whole block)."""
+    cache = config.cache
+    return bool(model_config.split_window) and cache.kv_offload_memory is None and cache.kv_offload_disk is None
 
 
 def _thread_counts(share: CoreShare | None, cores: tuple[int, ...]) -> tuple[int, ...]:

@@ -25,9 +25,10 @@ def worker_pools(config: EngineConfig, model_config: ModelConfig, layout: Layout
     """Each unit's pool for units outside this process (worker processes or Ray actors): its share of its
     device's budget (`engine.units.pools`), the budget read before any worker loads."""
     cache = config.cache
-    kv = kv_layout(model_config, cache.block_size)
+    split = bool(layout.window_seqs)
+    kv = kv_layout(model_config, cache.block_size, split)
     pools = tuple(PoolSpec(kv, num_kv_blocks(cache.kv_cache_memory, spec.pool_share, spec.device, model_config,
-                                             cache.block_size, layout.dtype, spec.pool_cap), layout.dtype)
+                                             cache.block_size, layout.dtype, spec.pool_cap, split), layout.dtype)
                   for spec in layout.units)
     for pool, spec in zip(pools, layout.units):
         if not spec.decodes:
@@ -44,7 +45,7 @@ def worker_spec(config: EngineConfig, model_config: ModelConfig, layout: Layout,
                       dict(max_blocks_per_seq=b.blocks_per_seq, buffer_tokens=b.tokens, buffer_seqs=b.seqs),
                       spec.cores, config.quantization, spec.warmup_role, config.scheduler,
                       log_level=logging.getLogger().getEffectiveLevel(), cpu_kernels=cpu_kernels,
-                      thread_counts=spec.thread_counts)
+                      thread_counts=spec.thread_counts, window_seqs=layout.window_seqs)
 
 
 def load_process_units(config: EngineConfig, model_config: ModelConfig, layout: Layout, eos: frozenset[int]) -> Units:

@@ -62,6 +62,8 @@ class Layout:
     block_size: int
     buffers: StepBuffers
     lending: CoreShare | None = None
+    window_seqs: int = 0            # a split_window model keeps its sliding layers' K and V in window slots for
+    #                                 this many sequences per unit (0: every block holds every layer)
 
     def of(self, role: str) -> tuple[UnitSpec, ...]:
         return tuple(spec for spec in self.units if spec.role == role)

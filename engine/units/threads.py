@@ -31,13 +31,13 @@ def load_thread_units(config: EngineConfig, model_config: ModelConfig, layout: L
     if any(spec.device.type == "cpu" for spec in specs):
         prepare_cpu_kernels(config.cpu_kernels, model_config, layout.dtype, max(len(layout.cores), 1))
     sizer = PoolSizer(config.cache, config.scheduler, model_config, layout.dtype, layout.max_model_len,
-                      {spec.device for spec in specs})          # NOTE: before any weights are loaded
+                      {spec.device for spec in specs}, split=bool(layout.window_seqs))   # NOTE: before any weights
     models = _models(config, model_config, layout, specs)
     blocks = _pool_blocks(sizer, specs, models)
     b = layout.buffers
     runners = [ModelRunner(models[spec.device], n, config.cache.block_size, eos, spec.graph_batch,
                            max_blocks_per_seq=b.blocks_per_seq, buffer_tokens=b.tokens, buffer_seqs=b.seqs,
-                           state_slots=config.scheduler.max_num_seqs)
+                           state_slots=config.scheduler.max_num_seqs, window_seqs=layout.window_seqs)
                for spec, n in zip(specs, blocks)]
     for spec, runner in zip(specs, runners):
         warm_up_for_serving(runner, spec.warmup_role, config.scheduler, layout.max_model_len, spec.thread_counts)

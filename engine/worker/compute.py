@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.core.state_slots import StateSlots
+from pdserve.engine.core.window_slots import WindowSlots
 from pdserve.engine.transfer.base import TransferHandle
 from pdserve.engine.worker.faults import Fault
 from pdserve.engine.worker.model_runner import ModelRunner
@@ -28,6 +29,7 @@ class Compute(Protocol):
     eos_token_ids: frozenset[int]
     state_slots: StateSlots | None
     kv_window: int                   # ModelConfig.kv_window: KV blocks behind it go back to the pool
+    window_slots: WindowSlots | None # a split_window model's sliding layers' K and V, kept for the window only
 
     def submit(self, work: StepWork) -> asyncio.Future:
         """Start the step on the unit; the future's result is its StepOutcome (or the step's exception)."""
@@ -64,6 +66,7 @@ class ThreadCompute:
         self.device, self.num_blocks = self.runner.device, self.runner.num_blocks
         self.state_slots = self.runner.state_slots
         self.kv_window = self.runner.kv_window
+        self.window_slots = self.runner.window_slots
         self.block_size, self.eos_token_ids = self.runner.block_size, self.runner.eos_token_ids
         self.cpu_cores = cpu_cores
         self.fault = Fault.from_env(name)

@@ -40,25 +40,28 @@ def free_device_memory(device: torch.device) -> int:
 DEFAULT_KV_BUDGET = {"cpu": "2GiB", "cuda": "0.8"}
 
 
-def kv_layout(config: ModelConfig, block_size: int) -> KVLayout:
-    return KVLayout(config.num_kv_layers, block_size, config.num_kv_heads, config.head_dim)
+def kv_layout(config: ModelConfig, block_size: int, split: bool = False) -> KVLayout:
+    """A pool block's layout: every attention layer, or with `split` (a `split_window` model's sliding layers kept
+    apart, in window slots) the full layers only."""
+    layers = config.num_full_layers if split else config.num_kv_layers
+    return KVLayout(layers, block_size, config.num_kv_heads, config.head_dim)
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return kv_layout(config, block_size).block_bytes(dtype)
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, split: bool = False) -> int:
+    return kv_layout(config, block_size, split).block_bytes(dtype)
 
 
 def num_kv_blocks(spec: str | None, share: float, device: torch.device, config: ModelConfig,
-                  block_size: int, dtype: torch.dtype, max_useful_blocks: int) -> int:
+                  block_size: int, dtype: torch.dtype, max_useful_blocks: int, split: bool = False) -> int:
     """Blocks that fit `share` of the budget `spec` (never more), capped at what can ever be used.
 
     `spec` None means the device type's default (DEFAULT_KV_BUDGET)."""
     absolute, fraction = parse_memory(spec or DEFAULT_KV_BUDGET[device.type])
     budget = absolute if absolute is not None else int(fraction * free_device_memory(device))
-    blocks = int(budget * share) // kv_block_bytes(config, block_size, dtype)
+    blocks = int(budget * share) // kv_block_bytes(config, block_size, dtype, split)
     if blocks < 1:
         raise ValueError(f"kv-cache-memory {spec!r} leaves no room for a single KV block "
-                         f"({kv_block_bytes(config, block_size, dtype)} bytes) on {device}")
+                         f"({kv_block_bytes(config, block_size, dtype, split)} bytes) on {device}")
     return min(blocks, max_useful_blocks)
 
 

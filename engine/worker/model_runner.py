@@ -25,6 +25,7 @@ from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inpu
 from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
 from pdserve.engine.worker.state_pool import StatePool, carve_state_slots
+from pdserve.engine.worker.window_pool import WindowPool, carve_window_slots
 from pdserve.engine.worker.spec_verify import read_back_into as verified_into, verify_on_device, with_logprobs
 from pdserve.engine.worker.step import NewRow, StepInput, StepResult
 
@@ -56,13 +57,15 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, eos_token_ids: frozenset[int],
                  graph_max_batch: int = 0, max_blocks_per_seq: int = 0, buffer_tokens: int = 256,
-                 buffer_seqs: int = 32, kv_pool: torch.Tensor | None = None, state_slots: int = 0) -> None:
+                 buffer_seqs: int = 32, kv_pool: torch.Tensor | None = None, state_slots: int = 0,
+                 window_seqs: int = 0) -> None:
         """`graph_max_batch > 0` captures CUDA graphs for decode batches up to that size (CUDA only).
 
         `buffer_tokens` and `buffer_seqs` size the step buffers (they grow if a step needs more); `kv_pool`
         is a pool allocated elsewhere (shared memory), else one is allocated here. A model with recurrent layers
         keeps `state_slots` sequences' states at the end of the pool (`state_pool`): `num_blocks` then counts
-        the KV blocks before them."""
+        the KV blocks before them. A `split_window` model given `window_seqs` keeps its sliding layers' K and V
+        apart, in window slots for that many sequences at the end of the pool (`window_pool`)."""
         c = model.config
         self.model = model
         model.use_backend(kernels.choose_backend(model.embed_tokens.weight))    # NOTE: once, not per op
@@ -74,12 +77,18 @@ class ModelRunner:
         self.kv_window = c.kv_window
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
         self.forward_seconds = 0.0       # device work of a step (forward, logits, sampling), summed
-        self.kv_layout = kv_layout(c, block_size)
+        split = bool(window_seqs and c.split_window)
+        self.kv_layout = kv_layout(c, block_size, split)
         self.kv_pool = self.kv_layout.allocate(num_blocks, self.dtype, self.device) if kv_pool is None else kv_pool
         self.state_slots = carve_state_slots(c, self.kv_layout, self.dtype, num_blocks, state_slots)
         self.state = None if self.state_slots is None else StatePool(c, self.kv_pool, self.state_slots)
         if self.state_slots is not None:
             self.num_blocks = self.state_slots.first_block
+        self.window_slots = carve_window_slots(c, block_size, num_blocks, window_seqs,
+                                               self.max_blocks_per_seq) if split else None
+        self.window = None if self.window_slots is None else WindowPool(self.kv_pool, self.window_slots)
+        if self.window_slots is not None:
+            self.num_blocks = self.window_slots.first_block
         self.rows = RowState(self.max_blocks_per_seq, self.device)
         self.sampling = SamplingTable(c.vocab_size, eos_token_ids, self.device)
         self.sampler = Sampler(c.vocab_size, eos_token_ids)
@@ -89,7 +98,7 @@ class ModelRunner:
         self.buffers = InputBuffers(buffer_tokens, buffer_seqs, self.max_blocks_per_seq, self.device)
         self._unsettled: deque[PendingStep] = deque()   # launched, their host bookkeeping not done yet
         self.graphs = None
-        if graph_max_batch and self.device.type == "cuda":
+        if graph_max_batch and self.device.type == "cuda" and self.window is None:
             self.graphs = DecodeGraphs(model, self.kv_pool, graph_max_batch, self.max_blocks_per_seq)
 
     def execute(self, step: StepInput) -> StepResult:
@@ -185,6 +194,8 @@ class ModelRunner:
             self.sampling.free(row)
             self.constraints.free(row)
         self.rows.apply(step)
+        if self.window is not None:
+            self.window.assign(step.window_slots)
         for new in step.new_rows:
             self._admit(new)
 
@@ -208,6 +219,8 @@ class ModelRunner:
         buffers.upload(num_seqs, width)
         gather_decode_inputs(buffers, self.rows, len(step.decode_rows))
         batch = buffers.forward_batch(num_tokens, num_seqs, num_logits(step), width, is_decode=not step.chunks)
+        if self.window is not None:
+            batch = replace(batch, window=self.window.for_step(batch))
         return batch if self.state is None else replace(batch, state=self._states(step, buffers, num_seqs))
 
     def _states(self, step: StepInput, buffers: InputBuffers, num_seqs: int) -> RecurrentStates:

@@ -67,6 +67,7 @@ class StepInput:
     decode_positions: tuple[int, ...] = ()     # position each decode row computes
     chunks: tuple[ChunkInput, ...] = ()
     verify: tuple[VerifyInput, ...] = ()      # after the chunks in the model's batch
+    window_slots: tuple[tuple[int, int], ...] = ()   # (block, window slot) given out since the last step
 
     @property
     def num_tokens(self) -> int:

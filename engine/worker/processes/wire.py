@@ -30,7 +30,7 @@ from pdserve.engine.worker.kv_verify import CopyCheck
 from pdserve.engine.worker.step_runner import StepOutcome
 from pdserve.engine.worker.tiers.copier import TierOutcome
 
-VERSION = 5
+VERSION = 6
 MAGIC = b"PDSV"
 HEADER = struct.Struct("<4sHHII")           # magic, version, kind, number of arrays, JSON bytes
 WORK, OUTCOME, ERROR, READY, STOP = range(5)
@@ -90,6 +90,7 @@ def encode_work(work: StepWork) -> bytes:
         [t for v in s.verify for t in v.token_ids],
         [x for c in work.tier_saves for x in (c.block, c.tier, c.slot, c.peer)],
         [x for c in work.tier_loads for x in (c.block, c.tier, c.slot, c.peer)],
+        [x for pair in s.window_slots for x in pair],
     ]
     doc = {"threads": work.threads, "params": [r.params for r in new], "keys": [c.key for c in cp],
            "peers": [c.peer for c in cp], "tier_hashes": [c.digest.hex() for c in (*work.tier_saves,
@@ -100,7 +101,7 @@ def encode_work(work: StepWork) -> bytes:
 def decode_work(data: bytes) -> StepWork:
     _, a, doc = _unframe(data, WORK)
     (freed, new_meta, new_tokens, new_blocks, ap_meta, ap_blocks, rows, positions, chunks, cp_n, cp_src, cp_dst,
-     verify_meta, verify_tokens, tier_saves, tier_loads) = a
+     verify_meta, verify_tokens, tier_saves, tier_loads, window_slots) = a
     new_rows, t, b = [], 0, 0
     for (row, prompt, n_tokens, n_blocks, slot), params in zip(new_meta.reshape(-1, 5).tolist(), doc["params"]):
         new_rows.append(NewRow(row, tuple(new_tokens[t:t + n_tokens].tolist()), prompt,
@@ -118,7 +119,8 @@ def decode_work(data: bytes) -> StepWork:
                      tuple(positions.tolist()),
                      tuple(ChunkInput(r, s, n, bool(x), None if k < 0 else k)
                            for r, s, n, x, k in chunks.reshape(-1, 5).tolist()),
-                     _verify_inputs(verify_meta, verify_tokens))
+                     _verify_inputs(verify_meta, verify_tokens),
+                     tuple(map(tuple, window_slots.reshape(-1, 2).tolist())))
     saves, loads = _tier_copies(tier_saves, tier_loads, doc["tier_hashes"])
     return StepWork(step, tuple(copies), doc["threads"], saves, loads)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.core.state_slots import StateSlots
+from pdserve.engine.core.window_slots import WindowSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.transfer.select import select_transfer
@@ -27,6 +28,7 @@ from pdserve.engine.worker.model_runner import ModelRunner, load_model
 from pdserve.engine.worker.processes.shared_pool import PoolSpec, SharedFd, check_pools_agree, open_shared
 from pdserve.engine.worker.processes.shared_tiers import TierTicket, open_tiers
 from pdserve.engine.worker.state_pool import carve_state_slots
+from pdserve.engine.worker.window_pool import carve_window_slots
 from pdserve.engine.worker.step_runner import Peer, StepRunner
 from pdserve.engine.worker.startup.warmup import warm_up_for_serving
 from pdserve.engine.worker.tiers.cuda_copier import tier_copier
@@ -57,11 +59,20 @@ class WorkerSpec:
     thread_counts: tuple[int, ...] = ()   # CPU threads a step may run with (warmed at load); () = len(cores)
     tiers: TierTicket | None = None  # the KV tiers this worker copies blocks to and from
     kv_verify: bool = False          # check each KV hand-off at both ends (--kv-verify)
+    window_seqs: int = 0             # Layout.window_seqs
 
     def state_slots(self) -> StateSlots | None:
         """Where its runner keeps the recurrent states (a model with recurrent layers): a slot per sequence."""
         return carve_state_slots(self.model_config, self.pool.layout, self.dtype, self.pool.num_blocks,
                                  self.scheduler.max_num_seqs)
+
+    def window_slots(self) -> WindowSlots | None:
+        """Where its runner keeps the sliding layers' K and V apart (Layout.window_seqs), else None."""
+        if not (self.window_seqs and self.model_config.split_window):
+            return None
+        blocks_per_seq = self.step_sizes.get("max_blocks_per_seq") or self.pool.num_blocks
+        return carve_window_slots(self.model_config, self.pool.layout.block_size, self.pool.num_blocks,
+                                  self.window_seqs, blocks_per_seq)
 
 
 def worker_main(conn, spec: WorkerSpec, parent: int, own_fd, peer_fds) -> None:
@@ -123,7 +134,8 @@ def _build(spec: WorkerSpec, own_fd, peer_fds) -> StepRunner:
                        max(len(spec.cores), 1))
     pool = None if own_fd is None else open_shared(spec.pool, own_fd)
     runner = ModelRunner(model, spec.pool.num_blocks, spec.pool.layout.block_size, spec.eos_token_ids,
-                         kv_pool=pool, state_slots=spec.scheduler.max_num_seqs, **spec.step_sizes)
+                         kv_pool=pool, state_slots=spec.scheduler.max_num_seqs, window_seqs=spec.window_seqs,
+                         **spec.step_sizes)
     warm_up_for_serving(runner, spec.warmup_role, spec.scheduler, spec.max_model_len, spec.thread_counts)
     peers = []
     for peer_spec, peer_fd in zip(spec.peer_pools, peer_fds, strict=True):

@@ -220,7 +220,8 @@ def _blocks_touched(step: StepShape, block_size: int) -> int:
 
 
 def kv_blocks(budget: DeviceBudget, demands: list[Demand], config: ModelConfig, block_size: int,
-              dtype: torch.dtype, max_blocks_per_seq: int, min_tokens: int, memory: DeviceMemory) -> list[int]:
+              dtype: torch.dtype, max_blocks_per_seq: int, min_tokens: int, memory: DeviceMemory,
+              split: bool = False) -> list[int]:
     """Blocks for each demand's pool on `budget.device`, measured as the module docstring says.
 
     Raises InsufficientMemory when a pool would hold fewer than `min_tokens` tokens."""
@@ -228,7 +229,7 @@ def kv_blocks(budget: DeviceBudget, demands: list[Demand], config: ModelConfig, 
     reserve = Reserve(sum(r.activations for r in reserves), sum(r.graphs for r in reserves))
     free_now = memory.free()
     kv = budget.kv_bytes(free_now, reserve)
-    block = kv_block_bytes(config, block_size, dtype)
+    block = kv_block_bytes(config, block_size, dtype, split)
     min_blocks = -(-min_tokens // block_size)
     blocks = [min(int(max(kv, 0) * d.share) // block, d.max_useful_blocks) for d in demands]
     fits = kv + reserve.total <= free_now

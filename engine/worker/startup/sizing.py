@@ -36,8 +36,10 @@ class PoolSizer:
     """Sizes one engine's pools. Build it before loading any model: it reads each GPU's free memory."""
 
     def __init__(self, cache: CacheConfig, sched: SchedulerConfig, model_config: ModelConfig, dtype: torch.dtype,
-                 max_model_len: int, devices: set[torch.device], memory=CudaMemory) -> None:
+                 max_model_len: int, devices: set[torch.device], memory=CudaMemory, split: bool = False) -> None:
+        """`split`: the pools' blocks hold the full layers only (`memory.kv_layout`)."""
         self.cache, self.sched, self.model_config, self.dtype = cache, sched, model_config, dtype
+        self.split = split
         self.max_model_len = max_model_len
         self.memory = {d: memory(d) for d in devices if d.type == "cuda"}
         self.budgets = {d: DeviceBudget.at_start(d, cache.kv_cache_memory, m, cache.gpu_memory_utilization)
@@ -56,8 +58,8 @@ class PoolSizer:
         block_size = self.cache.block_size
         if device.type != "cuda":
             return [num_kv_blocks(self.cache.kv_cache_memory, d.share, device, self.model_config, block_size,
-                                  self.dtype, d.max_useful_blocks) for d in demands]
+                                  self.dtype, d.max_useful_blocks, self.split) for d in demands]
         per_seq = -(-self.max_model_len // block_size)
         min_tokens = min(self.sched.max_prefill_tokens, self.max_model_len)
         return kv_blocks(self.budgets[device], demands, self.model_config, block_size, self.dtype, per_seq,
-                         min_tokens, self.memory[device])
+                         min_tokens, self.memory[device], self.split)

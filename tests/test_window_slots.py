@@ -1,0 +1,178 @@
+"""A model mixing one sliding window with full-attention layers (Gemma 2/3, gpt-oss): the pool's blocks hold the full
+layers' K and V, and only the blocks inside a sequence's window hold a window slot for the sliding layers'. The slot
+accounting of tables, the prefix cache and deferred frees; transformers' tokens in every mode with the slots held to
+the window; a hand-off that copies no slot outside the window; and the 5:1 model's KV against its full layers'."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
+from pdserve.engine.core.messages import Request
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.window_slots import NO_SLOT, WindowSlots
+from pdserve.engine.engine import Engine
+from pdserve.engine.units.layout import split_windows
+from tests.hf_models import WINDOW
+from tests.models import SLOS_SET, engine_config, hf_checkpoint
+from tests.test_engine_modes import assert_pools_free, collect, expected_tokens, prompts, run_engine
+
+SIZE = 16                                          # the engine's block size
+WINDOW_BLOCKS = blocks_for(WINDOW, SIZE) + 1       # the blocks a window of positions can touch
+HELD = WINDOW_BLOCKS + 1                           # and the next position's, taken while a step is in flight
+PROMPT, NEW = 100, 8 * WINDOW
+
+
+def manager(num_blocks: int = 12, slots: int = 6, caching: bool = True) -> BlockManager:
+    """Blocks of 4 tokens, a window of 6 tokens (a position reads at most two blocks)."""
+    return BlockManager(num_blocks, 4, caching, window_slots=WindowSlots(slots, 2, num_blocks, 6))
+
+
+def slotted(blocks: BlockManager, seq_id: str) -> list[bool]:
+    pool = blocks.windows.pool
+    return [pool.slot_of[block] != NO_SLOT for block in blocks.table(seq_id)]
+
+
+def test_split_window_is_the_sliding_window_of_a_model_with_full_layers_too():
+    assert ModelConfig.from_dir(hf_checkpoint("gemma3")).split_window == WINDOW
+    assert ModelConfig.from_dir(hf_checkpoint("gemma2")).split_window == WINDOW
+    assert ModelConfig.from_dir(hf_checkpoint("mistral-sliding")).split_window == 0   # every layer slides
+    config = ModelConfig.from_dir(hf_checkpoint("gemma3"))                            # sliding, sliding, full
+    assert [config.pool_layer(i, split=True) for i in range(3)] == [0, 1, 0]
+    assert [config.pool_layer(i, split=False) for i in range(3)] == [0, 1, 2]
+
+
+def test_blocks_inside_the_window_hold_slots_and_let_them_go_as_it_passes():
+    blocks = manager()
+    blocks.grow("a", 12)                                   # a prompt: every block takes its slot at admission
+    assert slotted(blocks, "a") == [True] * 3 and blocks.windows.pool.num_held == 3
+    assert len(blocks.take_window_assignments()) == 3 and not blocks.take_window_assignments()
+    assert blocks.release_behind("a", 12) == 1             # position 12 reads positions 7..12: blocks 1 and 2
+    assert slotted(blocks, "a") == [False, True, True]
+    blocks.grow("a", 20)
+    assert blocks.release_behind("a", 19) == 2
+    assert slotted(blocks, "a") == [False, False, False, True, True] and blocks.num_used == 5
+    blocks.check_consistency()
+    blocks.free("a")
+    assert blocks.windows.pool.num_held == 0 and blocks.num_used == 0
+    blocks.check_consistency()
+
+
+def test_a_new_table_needs_window_slots_only_from_where_it_computes():
+    blocks = manager(slots=3)
+    assert blocks.num_free == 3                            # a block inside a window needs a slot too
+    assert blocks.lacks_window_slots("a", 24)              # a prompt of six blocks takes six slots
+    assert not blocks.lacks_window_slots("a", 24, window_from=23)
+    table = blocks.grow("a", 24, window_from=23)           # copied KV: the decode side computes from 23 on
+    assert slotted(blocks, "a") == [False] * 4 + [True] * 2
+    assert blocks.window_blocks("a")[:4] == ((),) * 4 and len(blocks.window_blocks("a")[5]) == 2
+    with pytest.raises(NoFreeBlocks, match="window slots"):
+        blocks.grow("b", 12)
+    assert len(table) == 6
+    blocks.check_consistency()
+
+
+def test_a_cached_prefix_is_usable_while_its_last_window_keeps_its_slots():
+    blocks = manager(slots=4)
+    blocks.grow("a", 16)
+    blocks.register("a", [b"w", b"x", b"y", b"z"])
+    blocks.release_behind("a", 16)                         # blocks 0 and 1 passed: cached, their slots kept
+    blocks.free("a")
+    assert blocks.windows.pool.num_held == 0 and blocks.windows.pool.available == 4
+    prompt = [b"w", b"x", b"y", b"z"]
+    assert len(blocks.match(prompt)) == 4
+    blocks.grow("b", 8)                                    # takes the least recently kept slots: blocks 0 and 1's
+    assert len(blocks.match(prompt)) == 4                  # the last window (blocks 2 and 3) still has its slots
+    blocks.grow("c", 8)                                    # then blocks 2 and 3's
+    assert blocks.match(prompt) == []                      # no prefix ends at a window that kept its slots
+    blocks.check_consistency()
+
+
+def test_a_freed_table_with_a_step_in_flight_keeps_its_slots_until_the_fence():
+    blocks = manager()
+    blocks.grow("a", 8)
+    blocks.free_after("a", fence=3)
+    assert blocks.windows.pool.num_held == 2
+    blocks.check_consistency()
+    blocks.release_through(3)
+    assert blocks.windows.pool.num_held == 0 and blocks.num_used == 0
+    blocks.check_consistency()
+
+
+def test_rejected_drafts_let_their_slots_go():
+    blocks = manager()
+    blocks.grow("a", 4)
+    blocks.grow("a", 12)                                   # room for drafts
+    blocks.truncate("a", 5)
+    assert slotted(blocks, "a") == [True, True] and blocks.windows.pool.num_held == 2
+    blocks.check_consistency()
+
+
+def build(arch: str, mode: str, **overrides) -> Engine:
+    mode, _, workers = mode.partition("/")
+    if workers:
+        overrides["workers"] = workers
+    return Engine(engine_config(hf_checkpoint(arch), mode=mode, max_prefill_tokens=48, **SLOS_SET, **overrides))
+
+
+async def decode_watching_slots(engine: Engine, request: Request) -> tuple[list[int], int]:
+    """The request's tokens, and the most window slots any pool held once it decoded past its prompt's window."""
+    tokens, most = [], 0
+    async for event in engine.submit(request):
+        tokens += event.token_ids
+        if len(tokens) > WINDOW:
+            most = max(most, *(actor.blocks.windows.pool.num_held for actor in engine.actors))
+    return tokens, most
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive", "disaggregated/process"])
+def test_decoding_far_past_the_window_holds_slots_for_the_window_only_with_transformers_tokens(mode, arch):
+    engine = build(arch, mode)
+    assert all(actor.blocks.windows for actor in engine.actors)
+    copied = []
+    for actor in engine.coordinator.prefill:
+        finished = actor._finished_blocks
+        actor._finished_blocks = lambda chunk, f=finished, a=actor: copied.append((a, f(chunk))) or copied[-1][1]
+    prompt = prompts([PROMPT], seed=11)[0]
+    request = Request("w", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    tokens, most = asyncio.run(run_engine(engine, decode_watching_slots(engine, request)))
+    assert tokens == expected_tokens(arch, prompt, NEW)
+    assert most <= HELD                                        # every block's slot would be 23
+    slots_sent = sum(sum(block >= actor.blocks.num_blocks for block in copy.src_blocks)
+                     for actor, copy in copied if copy is not None)
+    per_slot = engine.actors[0].blocks.windows.pool.slots.blocks_per_slot
+    if mode != "colocated" and (mode != "adaptive" or engine.actors[-1].remote_prefills):
+        assert 0 < slots_sent <= WINDOW_BLOCKS * per_slot      # only the prompt's last window's slots
+    assert_pools_free(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_cached_prefix_longer_than_the_window_gives_transformers_tokens(mode):
+    engine = build("gemma3", mode, enable_prefix_caching=True)
+    prompt = prompts([PROMPT], seed=12)[0]
+    params = SamplingParams(max_tokens=2 * WINDOW, temperature=0.0, ignore_eos=True)
+
+    async def twice():
+        first, _ = await collect(engine.submit(Request("a", prompt, params)))
+        second, _ = await collect(engine.submit(Request("b", prompt, params)))
+        return first, second, sum(actor.blocks.prefix_hits for actor in engine.actors)
+
+    first, second, hits = asyncio.run(run_engine(engine, twice()))
+    assert first == second == expected_tokens("gemma3", prompt, 2 * WINDOW)
+    assert hits > 0
+    assert_pools_free(engine)
+    engine.close()
+
+
+def test_with_kv_tiers_every_block_holds_every_layer():
+    """A tier record is a whole block: with tiers on, the sliding layers' K and V stay in the blocks."""
+    config = engine_config(hf_checkpoint("gemma3"))
+    model = ModelConfig.from_dir(hf_checkpoint("gemma3"))
+    assert split_windows(config, model)
+    assert not split_windows(replace(config, cache=replace(config.cache, kv_offload_memory="16MiB")), model)
+    assert not split_windows(config, ModelConfig.from_dir(hf_checkpoint("mistral-sliding")))
