@@ -1,35 +1,19 @@
-"""Paged KV bookkeeping in pure integers: free list, reference counts, block tables, prefix cache."""
+"""Paged KV bookkeeping in pure integers: block tables over a pool (`BlockPool`), state and window slots."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.engine.core.state_slots import StateSlots
+from pdserve.engine.core.block_pool import NO_BLOCK, BlockPool, NoFreeBlocks, blocks_for
+from pdserve.engine.core.state_slots import StateSlots, StateSlotTable
 from pdserve.engine.core.window_slots import WindowSlotPool, WindowSlots, WindowTables
 
-
-NO_BLOCK = -1          # a table entry whose block went back to the pool: behind the KV window, never read again
-
-
-class NoFreeBlocks(RuntimeError):
-    pass
+__all__ = ["NO_BLOCK", "BlockManager", "BlockPool", "NoFreeBlocks", "blocks_for"]
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-class BlockManager:
+class BlockManager(BlockPool):
     """Owns the block ids of one KV pool. Never touches tensors.
 
-    Invariant: every block id is either on the free list (ref count 0) or held by one or more
-    sequences' tables (ref count = number of holders), a table released with `free_after`
-    counting as a holder until its fence is released.
-
-    Prefix cache (`enable_caching`): a full block whose KV is computed can be registered under
-    its hash; a new sequence takes the longest run of registered blocks matching its own hashes
-    (sharing them: ref count + 1). A registered block keeps its hash on the free list, which is
-    least-recently-used first: it stays reusable until it is handed out for new tokens.
+    Its pool (`BlockPool`): a table released with `free_after` counts as a holder until its fence is released.
 
     State slots (`state_slots`, a model with recurrent layers): a new table takes a free slot and gives it back
     when it is freed (or its fence passes), so a slot is held exactly as long as the table.
@@ -46,25 +30,13 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  state_slots: StateSlots | None = None, kv_window: int = 0,
                  window_slots: WindowSlots | None = None) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        super().__init__(num_blocks, block_size, enable_caching)
         self.kv_window = kv_window
-        self.enable_caching = enable_caching
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # first out first
-        self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._deferred: dict[int, list[list[int]]] = {}     # fence -> tables released once it passes
-        self._deferred_slots: dict[int, list[int]] = {}     # fence -> state slots released with them
         self.num_deferred = 0
-        self._cached: dict[bytes, int] = {}                 # hash -> block
-        self._hash_of: list[bytes | None] = [None] * num_blocks
-        self.prefix_queries = 0                             # tokens looked up at admission
-        self.prefix_hits = 0                                # of which found in the cache
-        self.evicted: list[tuple[int, bytes]] | None = None   # (block, hash) of registered blocks handed out
-        #                                                     again, while a KV tier wants them (else None)
         self.state_slots = state_slots
-        self._free_slots = list(range(state_slots.count - 1, -1, -1)) if state_slots else []
-        self._slot_of: dict[str, int] = {}
+        self.states = state_slots and StateSlotTable(state_slots)
         self.windows = window_slots and WindowTables(WindowSlotPool(window_slots, num_blocks), block_size,
                                                      lambda block: self._hash_of[block] is not None)
 
@@ -77,21 +49,6 @@ class BlockManager:
     def releases_behind(self) -> bool:
         """Whether a table gives back what lies behind a window as it advances (`release_behind`)."""
         return bool(self.kv_window or self.windows)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
-    def cached_blocks(self) -> list[tuple[int, bytes]]:
-        """(block, hash) of every block the prefix cache holds, in the order they were registered."""
-        return [(block, digest) for digest, block in self._cached.items()]
-
-    def usage_after(self, extra_blocks: int) -> float:
-        return (self.num_used + extra_blocks) / max(self.num_blocks, 1)
 
     @property
     def num_sequences(self) -> int:
@@ -132,20 +89,19 @@ class BlockManager:
 
     def lacks_state_slot(self, seq_id: str) -> bool:
         """A new table here needs a state slot and none is free."""
-        return self.state_slots is not None and seq_id not in self._tables and not self._free_slots
+        return bool(self.states) and self.states.lacks(seq_id)
 
     def state_slot(self, seq_id: str) -> int:
         """The state slot of `seq_id`'s table (-1 without state slots)."""
-        return self._slot_of.get(seq_id, -1)
+        return self.states.slot(seq_id) if self.states else -1
 
     def state_blocks(self, seq_id: str) -> tuple[int, ...]:
         """The blocks of `seq_id`'s state slot (none without state slots)."""
-        slot = self._slot_of.get(seq_id)
-        return () if slot is None else self.state_slots.blocks(slot)
+        return self.states.blocks(seq_id) if self.states else ()
 
     @property
     def num_free_state_slots(self) -> int:
-        return len(self._free_slots)
+        return self.states.num_free if self.states else 0
 
     def grow(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), first_block: int = 0,
              window_from: int | None = None) -> list[int]:
@@ -165,8 +121,8 @@ class BlockManager:
         old_len = len(self._tables.get(seq_id, ()))
         if self.lacks_state_slot(seq_id):
             raise NoFreeBlocks(f"no free state slot of {self.state_slots.count}")
-        if self.state_slots is not None and seq_id not in self._tables:
-            self._slot_of[seq_id] = self._free_slots.pop()
+        if self.states:
+            self.states.take(seq_id)
         table = self._tables.setdefault(seq_id, [])
         table.extend([NO_BLOCK] * first_block)               # NOTE: cached blocks behind the window stay free
         for block in prefix[first_block:]:
@@ -179,35 +135,16 @@ class BlockManager:
             self.windows.extend(seq_id, table, old_len, self.windows.first_block(position))
         return table
 
-    def _share(self, block: int) -> None:
-        if self._ref_counts[block] == 0:
-            del self._free[block]
-        self._ref_counts[block] += 1
-
     def _take_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
-        stale = self._hash_of[block]
-        if stale is not None:                                # evicted: its KV is about to be overwritten
-            del self._cached[stale]
-            self._hash_of[block] = None
-            if self.evicted is not None:
-                self.evicted.append((block, stale))
-        self._ref_counts[block] = 1
+        block = super()._take_free()
         if self.windows:
-            self.windows.pool.drop(block)
+            self.windows.pool.drop(block)                    # NOTE: its kept window slot is stale now
         return block
 
     # prefix cache
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes` (block i holds hash i)."""
-        if not self.enable_caching:
-            return []
-        hits = []
-        for digest in hashes:
-            block = self._cached.get(digest)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self._cached_run(hashes)
         return self.windows.usable(hits) if self.windows else hits
 
     def window_blocks(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
@@ -232,18 +169,6 @@ class BlockManager:
             if block != NO_BLOCK and self._hash_of[block] is None and digest not in self._cached:
                 self._cached[digest] = block
                 self._hash_of[block] = digest
-
-    def take_evicted(self, since: int = 0) -> list[tuple[int, bytes]]:
-        """The evicted (block, hash) pairs reported since the `since`-th one, no longer reported."""
-        if not self.evicted:
-            return []
-        taken = self.evicted[since:]
-        del self.evicted[since:]
-        return taken
-
-    def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
-        self.prefix_queries += num_tokens
-        self.prefix_hits += hit_tokens
 
     # release
     def release_behind(self, seq_id: str, num_tokens: int) -> int:
@@ -281,14 +206,15 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
-        if self.windows:
-            self.windows.close(seq_id, table)
-        self._free_slot(self._slot_of.pop(seq_id, None))
+        self._close(seq_id, table)
         return self._release(table)
 
-    def _free_slot(self, slot: int | None) -> None:
-        if slot is not None:
-            self._free_slots.append(slot)
+    def _close(self, seq_id: str, table: list[int], fence: int | None = None) -> None:
+        """`seq_id`'s table is gone: its window and state slots go back, at once or once `fence` passes."""
+        if self.windows:
+            self.windows.close(seq_id, table, fence)
+        if self.states:
+            self.states.close(seq_id, fence)
 
     def free_after(self, seq_id: str, fence: int) -> int:
         """Like `free`, but the blocks return to the free list only at `release_through(fence)`.
@@ -298,14 +224,10 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
-        if self.windows:
-            self.windows.close(seq_id, table, fence)
+        self._close(seq_id, table, fence)
         table = [block for block in table if block != NO_BLOCK]
         self._deferred.setdefault(fence, []).append(table)
         self.num_deferred += len(table)
-        slot = self._slot_of.pop(seq_id, None)
-        if slot is not None:
-            self._deferred_slots.setdefault(fence, []).append(slot)
         return len(table)
 
     def release_through(self, fence: int) -> int:
@@ -313,25 +235,12 @@ class BlockManager:
         released = 0
         if self.windows:
             self.windows.release_through(fence)
+        if self.states:
+            self.states.release_through(fence)
         for passed in [f for f in self._deferred if f <= fence]:
             for table in self._deferred.pop(passed):
                 released += self._release(table)
-            for slot in self._deferred_slots.pop(passed, ()):
-                self._free_slot(slot)
         self.num_deferred -= released
-        return released
-
-    def _release(self, table: list[int]) -> int:
-        released = 0
-        for block in reversed(table):                        # NOTE: a table's tail is evicted before its head
-            if block == NO_BLOCK:
-                continue
-            released += 1
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free[block] = None
-                if self._hash_of[block] is None:             # nothing worth keeping: handed out first
-                    self._free.move_to_end(block, last=False)
         return released
 
     def check_consistency(self) -> None:
@@ -343,14 +252,8 @@ class BlockManager:
             for block in table:
                 if block != NO_BLOCK:
                     held[block] = held.get(block, 0) + 1
-        for block in range(self.num_blocks):
-            assert self._ref_counts[block] == held.get(block, 0), f"block {block} ref count"
-            assert (block in held) != (block in self._free), f"block {block} both free and held"
-        for digest, block in self._cached.items():
-            assert self._hash_of[block] == digest, f"block {block} hash map"
-        if self.state_slots is not None:
-            held_slots = [*self._slot_of.values(), *(s for slots in self._deferred_slots.values() for s in slots)]
-            assert set(self._slot_of) == set(self._tables), "a table without its state slot"
-            assert sorted(held_slots + self._free_slots) == list(range(self.state_slots.count)), "state slots"
+        self._check_pool(held)
+        if self.states:
+            self.states.check(self._tables)
         if self.windows:
             self.windows.check(self._tables)
