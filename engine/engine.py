@@ -89,8 +89,7 @@ class Engine(Recovery):
         self.streams = Streams(self.served.tokenizer, self._abort_in_actors, self._left_table)
         self._slos: Slos | None = None
         self.coordinator = self._wire()
-        pool_tokens = min(unit.num_blocks * unit.block_size for unit in self.units.all())
-        self.max_model_len = min(self.layout.max_model_len, pool_tokens)
+        self.max_model_len = min(self.layout.max_model_len, self.units.sequence_tokens())
         self._running = False
 
     # what it serves

@@ -54,7 +54,7 @@ class Work:
 
 class Runner:
     device, num_blocks, block_size, eos_token_ids, state_slots = torch.device("cpu"), 1, 16, frozenset(), None
-    kv_window = 0
+    kv_window, window_slots = 0, None
 
 
 class ParallelStep:

@@ -176,3 +176,24 @@ def test_with_kv_tiers_every_block_holds_every_layer():
     assert split_windows(config, model)
     assert not split_windows(replace(config, cache=replace(config.cache, kv_offload_memory="16MiB")), model)
     assert not split_windows(config, ModelConfig.from_dir(hf_checkpoint("mistral-sliding")))
+
+
+def test_the_context_is_capped_where_a_prompt_finds_a_window_slot_for_each_block():
+    """A prompt takes a window slot for each of its blocks at admission: where a small pool has fewer slots than
+    blocks, the longest context is what the slots hold (a longer prompt would wait for slots forever)."""
+    config = ModelConfig.from_dir(hf_checkpoint("gemma3"))
+    block_bytes = config.num_full_layers * 2 * SIZE * config.num_kv_heads * config.head_dim * 4
+    engine = build("gemma3", "colocated", kv_cache_memory=61 * block_bytes)        # 20 slots of 2, 21 blocks
+    blocks = engine.actors[0].blocks
+    assert (blocks.windows.pool.slots.count, blocks.num_blocks) == (20, 21)
+    assert engine.max_model_len == 20 * SIZE
+    prompt = prompts([20 * SIZE - 8], seed=13)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def once():
+        return await collect(engine.submit(Request("long", prompt, params)))
+
+    tokens, _ = asyncio.run(run_engine(engine, once()))
+    assert tokens == expected_tokens("gemma3", prompt, 8)
+    assert_pools_free(engine)
+    engine.close()

@@ -29,6 +29,12 @@ class Units:
     def all(self) -> tuple[Compute, ...]:
         return self.computes
 
+    def sequence_tokens(self) -> int:
+        """The most tokens one sequence can hold in the smallest pool (a prompt's blocks take their window slots
+        at admission, where the model has them)."""
+        return min(min(unit.num_blocks, unit.window_slots.count if unit.window_slots else unit.num_blocks)
+                   * unit.block_size for unit in self.computes)
+
     def drafter(self, spec: UnitSpec):
         """The draft model of unit `spec` (None without the draft_model method, or for a prefill unit)."""
         return self.drafters[spec.index] if self.drafters and spec.decodes else None
