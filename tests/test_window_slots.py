@@ -5,20 +5,22 @@ the window; a hand-off that copies no slot outside the window; and the 5:1 model
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import replace
 
 import pytest
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocks, blocks_for
-from pdserve.engine.core.messages import Request
+from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.window_slots import NO_SLOT, WindowSlots
 from pdserve.engine.engine import Engine
 from pdserve.engine.units.layout import split_windows
 from tests.hf_models import WINDOW
 from tests.models import SLOS_SET, engine_config, hf_checkpoint
-from tests.test_engine_modes import assert_pools_free, collect, expected_tokens, prompts, run_engine
+from tests.test_engine_modes import (abort_after, assert_pools_free, collect, expected_tokens, prompts, run_engine,
+                                    wait_idle)
 
 SIZE = 16                                          # the engine's block size
 WINDOW_BLOCKS = blocks_for(WINDOW, SIZE) + 1       # the blocks a window of positions can touch
@@ -196,4 +198,25 @@ def test_the_context_is_capped_where_a_prompt_finds_a_window_slot_for_each_block
     tokens, _ = asyncio.run(run_engine(engine, once()))
     assert tokens == expected_tokens("gemma3", prompt, 8)
     assert_pools_free(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive"])
+def test_random_aborts_at_every_stage_leave_every_block_and_window_slot_free(mode, overlap):
+    engine = build("gemma3", mode, enable_prefix_caching=True, async_scheduling=overlap)
+    rng = random.Random(7)
+
+    async def scenario():
+        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True)))
+                   for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(24)], seed=5))]
+        engine.abort("a0")                                   # queued
+        results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 12)) for s in streams))
+        await wait_idle(engine)
+        return results
+
+    results = asyncio.run(run_engine(engine, scenario()))
+    assert_pools_free(engine)
+    assert sum(reason is FinishReason.ABORT for _, reason in results) >= 12
+    assert all(len(tokens) == 40 for tokens, reason in results if reason is FinishReason.LENGTH)
     engine.close()
