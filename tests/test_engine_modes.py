@@ -119,22 +119,22 @@ def test_seeded_sampling_identical_in_both_modes():
 @pytest.mark.parametrize("mode", MODES)
 def test_random_aborts_at_every_stage_free_every_block(mode):
     engine = Engine(engine_config(demo_checkpoint(), mode=mode, max_prefill_tokens=32))
-    rng = random.Random(0)
-
-    async def scenario():
-        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=30, ignore_eos=True)))
-                   for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(24)], seed=3))]
-        engine.abort("a0")                                   # queued
-        results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 12)) for s in streams))
-        await wait_idle(engine)
-        return results
-
-    results = asyncio.run(run_engine(engine, scenario()))
+    results = asyncio.run(run_engine(engine, random_aborts(engine, random.Random(0), seed=3, max_tokens=30)))
     assert_pools_free(engine)
     assert all(reason in (FinishReason.ABORT, FinishReason.LENGTH) for _, reason in results)
     assert sum(reason is FinishReason.ABORT for _, reason in results) >= 12
     assert all(len(tokens) == 30 for tokens, reason in results if reason is FinishReason.LENGTH)
     engine.close()
+
+
+async def random_aborts(engine: Engine, rng: random.Random, seed: int, max_tokens: int) -> list:
+    """24 prompts of 1-200 tokens, one aborted while queued, each other after 0-12 events; (tokens, reason) each."""
+    streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+               for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(24)], seed=seed))]
+    engine.abort("a0")                                       # queued
+    results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 12)) for s in streams))
+    await wait_idle(engine)
+    return results
 
 
 async def abort_after(engine: Engine, stream, events: int):

@@ -74,33 +74,34 @@ def test_a_table_shares_only_the_cached_blocks_its_window_reads():
     blocks.check_consistency()
 
 
-def build(mode: str, **overrides) -> Engine:
+def build(arch: str, mode: str, **overrides) -> Engine:
+    """`mode`, "/process" for worker processes; 48-token prefill steps, SLOs stated (no start-up profile)."""
     mode, _, workers = mode.partition("/")
     if workers:
         overrides["workers"] = workers
-    return Engine(engine_config(hf_checkpoint(ARCH), mode=mode, max_prefill_tokens=48, **SLOS_SET, **overrides))
+    return Engine(engine_config(hf_checkpoint(arch), mode=mode, max_prefill_tokens=48, **SLOS_SET, **overrides))
 
 
-async def decode_watching_blocks(engine: Engine, request: Request) -> tuple[list[int], int]:
-    """The request's tokens, and the most blocks any pool held once it decoded past its prompt's window."""
+async def decode_watching(engine: Engine, request: Request, held=lambda actor: actor.blocks.num_used):
+    """The request's tokens, and the most any pool `held` (its blocks) once it decoded past its prompt's window."""
     tokens, most = [], 0
     async for event in engine.submit(request):
         tokens += event.token_ids
         if len(tokens) > WINDOW:
-            most = max(most, *(actor.blocks.num_used for actor in engine.actors))
+            most = max(most, *(held(actor) for actor in engine.actors))
     return tokens, most
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive", "disaggregated/process"])
 def test_decoding_far_past_the_window_holds_only_the_window_with_transformers_tokens(mode):
-    engine = build(mode)
+    engine = build(ARCH, mode)
     copied = []
     for actor in engine.coordinator.prefill:
         finished = actor._finished_blocks
         actor._finished_blocks = lambda chunk, f=finished: copied.append(f(chunk)) or copied[-1]
     prompt = prompts([PROMPT], seed=11)[0]
     request = Request("w", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
-    tokens, most = asyncio.run(run_engine(engine, decode_watching_blocks(engine, request)))
+    tokens, most = asyncio.run(run_engine(engine, decode_watching(engine, request)))
     assert tokens == expected_tokens(ARCH, prompt, NEW)
     assert most <= HELD                                        # a full table would hold 23 blocks
     sent = sum(len(copy.src_blocks) for copy in copied if copy is not None)
@@ -110,9 +111,10 @@ def test_decoding_far_past_the_window_holds_only_the_window_with_transformers_to
     engine.close()
 
 
+@pytest.mark.parametrize("arch", [ARCH, "gemma3"])     # gemma3: full layers beside, the sliding ones in window slots
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_a_cached_prefix_longer_than_the_window_gives_transformers_tokens(mode):
-    engine = build(mode, enable_prefix_caching=True)
+def test_a_cached_prefix_longer_than_the_window_gives_transformers_tokens(mode, arch):
+    engine = build(arch, mode, enable_prefix_caching=True)
     prompt = prompts([PROMPT], seed=12)[0]
     params = SamplingParams(max_tokens=2 * WINDOW, temperature=0.0, ignore_eos=True)
 
@@ -122,7 +124,7 @@ def test_a_cached_prefix_longer_than_the_window_gives_transformers_tokens(mode):
         return first, second, sum(actor.blocks.prefix_hits for actor in engine.actors)
 
     first, second, hits = asyncio.run(run_engine(engine, twice()))
-    assert first == second == expected_tokens(ARCH, prompt, 2 * WINDOW)
+    assert first == second == expected_tokens(arch, prompt, 2 * WINDOW)
     assert hits > 0
     assert_pools_free(engine)
     engine.close()

@@ -1,7 +1,8 @@
 """A model mixing one sliding window with full-attention layers (Gemma 2/3, gpt-oss): the pool's blocks hold the full
 layers' K and V, and only the blocks inside a sequence's window hold a window slot for the sliding layers'. The slot
 accounting of tables, the prefix cache and deferred frees; transformers' tokens in every mode with the slots held to
-the window; a hand-off that copies no slot outside the window; and the 5:1 model's KV against its full layers'."""
+the window; a hand-off that copies no slot outside the window; aborts; the context cap (a cached prefix past the
+window: test_kv_window.py; what a 5:1 model holds: bench/window_memory.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,11 @@ from pdserve.engine.core.block_manager import BlockManager, NoFreeBlocks, blocks
 from pdserve.engine.core.messages import FinishReason, Request
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.core.window_slots import NO_SLOT, WindowSlots
-from pdserve.engine.engine import Engine
 from pdserve.engine.units.layout import split_windows
 from tests.hf_models import WINDOW
-from tests.models import SLOS_SET, engine_config, hf_checkpoint
-from tests.test_engine_modes import (abort_after, assert_pools_free, collect, expected_tokens, prompts, run_engine,
-                                    wait_idle)
+from tests.models import engine_config, hf_checkpoint
+from tests.test_kv_window import build, decode_watching
+from tests.test_engine_modes import assert_pools_free, collect, expected_tokens, prompts, random_aborts, run_engine
 
 SIZE = 16                                          # the engine's block size
 WINDOW_BLOCKS = blocks_for(WINDOW, SIZE) + 1       # the blocks a window of positions can touch
@@ -31,6 +31,10 @@ PROMPT, NEW = 100, 8 * WINDOW
 def manager(num_blocks: int = 12, slots: int = 6, caching: bool = True) -> BlockManager:
     """Blocks of 4 tokens, a window of 6 tokens (a position reads at most two blocks)."""
     return BlockManager(num_blocks, 4, caching, window_slots=WindowSlots(slots, 2, num_blocks, 6))
+
+
+def slots_held(actor) -> int:
+    return actor.blocks.windows.pool.num_held
 
 
 def slotted(blocks: BlockManager, seq_id: str) -> list[bool]:
@@ -113,23 +117,6 @@ def test_rejected_drafts_let_their_slots_go():
     blocks.check_consistency()
 
 
-def build(arch: str, mode: str, **overrides) -> Engine:
-    mode, _, workers = mode.partition("/")
-    if workers:
-        overrides["workers"] = workers
-    return Engine(engine_config(hf_checkpoint(arch), mode=mode, max_prefill_tokens=48, **SLOS_SET, **overrides))
-
-
-async def decode_watching_slots(engine: Engine, request: Request) -> tuple[list[int], int]:
-    """The request's tokens, and the most window slots any pool held once it decoded past its prompt's window."""
-    tokens, most = [], 0
-    async for event in engine.submit(request):
-        tokens += event.token_ids
-        if len(tokens) > WINDOW:
-            most = max(most, *(actor.blocks.windows.pool.num_held for actor in engine.actors))
-    return tokens, most
-
-
 @pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive", "disaggregated/process"])
 def test_decoding_far_past_the_window_holds_slots_for_the_window_only_with_transformers_tokens(mode, arch):
@@ -141,7 +128,7 @@ def test_decoding_far_past_the_window_holds_slots_for_the_window_only_with_trans
         actor._finished_blocks = lambda chunk, f=finished, a=actor: copied.append((a, f(chunk))) or copied[-1][1]
     prompt = prompts([PROMPT], seed=11)[0]
     request = Request("w", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
-    tokens, most = asyncio.run(run_engine(engine, decode_watching_slots(engine, request)))
+    tokens, most = asyncio.run(run_engine(engine, decode_watching(engine, request, slots_held)))
     assert tokens == expected_tokens(arch, prompt, NEW)
     assert most <= HELD                                        # every block's slot would be 23
     slots_sent = sum(sum(block >= actor.blocks.num_blocks for block in copy.src_blocks)
@@ -149,24 +136,6 @@ def test_decoding_far_past_the_window_holds_slots_for_the_window_only_with_trans
     per_slot = engine.actors[0].blocks.windows.pool.slots.blocks_per_slot
     if mode != "colocated" and (mode != "adaptive" or engine.actors[-1].remote_prefills):
         assert 0 < slots_sent <= WINDOW_BLOCKS * per_slot      # only the prompt's last window's slots
-    assert_pools_free(engine)
-    engine.close()
-
-
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_a_cached_prefix_longer_than_the_window_gives_transformers_tokens(mode):
-    engine = build("gemma3", mode, enable_prefix_caching=True)
-    prompt = prompts([PROMPT], seed=12)[0]
-    params = SamplingParams(max_tokens=2 * WINDOW, temperature=0.0, ignore_eos=True)
-
-    async def twice():
-        first, _ = await collect(engine.submit(Request("a", prompt, params)))
-        second, _ = await collect(engine.submit(Request("b", prompt, params)))
-        return first, second, sum(actor.blocks.prefix_hits for actor in engine.actors)
-
-    first, second, hits = asyncio.run(run_engine(engine, twice()))
-    assert first == second == expected_tokens("gemma3", prompt, 2 * WINDOW)
-    assert hits > 0
     assert_pools_free(engine)
     engine.close()
 
@@ -205,17 +174,7 @@ def test_the_context_is_capped_where_a_prompt_finds_a_window_slot_for_each_block
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive"])
 def test_random_aborts_at_every_stage_leave_every_block_and_window_slot_free(mode, overlap):
     engine = build("gemma3", mode, enable_prefix_caching=True, async_scheduling=overlap)
-    rng = random.Random(7)
-
-    async def scenario():
-        streams = [engine.submit(Request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True)))
-                   for i, p in enumerate(prompts([rng.randint(1, 200) for _ in range(24)], seed=5))]
-        engine.abort("a0")                                   # queued
-        results = await asyncio.gather(*(abort_after(engine, s, rng.randint(0, 12)) for s in streams))
-        await wait_idle(engine)
-        return results
-
-    results = asyncio.run(run_engine(engine, scenario()))
+    results = asyncio.run(run_engine(engine, random_aborts(engine, random.Random(7), seed=5, max_tokens=40)))
     assert_pools_free(engine)
     assert sum(reason is FinishReason.ABORT for _, reason in results) >= 12
     assert all(len(tokens) == 40 for tokens, reason in results if reason is FinishReason.LENGTH)
