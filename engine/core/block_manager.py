@@ -83,9 +83,13 @@ class BlockManager(BlockPool):
         `num_tokens` tokens needs more window slots than are available."""
         if not self.windows:
             return False
-        start = self.windows.first_block(len(prefix) * self.block_size if window_from is None else window_from)
-        needed = self.windows.needed(self._tables.get(seq_id), blocks_for(num_tokens, self.block_size), prefix, start)
+        needed = self.windows.needed(self._tables.get(seq_id), blocks_for(num_tokens, self.block_size), prefix,
+                                     self._window_start(prefix, window_from))
         return needed > self.windows.pool.available
+
+    def _window_start(self, prefix: Sequence[int], window_from: int | None) -> int:
+        """The first block a new table's window holds: that of position `window_from`, by default the prefix's end."""
+        return self.windows.first_block(len(prefix) * self.block_size if window_from is None else window_from)
 
     def lacks_state_slot(self, seq_id: str) -> bool:
         """A new table here needs a state slot and none is free."""
@@ -131,8 +135,7 @@ class BlockManager(BlockPool):
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self._take_free())
         if self.windows:
-            position = len(prefix) * self.block_size if window_from is None else window_from
-            self.windows.extend(seq_id, table, old_len, self.windows.first_block(position))
+            self.windows.extend(seq_id, table, old_len, self._window_start(prefix, window_from))
         return table
 
     def _take_free(self) -> int:
