@@ -149,7 +149,8 @@ def test_a_conversations_later_turns_hit_the_prefix_cache_on_the_unit_that_serve
         return cached
 
     cached = asyncio.run(run_engine(engine, conversations()))
-    assert all(tokens >= 64 for tokens in cached.values())
+    prefills = {a.unit: (a.routed_prefill, a.routed_decode) for a in engine.stats().actors}
+    assert all(tokens >= 64 for tokens in cached.values()), (cached, prefills)
     assert_pools_free(engine)
     engine.close()
 
