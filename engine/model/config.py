@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.model.config_checks import validate_config
 from pdserve.engine.model.experts_config import ExpertsConfig, experts_config
 from pdserve.engine.model.recurrent_config import LinearAttentionConfig, linear_attention_config
 from pdserve.engine.model.text_of_multimodal import text_config
@@ -262,7 +263,7 @@ def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
         raise ConfigError(f"{path}: missing required key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: invalid value: {e}") from None
-    _validate(config, path)
+    validate_config(config, path)
     return config
 
 
@@ -284,25 +285,3 @@ def _eos_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-
-
-def _validate(c: ModelConfig, path: Path) -> None:
-    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "max_position_embeddings")
-    for name in positive:
-        if getattr(c, name) <= 0:
-            raise ConfigError(f"{path}: {name} must be positive, got {getattr(c, name)}")
-    if c.num_heads % c.num_kv_heads:
-        raise ConfigError(f"{path}: num_attention_heads ({c.num_heads}) is not a multiple of "
-                          f"num_key_value_heads ({c.num_kv_heads})")
-    if len(c.layer_kinds) != c.num_layers:
-        raise ConfigError(f"{path}: layer_types lists {len(c.layer_kinds)} layers for num_hidden_layers "
-                          f"{c.num_layers}")
-    for rope in {kind.rope for kind in c.layer_kinds if kind.rope is not None}:
-        rotary = rope.rotary_dim(c.head_dim)
-        if rotary % 2 or not 0 < rotary <= c.head_dim:
-            raise ConfigError(f"{path}: a rotary embedding over {rotary} of head_dim {c.head_dim} dimensions "
-                              f"(partial_rotary_factor {rope.partial_rotary_factor}) is not an even part of a head")
-        if rope.rope_type == "longrope" and len(rope.short_factor) != rotary // 2:
-            raise ConfigError(f"{path}: rope_scaling short_factor and long_factor need {rotary // 2} values "
-                              f"(rotary dimensions / 2), got {len(rope.short_factor)}")
