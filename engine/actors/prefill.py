@@ -108,9 +108,10 @@ class PrefillActor(Actor):
                  if NO_BLOCK not in (s, d)]                 # NOTE: behind the KV window: never read there
         src, dst = tuple(s for s, _ in pairs), tuple(d for _, d in pairs)
         if out.decode_window_blocks:                      # NOTE: only blocks inside the window there have slots
-            here = self.blocks.window_blocks(seq.request_id)
-            slots = [(s, d) for s, d in zip(here[first:last], out.decode_window_blocks[first:last]) if s and d]
-            src, dst = src + sum((s for s, _ in slots), ()), dst + sum((d for _, d in slots), ())
+            here = self.blocks.window_blocks(seq.request_id, first, last)
+            slots = [(s, d) for s, d in zip(here, out.decode_window_blocks[first:last]) if s and d]
+            src += tuple(b for s, _ in slots for b in s)
+            dst += tuple(b for _, d in slots for b in d)
         if chunk.sample:
             src, dst = src + self.blocks.state_blocks(seq.request_id), dst + out.decode_state_blocks
         return BlockCopy(seq.request_id, src, dst, out.decode_unit) if src else None

@@ -150,11 +150,12 @@ class BlockManager(BlockPool):
         hits = self._cached_run(hashes)
         return self.windows.usable(hits) if self.windows else hits
 
-    def window_blocks(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
-        """For each block of `seq_id`'s table, the pool blocks of its window slot (none: behind the window)."""
+    def window_blocks(self, seq_id: str, first: int = 0, last: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """For each block `first` .. `last` - 1 of `seq_id`'s table, the pool blocks of its window slot (none:
+        behind the window)."""
         pool = self.windows.pool if self.windows else None
         return tuple(pool.slots.blocks(pool.slot_of[block]) if pool and block != NO_BLOCK and
-                     pool.slot_of[block] >= 0 else () for block in self._tables[seq_id])
+                     pool.slot_of[block] >= 0 else () for block in self._tables[seq_id][first:last])
 
     def take_window_assignments(self) -> tuple[tuple[int, int], ...]:
         """The (block, window slot) pairs given out since the last call, for the runner."""
