@@ -46,10 +46,10 @@ from pdserve.kernels.native_rotary_store import rotary_store_native
 from pdserve.kernels.native_silu_and_mul import silu_and_mul_native
 from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from pdserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from pdserve.kernels.rotary import rotary_ref, rotary_triton
+from pdserve.kernels.rotary import rotary_query_ref, rotary_query_triton, rotary_ref, rotary_triton
 from pdserve.kernels.store_kv import store_kv_ref, store_kv_triton
 
-__all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "silu_and_mul",
+__all__ = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary", "rotary_query", "silu_and_mul",
            "rotary_store_kv", "linear", "gelu_tanh_and_mul", "decode_layers", "moe_experts", "causal_conv1d", "gated_delta_rule", "Backend",
            "choose_backend",
            "use_triton", "use_native", "check_backend", "KernelBackendError"]
@@ -165,6 +165,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return rotary_ref(q, k, positions, cos_sin)
     with _INTERPRETER_LOCK:
         return rotary_triton(q, k, positions, cos_sin)
+
+
+def rotary_query(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 backend: Backend | None = None) -> torch.Tensor:
+    """rotary() of q alone, for a layer that reads another layer's keys."""
+    if (backend or choose_backend(q)) is not Backend.TRITON:
+        return rotary_query_ref(q, positions, cos_sin)
+    with _INTERPRETER_LOCK:
+        return rotary_query_triton(q, positions, cos_sin)
 
 
 def silu_and_mul(x: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:

@@ -13,6 +13,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rotary_query_ref(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    assert cos_sin.shape[1] == q.shape[-1], "rotary dim must equal head dim"
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin)
+
+
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # q: [T, Hq, D]; k: [T, Hkv, D]; positions: [T]; cos_sin: [P, D] = [cos | sin]
@@ -62,3 +68,10 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.dtype == k.dtype
     assert q.device == k.device == positions.device == cos_sin.device
     return _rotate_triton(q, positions, cos_sin), _rotate_triton(k, positions, cos_sin)
+
+
+def rotary_query_triton(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding of q [T, Hq, D] alone."""
+    assert q.dim() == 3 and q.shape[0] == positions.shape[0] and q.shape[2] == cos_sin.shape[1]
+    assert cos_sin.dtype == torch.float32 and cos_sin.stride(1) == 1 and positions.is_contiguous()
+    return _rotate_triton(q, positions, cos_sin)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3")
+ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "gemma4", "phi3",
+         "smollm3")
 MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")
 HYBRID_ARCHS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 EXPERTS = dict(num_experts_per_tok=2)        # of 8: routing decides which weights a token reads
@@ -47,6 +48,8 @@ def transformers_config(arch: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}), \
             transformers.Gemma3ForCausalLM
+    if arch == "gemma4":
+        return gemma4_config(), transformers.Gemma4ForCausalLM
     if arch in ("phi3", "phi3-longrope"):            # fused projections, partial rotary, LongRoPE (short / long)
         original = 2048 if arch == "phi3" else LONGROPE_ORIGINAL
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.9, 2.8],
@@ -61,6 +64,22 @@ def transformers_config(arch: str):
     if arch in HYBRID_ARCHS:
         return hybrid_config(arch)
     return moe_config(arch)
+
+
+def gemma4_config():
+    """Gemma 4 with every text feature at once: full layers with twice the head size, keys as values and one KV
+    head; proportional RoPE; the last two layers (a sliding and a full one) reading earlier layers' K and V with
+    MLPs twice as wide; per-layer inputs; capped logits."""
+    import transformers
+
+    return transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=WINDOW, layer_types=GEMMA4_LAYERS, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=COMMON["vocab_size"], use_double_wide_mlp=True,
+        final_logit_softcapping=5.0)
+
+
+GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -156,3 +175,6 @@ def _perturb_norms(model, seed: int) -> None:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
             elif name.endswith("sinks"):
                 param.add_(torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):                # Gemma 4's stored output scale of each layer
+                buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)

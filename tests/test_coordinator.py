@@ -69,7 +69,7 @@ async def two_waves(engine: Engine, batch: list[tuple[int, ...]]) -> tuple[list[
 
 
 # every family in every mode with thread workers; with process workers, each family in one mode
-FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3") + MOE_ARCHS + HYBRID_ARCHS
+FAMILIES = ("llama3", "mistral-sliding", "gemma2", "gemma3", "gemma4", "phi3", "smollm3") + MOE_ARCHS + HYBRID_ARCHS
 CASES = [(arch, mode, "thread") for arch in FAMILIES for mode in MODES] + [
     (arch, MODES[i % len(MODES)], "process") for i, arch in enumerate(FAMILIES)] + [
     ("llama3", mode, "process") for mode in MODES[1:]]

@@ -173,7 +173,8 @@ def expected_tokens(arch: str, prompt: tuple[int, ...], new_tokens: int) -> list
     return transformers_greedy(model, prompt, new_tokens)
 
 
-@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "phi3", "smollm3", *MOE_ARCHS, *HYBRID_ARCHS])
+@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma2", "gemma3", "gemma4", "phi3", "smollm3", *MOE_ARCHS,
+                                  *HYBRID_ARCHS])
 @pytest.mark.parametrize("mode", MODES + ("adaptive",))
 def test_every_family_preempts_and_resumes_with_transformers_tokens(mode, arch):
     """Sequences grow past their sliding windows in a pool too small for all of them: some are preempted,

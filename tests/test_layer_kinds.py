@@ -129,15 +129,6 @@ def test_expert_layers_and_routing_are_the_ones_transformers_builds(arch):
     assert config.experts.norm_topk_prob == getattr(router, "norm_topk_prob", True)
 
 
-def test_gemma4_is_refused_naming_its_architecture_and_why(tmp_path):
-    config = transformers.Gemma4TextConfig(**{**COMMON, "num_hidden_layers": 2}, head_dim=16)
-    config.architectures = ["Gemma4ForCausalLM"]
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"'Gemma4ForCausalLM' cannot be served: its per-layer head sizes .*; "
-                                          r"supported: .*SmolLM3ForCausalLM"):
-        ModelConfig.from_dir(tmp_path)
-
-
 def attention_calls(model, prompt: list[int]) -> dict[int, dict]:
     """Each layer's attention call in transformers' forward: its keyword arguments (input, rotary, mask)."""
     seen = {}

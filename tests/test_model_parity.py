@@ -48,9 +48,10 @@ def reference_model(name: str):
 def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
     """Every position's logits from our model, all prompts packed into each step, `chunk` tokens at a time."""
     config = ModelConfig.from_dir(CHECKPOINTS[name]())
+    windows = len(prompts) if config.mixed_kv_shapes else 0      # Gemma 4's sliding layers: window slots only
     runner = ModelRunner(load_model(config, torch.float32, torch.device("cpu"), 512), 128, 16, frozenset(),
-                         state_slots=len(prompts))
-    blocks = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots)
+                         state_slots=len(prompts), window_seqs=windows)
+    blocks = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots, window_slots=runner.window_slots)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
         seq.block_table = blocks.grow(seq.request_id, seq.num_tokens)
@@ -59,7 +60,7 @@ def prompt_logits(name: str, prompts: list[list[int]], chunk: int) -> list[torch
     planner = RunnerRows()
     while chunks := [ScheduledChunk(s, s.num_computed_tokens, min(chunk, s.num_tokens - s.num_computed_tokens),
                                     sample=False) for s in seqs if s.num_computed_tokens < s.num_tokens]:
-        step = planner.step_input(Batch(chunks=tuple(chunks)))
+        step = planner.step_input(Batch(chunks=tuple(chunks)), blocks.take_window_assignments())
         runner.apply(step)
         batch = runner.prepare(step)
         with torch.inference_mode():

@@ -117,7 +117,7 @@ def test_rejected_drafts_let_their_slots_go():
     blocks.check_consistency()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "gemma4"])
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive", "disaggregated/process"])
 def test_decoding_far_past_the_window_holds_slots_for_the_window_only_with_transformers_tokens(mode, arch):
     engine = build(arch, mode)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.model import gemma4_config
 from pdserve.engine.model.config_checks import validate_config
 from pdserve.engine.model.experts_config import ExpertsConfig, experts_config
 from pdserve.engine.model.recurrent_config import LinearAttentionConfig, linear_attention_config
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
@@ -41,10 +43,7 @@ SUPPORTED_ARCHITECTURES = {
 UNSERVABLE_ARCHITECTURES: dict[str, tuple[str, str]] = {}
 
 # not parsed: the reason a start is refused
-REFUSED_ARCHITECTURES = dict.fromkeys(
-    ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-    "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input embeddings "
-    "are not supported yet")
+REFUSED_ARCHITECTURES: dict[str, str] = {}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,6 +82,11 @@ class ModelConfig:
     experts: ExpertsConfig | None = None   # the expert layers' (LayerKind.experts) mixture of experts
     attention_output_gate: bool = False    # q_proj also gives a gate per head: output * sigmoid(gate) (Qwen3-Next)
     linear_attention: LinearAttentionConfig | None = None   # the recurrent layers' (LayerKind.recurrent)
+    value_norm: bool = False               # RMSNorm without a scale over each value head (Gemma 4)
+    full_keys_as_values: bool = False      # the full layers' values are their key projection, before its norm
+    per_layer_input_size: int = 0          # each layer takes an input of this width per token (Gemma 4; 0: none)
+    per_layer_vocab_size: int = 0          # rows of the per-layer inputs' embedding
+    layer_scalars: bool = False            # each layer's output is scaled by a stored scalar (Gemma 4)
 
     @property
     def name(self) -> str:
@@ -98,18 +102,50 @@ class ModelConfig:
     def num_recurrent_layers(self) -> int:
         return sum(kind.recurrent for kind in self.layer_kinds)
 
+    def keeps_kv(self, layer_index: int) -> bool:
+        """Whether the layer keeps K and V of its own (a recurrent one keeps a state, a Gemma 4 one may reuse)."""
+        kind = self.layer_kinds[layer_index]
+        return not kind.recurrent and not kind.reuses_kv
+
     @property
     def num_kv_layers(self) -> int:
-        """Layers that keep K and V in the pool (the recurrent ones keep a state instead)."""
-        return self.num_layers - self.num_recurrent_layers
+        """Layers that keep K and V in the pool."""
+        return sum(map(self.keeps_kv, range(self.num_layers)))
+
+    def kv_source(self, layer_index: int) -> int:
+        """The layer whose K and V layer `layer_index` reads: itself, or where it reuses another's, the last
+        earlier layer of its window that keeps its own."""
+        window = self.layer_kinds[layer_index].window
+        if not self.layer_kinds[layer_index].reuses_kv:
+            return layer_index
+        return max(i for i in range(layer_index) if self.keeps_kv(i) and self.layer_kinds[i].window == window)
 
     def kv_layer(self, layer_index: int) -> int:
-        """Where layer `layer_index` keeps its K and V among the pool's layers."""
-        return sum(not kind.recurrent for kind in self.layer_kinds[:layer_index])
+        """Where layer `layer_index` finds its K and V among the pool's layers."""
+        return sum(map(self.keeps_kv, range(self.kv_source(layer_index))))
 
     def state_layer(self, layer_index: int) -> int:
         """Where recurrent layer `layer_index` keeps its state among a state slot's layers."""
-        return layer_index - self.kv_layer(layer_index)
+        return sum(kind.recurrent for kind in self.layer_kinds[:layer_index])
+
+    def layer_head_dim(self, layer_index: int) -> int:
+        return self.layer_kinds[layer_index].head_dim or self.head_dim
+
+    def layer_kv_heads(self, layer_index: int) -> int:
+        return self.layer_kinds[layer_index].kv_heads or self.num_kv_heads
+
+    def kv_shape(self, sliding: bool) -> tuple[int, int]:
+        """(KV heads, head size) of the layers keeping K and V that slide (`sliding`) or attend to every token;
+        the model's where it has none of them."""
+        layers = [i for i in range(self.num_layers) if self.keeps_kv(i) and bool(self.layer_kinds[i].window) == sliding]
+        return (self.layer_kv_heads(layers[0]), self.layer_head_dim(layers[0])) if layers else \
+            (self.num_kv_heads, self.head_dim)
+
+    @property
+    def mixed_kv_shapes(self) -> bool:
+        """Whether its layers keep K and V of different shapes (Gemma 4): only window slots can hold them."""
+        return len({(self.layer_kv_heads(i), self.layer_head_dim(i))
+                    for i in range(self.num_layers) if self.keeps_kv(i)}) > 1
 
     @property
     def dense_mlp_params(self) -> int:
@@ -157,8 +193,9 @@ class ModelConfig:
         return dense + experts * (e.fixed_params(hidden) + e.experts_touched(tokens) * e.expert_params(hidden))
 
     def kv_elements_per_token(self) -> int:
-        """K and V of every attention layer for one token."""
-        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim
+        """K and V of every layer keeping them, for one token."""
+        return sum(2 * self.layer_kv_heads(i) * self.layer_head_dim(i)
+                   for i in range(self.num_layers) if self.keeps_kv(i))
 
     def state_bytes(self) -> int:
         """One sequence's recurrent state over every recurrent layer (0 without any)."""
@@ -197,7 +234,7 @@ class ModelConfig:
     def split_window(self) -> int:
         """The one window of the sliding layers of a model that also has full-attention layers (0: the model has
         no such mix): their K and V can live apart from the full layers' (`WindowSlots`), for the window only."""
-        windows = {kind.window for kind in self.layer_kinds if not kind.recurrent}
+        windows = {self.layer_kinds[i].window for i in range(self.num_layers) if self.keeps_kv(i)}
         if len(windows) != 2 or 0 not in windows or self.num_recurrent_layers:
             return 0
         return max(windows)
@@ -207,12 +244,14 @@ class ModelConfig:
         `split_window` model whose sliding layers keep theirs apart) among its own kind's layers."""
         if not split:
             return self.kv_layer(layer_index)
-        window = self.layer_kinds[layer_index].window
-        return sum(kind.window == window and not kind.recurrent for kind in self.layer_kinds[:layer_index])
+        source = self.kv_source(layer_index)
+        window = self.layer_kinds[source].window
+        return sum(self.keeps_kv(i) and self.layer_kinds[i].window == window for i in range(source))
 
     @property
     def num_full_layers(self) -> int:
-        return sum(kind.window == 0 and not kind.recurrent for kind in self.layer_kinds)
+        """Full-attention layers keeping K and V."""
+        return sum(self.keeps_kv(i) and not self.layer_kinds[i].window for i in range(self.num_layers))
 
 
 def _read_json(path: Path) -> dict:
@@ -231,6 +270,8 @@ def parse_config(model_dir: Path, raw: dict, path: Path) -> ModelConfig:
     """A config.json's contents as a ModelConfig, any architecture pdserve parses (served or not)."""
     architecture = _architecture(raw, path)
     try:
+        if architecture == "gemma4":
+            raw = gemma4_config.with_defaults(raw)
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.engine.model import gemma4_config
 from pdserve.engine.model.experts_config import expert_layers
+from pdserve.engine.model.gemma4_config import LayerShape
 from pdserve.engine.model.recurrent_config import HYBRID_ARCHITECTURES, LINEAR, hybrid_layer_types
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ROPE_ALIASES = {"su": "longrope"}       # early Phi-3 128k checkpoints
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -41,6 +43,10 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()         # and beyond it
 
     def rotary_dim(self, head_dim: int) -> int:
+        """The dimensions rotated in pairs (i, i + rotary_dim / 2); "proportional" (Gemma 4) pairs over the whole
+        head and leaves the pairs past its fraction unturned (frequency 0)."""
+        if self.rope_type == "proportional":
+            return head_dim
         return int(head_dim * self.partial_rotary_factor)
 
 
@@ -52,6 +58,10 @@ class LayerKind:
     rope: RopeConfig | None = None              # None: no rotary embedding (SmolLM3's NoPE layers)
     experts: bool = False                       # the MLP is a mixture of experts (ModelConfig.experts)
     recurrent: bool = False                     # linear attention with a state instead of KV (Gated DeltaNet)
+    head_dim: int = 0                           # its heads' size where it differs from the model's (Gemma 4's full
+    kv_heads: int = 0                           # layers), and its KV heads (0: the model's)
+    reuses_kv: bool = False                     # keeps no K and V: reads the last earlier layer's of its kind
+    intermediate_size: int = 0                  # its MLP's width where it differs from the model's (0: the model's)
 
 
 def rope_config(raw: dict, params: dict | None = None) -> RopeConfig:
@@ -92,13 +102,15 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def layer_kinds(raw: dict, architecture: str, num_layers: int, rope: RopeConfig) -> tuple[LayerKind, ...]:
-    """Each layer's window and rotary embedding."""
+    """Each layer's window and rotary embedding (and Gemma 4's per-layer shapes)."""
     types = _layer_types(raw, architecture, num_layers)
     window = int(raw.get("sliding_window") or 0)
     ropes = _layer_ropes(raw, architecture, num_layers, types, rope)
     experts = expert_layers(raw, architecture, num_layers)
-    return tuple(LayerKind(window if t == SLIDING else 0, None if t == LINEAR else r, e, t == LINEAR)
-                 for t, r, e in zip(types, ropes, experts))
+    shapes = gemma4_config.layer_shapes(raw, types) if architecture == "gemma4" else [LayerShape()] * num_layers
+    return tuple(LayerKind(window if t == SLIDING else 0, None if t == LINEAR else r, e, t == LINEAR,
+                           s.head_dim, s.kv_heads, s.reuses_kv, s.intermediate_size)
+                 for t, r, e, s in zip(types, ropes, experts, shapes))
 
 
 def _layer_types(raw: dict, architecture: str, n: int) -> list[str]:
@@ -131,7 +143,7 @@ def _layer_types(raw: dict, architecture: str, n: int) -> list[str]:
 
 
 def _layer_ropes(raw: dict, architecture: str, n: int, types: list[str], rope: RopeConfig) -> list:
-    if architecture == "gemma3":
+    if architecture in ("gemma3", "gemma4"):
         params = raw.get("rope_parameters") or {}
         local = params.get(SLIDING)
         local = (rope_config(raw, local) if isinstance(local, dict)
@@ -154,6 +166,8 @@ def _smollm3_rope_layers(raw: dict, n: int) -> list[bool]:
 
 def family_features(raw: dict, architecture: str, hidden: int) -> dict:
     """ModelConfig's family-wide fields (norms, scale, soft-caps, activation, biases, sinks)."""
+    if architecture == "gemma4":
+        return _gemma4_features(raw, hidden)
     gemma, hybrid = architecture in ("gemma2", "gemma3"), architecture in HYBRID_ARCHITECTURES
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention: an encoder (EmbeddingGemma), not a causal language model")
@@ -178,3 +192,15 @@ def family_features(raw: dict, architecture: str, hidden: int) -> dict:
         sandwich_norms=gemma,
         embed_scale=hidden ** 0.5 if gemma else 1.0,
     )
+
+
+def _gemma4_features(raw: dict, hidden: int) -> dict:
+    """Gemma 4: q, k and (unscaled) v norms, unscaled scores, plain-weight norms, sandwich norms and its own
+    per-layer inputs and scalars (gemma4_config)."""
+    activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+    bias = bool(raw.get("attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, attention_scale=1.0,
+                final_softcap=float(raw.get("final_logit_softcapping") or 0.0), hidden_act=activation,
+                sandwich_norms=True, embed_scale=hidden ** 0.5, **gemma4_config.features(raw))

@@ -1,4 +1,4 @@
-"""The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3/4, SmolLM3; Mixtral, Qwen2/3-MoE and
+"""The decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3/4, Phi-3/4, SmolLM3; Mixtral, Qwen2/3-MoE and
 gpt-oss with their experts; Qwen3-Next and Qwen3.5 with their recurrent layers) over a paged KV pool."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.gated_deltanet import GatedDeltaNet
-from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm
+from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm, empty_parameter
 from pdserve.engine.model.moe import SparseMoE
+from pdserve.engine.model.per_layer_inputs import PerLayerInput, PerLayerInputs
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.kernels.native_decode_layers import DecodeLayers, Head, LayerTensors, Projection
 
@@ -25,14 +26,17 @@ class DecoderLayer(nn.Module):
         recurrent = config.layer_kinds[layer_index].recurrent
         self.self_attn = None if recurrent else Attention(config, layer_index)
         self.linear_attn = GatedDeltaNet(config, layer_index) if recurrent else None
-        self.mlp = SparseMoE(config) if config.layer_kinds[layer_index].experts else MLP(config)
+        kind = config.layer_kinds[layer_index]
+        self.mlp = SparseMoE(config) if kind.experts else MLP(config, kind.intermediate_size)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sandwich = config.sandwich_norms
         self.attention_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
         self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.per_layer_input = PerLayerInput(config) if config.per_layer_input_size else None
+        self.layer_scalar = empty_parameter(1) if config.layer_scalars else None
 
-    def forward(self, h, residual, batch, kv_pool, cos_sin):
+    def forward(self, h, residual, batch, kv_pool, cos_sin, per_layer_input=None):
         if residual is None:
             residual, h = h, self.input_norm(h)
         else:
@@ -45,6 +49,11 @@ class DecoderLayer(nn.Module):
         h = self.mlp(h)
         if self.mlp_output_norm is not None:
             h = self.mlp_output_norm(h)
+        if self.per_layer_input is not None:
+            residual = h + residual
+            h = self.per_layer_input(residual, per_layer_input)
+        if self.layer_scalar is not None:
+            h, residual = h * self.layer_scalar, residual * self.layer_scalar
         return h, residual
 
 
@@ -60,12 +69,14 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        ropes = list(dict.fromkeys(kind.rope for kind in config.layer_kinds if kind.rope is not None))
+        rotations = [None if kind.rope is None else (kind.rope, config.layer_head_dim(i))
+                     for i, kind in enumerate(config.layer_kinds)]
+        ropes = list(dict.fromkeys(r for r in rotations if r is not None))
         self._tables = tuple("cos_sin" if i == 0 else f"cos_sin_{i}" for i in range(len(ropes)))
-        for name, rope in zip(self._tables, ropes):   # NOTE: one table per distinct rotary embedding
-            self.register_buffer(name, cos_sin_table(config.head_dim, max_positions, rope), persistent=False)
-        self._layer_tables = tuple(None if kind.rope is None else ropes.index(kind.rope)
-                                   for kind in config.layer_kinds)
+        for name, (rope, head_dim) in zip(self._tables, ropes):   # NOTE: one table per rotation and head size
+            self.register_buffer(name, cos_sin_table(head_dim, max_positions, rope), persistent=False)
+        self._layer_tables = tuple(None if r is None else ropes.index(r) for r in rotations)
+        self.per_layer_inputs = PerLayerInputs(config) if config.per_layer_input_size else None
         self._decode_layers: DecodeLayers | None = None
         self._decode_layers_for: int | None = None     # the first qkv weight's address when built
         self._head: Head | None = None                 # the final norm and head, built with the layers' table
@@ -79,8 +90,10 @@ class CausalLM(nn.Module):
                                                 self.cos_sin, batch.block_tables, batch.context_lens)
         else:
             tables = [getattr(self, name) for name in self._tables]
-            for layer, table in zip(self.layers, self._layer_tables):
-                h, residual = layer(h, residual, batch, kv_pool, None if table is None else tables[table])
+            inputs = self.per_layer_inputs(batch.input_ids, h) if self.per_layer_inputs is not None else None
+            for i, (layer, table) in enumerate(zip(self.layers, self._layer_tables)):
+                h, residual = layer(h, residual, batch, kv_pool, None if table is None else tables[table],
+                                    None if inputs is None else inputs[:, i])
         h, _ = self.norm(h, residual)
         return h
 

@@ -1,4 +1,4 @@
-"""Rotary embedding tables, computed once on the host: default, linear, Llama 3, YaRN and LongRoPE
+"""Rotary embedding tables, computed once on the host: default, linear, Llama 3, YaRN, LongRoPE and proportional
 frequencies, as transformers computes them, over all of a head or (partial rotary) its first dimensions.
 
 The kernels rotate neox-style over the whole head: dimension i pairs with i + head_dim / 2. A partial
@@ -28,6 +28,9 @@ def inverse_frequencies(rotary_dim: int, rope: RopeConfig, max_positions: int) -
         return _yarn(rope.theta ** exponents, rotary_dim, rope)
     if rope.rope_type == "longrope":
         return _longrope(exponents, rope, max_positions)
+    if rope.rope_type == "proportional":      # the first pairs of the whole head turn, the rest stay (Gemma 4)
+        inv_freq[int(rope.partial_rotary_factor * rotary_dim // 2):] = 0.0
+        return inv_freq / rope.factor, 1.0
     return inv_freq, 1.0
 
 

@@ -1,8 +1,8 @@
-"""Checkpoints whose language model pdserve serves as text though they carry more: Qwen3.5 and Gemma 3 as
+"""Checkpoints whose language model pdserve serves as text though they carry more: Qwen3.5 and Gemma 3 and 4 as
 published (`...ForConditionalGeneration`, with a vision tower) and Qwen3-Next / Qwen3.5's multi-token
 prediction head (`mtp.`). Their config.json nests the language model's keys under `text_config`; their
 tensors prefix its names (`model.language_model.` since transformers 5, `language_model.model.` before).
-The vision tower, its projector and the prediction head are not read."""
+The vision and audio towers, their projectors and the prediction head are not read."""
 from __future__ import annotations
 
 import re
@@ -11,10 +11,12 @@ TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."))
-NOT_READ = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector)\.|^mtp\.")
+NOT_READ = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
+                      r"|^mtp\.")
 
 
 def text_config(raw: dict) -> dict:

@@ -83,30 +83,56 @@ def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]
         names |= mixer | (_experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused))
         for ours, theirs in _norm_names(c).items():
             names[f"model.layers.{i}.{theirs}.weight"] = Destination(f"layers.{i}.{ours}.weight", offset=offset)
+        names |= _per_layer(c, i)
+    if c.per_layer_input_size:
+        names |= {f"model.{theirs}.weight": Destination(f"per_layer_inputs.{ours}.weight")
+                  for ours, theirs in PER_LAYER_INPUTS.items()}
+    return names
+
+
+PER_LAYER_INPUTS = {"embedding": "embed_tokens_per_layer", "projection": "per_layer_model_projection",
+                    "norm": "per_layer_projection_norm"}
+PER_LAYER_INPUT = {"gate": "per_layer_input_gate", "projection": "per_layer_projection",
+                   "norm": "post_per_layer_input_norm"}
+
+
+def _per_layer(c, i: int) -> dict[str, Destination]:
+    """Gemma 4's per-layer input and output scalar of layer i."""
+    names = {}
+    if c.per_layer_input_size:
+        names |= {f"model.layers.{i}.{theirs}.weight": Destination(f"layers.{i}.per_layer_input.{ours}.weight")
+                  for ours, theirs in PER_LAYER_INPUT.items()}
+    if c.layer_scalars:
+        names[f"model.layers.{i}.layer_scalar"] = Destination(f"layers.{i}.layer_scalar")
     return names
 
 
 def _attention(c, i: int, fused: bool) -> dict[str, Destination]:
-    q, kv, attn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, f"layers.{i}.self_attn"
+    attn, kind = f"layers.{i}.self_attn", c.layer_kinds[i]
+    hd = c.layer_head_dim(i)
+    q, kv = c.num_heads * hd, c.layer_kv_heads(i) * hd
     order = qkv_rows(c, i)
     names = {}
-    for kind in ["weight", "bias"] if c.attention_bias else ["weight"]:
+    for bias in ["weight", "bias"] if c.attention_bias else ["weight"]:
         if c.attention_output_gate:
-            names |= _gated_qkv(c, i, kind)
+            names |= _gated_qkv(c, i, bias)
             continue
         if fused:
-            names[f"model.{attn}.qkv_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", rows=order)
+            names[f"model.{attn}.qkv_proj.{bias}"] = Destination(f"{attn}.qkv_proj.{bias}", rows=order)
             continue
         part = (lambda lo, hi: None if order is None else order[lo:hi] - lo)
-        names[f"model.{attn}.q_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", 0, q, part(0, q))
-        names[f"model.{attn}.k_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q, q + kv, part(q, q + kv))
-        names[f"model.{attn}.v_proj.{kind}"] = Destination(f"{attn}.qkv_proj.{kind}", q + kv, q + 2 * kv)
+        names[f"model.{attn}.q_proj.{bias}"] = Destination(f"{attn}.qkv_proj.{bias}", 0, q, part(0, q))
+        if kind.reuses_kv:                                   # Gemma 4: an earlier layer's K and V
+            continue
+        names[f"model.{attn}.k_proj.{bias}"] = Destination(f"{attn}.qkv_proj.{bias}", q, q + kv, part(q, q + kv))
+        if not (c.full_keys_as_values and not kind.window):
+            names[f"model.{attn}.v_proj.{bias}"] = Destination(f"{attn}.qkv_proj.{bias}", q + kv, q + 2 * kv)
     names[f"model.{attn}.o_proj.weight"] = Destination(f"{attn}.o_proj.weight")
     if c.o_proj_bias:
         names[f"model.{attn}.o_proj.bias"] = Destination(f"{attn}.o_proj.bias")
     if c.qk_norm:
-        head = None if order is None else order[:c.head_dim]
-        for norm in ("q_norm", "k_norm"):
+        head = None if order is None else order[:hd]
+        for norm in ("q_norm",) if kind.reuses_kv else ("q_norm", "k_norm"):
             names[f"model.{attn}.{norm}.weight"] = Destination(f"{attn}.{norm}.weight", rows=head,
                                                                offset=c.norm_offset)
     if c.attention_sinks:
@@ -175,17 +201,17 @@ def fused_qkv_rows(c, i: int) -> torch.Tensor | None:
 def qkv_rows(c, i: int) -> torch.Tensor | None:
     """Layer i's fused q/k/v rows in the order the model stores them (rope.rotary_order per q and k head: the
     checkpoint row of each of the model's rows), or None when that is the checkpoint's order."""
-    rope = c.layer_kinds[i].rope
-    order = None if rope is None else rotary_order(c.head_dim, rope.rotary_dim(c.head_dim))
+    rope, hd = c.layer_kinds[i].rope, c.layer_head_dim(i)
+    order = None if rope is None else rotary_order(hd, rope.rotary_dim(hd))
     if order is None:
         return None
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    heads = torch.arange(c.num_heads + c.num_kv_heads)[:, None] * c.head_dim + order[None, :]
+    q, kv = c.num_heads * hd, c.layer_kv_heads(i) * hd
+    heads = torch.arange(c.num_heads + c.layer_kv_heads(i))[:, None] * hd + order[None, :]
     return torch.cat([heads.reshape(-1), torch.arange(q + kv, q + 2 * kv)])
 
 
 def _mlp(c, i: int, fused: bool) -> dict[str, Destination]:
-    mlp, inter = f"layers.{i}.mlp", c.intermediate_size
+    mlp, inter = f"layers.{i}.mlp", c.layer_kinds[i].intermediate_size or c.intermediate_size
     names = {f"model.{mlp}.down_proj.weight": Destination(f"{mlp}.down_proj.weight")}
     if fused:
         return names | {f"model.{mlp}.gate_up_proj.weight": Destination(f"{mlp}.gate_up_proj.weight")}

@@ -88,8 +88,9 @@ def make_layout(config: EngineConfig, model_config: ModelConfig, roles: UnitRole
     share = CoreShare(len(by_role["prefill"]), len(by_role["decode"])) if lending else None
     per_seq = blocks_for(max_model_len, block_size)
     window_seqs = sched.max_num_seqs if split_windows(config, model_config) else 0
-    states = sched.max_num_seqs * slot_blocks(model_config, kv_layout(model_config, block_size), dtype)
-    if window_seqs:
+    if not window_seqs:
+        states = sched.max_num_seqs * slot_blocks(model_config, kv_layout(model_config, block_size), dtype)
+    else:
         states = window_slot_blocks(model_config) * wanted_slots(model_config, block_size, window_seqs, per_seq)
     pools = [(share, cap + states) for share, cap in pool_shares(placed, per_seq, sched.max_num_seqs)]
     specs = []

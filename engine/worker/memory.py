@@ -43,8 +43,12 @@ DEFAULT_KV_BUDGET = {"cpu": "2GiB", "cuda": "0.8"}
 def kv_layout(config: ModelConfig, block_size: int, split: bool = False) -> KVLayout:
     """A pool block's layout: every attention layer, or with `split` (a `split_window` model's sliding layers kept
     apart, in window slots) the full layers only."""
-    layers = config.num_full_layers if split else config.num_kv_layers
-    return KVLayout(layers, block_size, config.num_kv_heads, config.head_dim)
+    if split:
+        return KVLayout(config.num_full_layers, block_size, *config.kv_shape(sliding=False))
+    if config.mixed_kv_shapes:
+        raise ValueError(f"{config.name}'s layers keep K and V of different shapes: its sliding layers' live in "
+                         f"window slots, which KV tiers (--kv-offload-memory, --kv-offload-disk) cannot hold")
+    return KVLayout(config.num_kv_layers, block_size, config.num_kv_heads, config.head_dim)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, split: bool = False) -> int:

@@ -25,7 +25,7 @@ from pdserve.engine.worker.rows import RowState, fill_inputs, gather_decode_inpu
 from pdserve.engine.worker.sampling.sampler import Sampler, read_back_into
 from pdserve.engine.worker.sampling.sampling_table import SamplingTable
 from pdserve.engine.worker.state_pool import StatePool, carve_state_slots
-from pdserve.engine.worker.window_pool import WindowPool, carve_window_slots
+from pdserve.engine.worker.window_pool import WindowPool, carve_window_slots, window_layout
 from pdserve.engine.worker.spec_verify import read_back_into as verified_into, verify_on_device, with_logprobs
 from pdserve.engine.worker.step import NewRow, StepInput, StepResult
 
@@ -86,7 +86,8 @@ class ModelRunner:
             self.num_blocks = self.state_slots.first_block
         self.window_slots = carve_window_slots(c, block_size, num_blocks, window_seqs,
                                                self.max_blocks_per_seq) if split else None
-        self.window = None if self.window_slots is None else WindowPool(self.kv_pool, self.window_slots)
+        self.window = None if self.window_slots is None else WindowPool(self.kv_pool, self.window_slots,
+                                                                        window_layout(c, block_size))
         if self.window_slots is not None:
             self.num_blocks = self.window_slots.first_block
         self.rows = RowState(self.max_blocks_per_seq, self.device)

@@ -10,9 +10,21 @@ from pdserve.engine.model.forward_batch import ForwardBatch, WindowKV
 from pdserve.kernels.kv_layout import KVLayout
 
 
+def window_layout(config: ModelConfig, block_size: int) -> KVLayout:
+    """A window slot's layout: the sliding layers' K and V (their own head size and KV heads) for one block."""
+    return KVLayout(config.num_kv_layers - config.num_full_layers, block_size, *config.kv_shape(sliding=True))
+
+
 def slot_blocks(config: ModelConfig) -> int:
-    """Pool blocks (of the full layers) one window slot (the sliding layers) takes."""
-    return -(-(config.num_kv_layers - config.num_full_layers) // config.num_full_layers)
+    """Pool blocks (of the full layers) one window slot (the sliding layers) takes: the fewest that hold them and
+    a whole number of sliding layers (so a slot run views as sliding layers, when their shapes differ)."""
+    block = KVLayout(config.num_full_layers, 1, *config.kv_shape(sliding=False)).block_elements
+    window = window_layout(config, 1)
+    layer = window.block_elements // window.num_layers
+    blocks = -(-window.block_elements // block)
+    while blocks * block % layer:
+        blocks += 1
+    return blocks
 
 
 def wanted_slots(config: ModelConfig, block_size: int, max_seqs: int, blocks_per_seq: int) -> int:
@@ -37,10 +49,10 @@ class WindowPool:
     """Every slot's sliding-layer K and V (a pool tensor of its own, a view of the end of the runner's), and which
     block holds which slot, as the runner heard it."""
 
-    def __init__(self, kv_pool: torch.Tensor, slots: WindowSlots) -> None:
-        layout = KVLayout.of(kv_pool)
+    def __init__(self, kv_pool: torch.Tensor, slots: WindowSlots, layout: KVLayout) -> None:
+        """`layout`: a slot's (window_layout)."""
         region = KVLayout.block_view(kv_pool, slots.first_block, slots.count * slots.blocks_per_slot)
-        self.pool = region.view(slots.count, slots.blocks_per_slot * layout.num_layers, *region.shape[2:])
+        self.pool = region.reshape(slots.count, -1, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.block_size = layout.block_size
         self.slot_of = torch.zeros(slots.first_block, dtype=torch.int32, device=kv_pool.device)
 
