@@ -12,14 +12,13 @@ heads for the 27B models), SmolLM3's every 4th layer without rotary embedding. P
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from pdserve.engine.model.gguf_experts import expert_config, expert_count, expert_ffn
 from pdserve.engine.model.gguf_hybrid import HYBRID, hybrid_config
 from pdserve.engine.model.gguf_reader import GGUFFile
+from pdserve.engine.model.gguf_specs import Dims
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
@@ -36,32 +35,6 @@ GEMMA = ("gemma2", "gemma3")
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}   # llama.cpp's: every n-th layer global, the rest sliding
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}   # llama.cpp scales these by hidden / heads, others by head_dim
 NO_ROPE_STEP = {"smollm3": 4}                  # llama.cpp: every n-th layer without rotary embedding
-
-
-@dataclass(frozen=True, slots=True)
-class Dims:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    hf_name: str
-    shape: tuple[int, ...]                 # in the file, row-major: [out, in] (stacked experts: [experts, out, in])
-    keys: str                              # the metadata keys the shape comes from, for errors
-    unpermute_heads: int | None = None     # undo llama.cpp's Q/K row permutation over this many heads
-    offset: float = 0.0                    # subtract: llama.cpp stores Gemma's and the hybrids' norms as 1 + weight
-    experts: bool = False                  # one Hugging Face tensor per expert: hf_name.format(expert=e)
-    transposed: bool = False               # Hugging Face stores it [.., in, out] (gpt-oss's experts)
-    part: tuple[int, int] = (0, 1)         # (i, n): part i of n of the Hugging Face tensor: its n-th columns from i
-    concatenated: bool = False             # ... or, instead, its i-th block of rows (the parts one after another)
-    undo: tuple[Callable, ...] = ()        # applied in turn to the (joined) tensor: what the converter changed
 
 
 def read_dims(f: GGUFFile) -> Dims:

@@ -10,7 +10,8 @@ Q and K projections of the architectures llama.cpp rotates interleaved (Llama, S
 """
 from __future__ import annotations
 
-from pdserve.engine.model.gguf_config import GEMMA, Dims, TensorSpec
+from pdserve.engine.model.gguf_config import GEMMA
+from pdserve.engine.model.gguf_specs import Dims, TensorSpec
 from pdserve.engine.model.gguf_experts import expert_tensors, is_expert_layer
 from pdserve.engine.model.gguf_hybrid import HYBRID, linear_attention_tensors, recurrent_layers
 from pdserve.engine.model.gguf_reader import GGUFFile

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.model.gguf_config import FOLDED, TensorSpec
+from pdserve.engine.model.gguf_config import FOLDED
+from pdserve.engine.model.gguf_specs import TensorSpec
 from pdserve.engine.model.gguf_reader import GGUFFile
 
 Q = gguf.GGMLQuantizationType
