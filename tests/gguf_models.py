@@ -221,21 +221,27 @@ def model_logits(model_dir: Path, prompts: list[list[int]], quantization: str = 
     from pdserve.engine.worker.memory import kv_layout
     from pdserve.engine.worker.model_runner import ModelRunner, load_model
     from pdserve.engine.worker.state_pool import slot_blocks
+    from pdserve.engine.worker.window_pool import slot_blocks as window_slot_blocks
 
     longest = max(map(len, prompts))
     blocks = -(-longest // 16) * len(prompts)
     model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), longest, quantization)
     if prepare is not None:
         prepare(model)
-    state_blocks = len(prompts) * slot_blocks(model.config, kv_layout(model.config, 16), torch.float32)
-    pool = max(blocks, state_blocks) + state_blocks                    # NOTE: state slots take at most half a pool
-    runner = ModelRunner(model, pool, 16, frozenset(), state_slots=len(prompts))
-    manager = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots)
+    windows = len(prompts) if model.config.mixed_kv_shapes else 0      # Gemma 4: its sliding layers in window slots
+    if windows:
+        pool = blocks * (window_slot_blocks(model.config) + 1)           # a slot for each block
+    else:
+        state_blocks = len(prompts) * slot_blocks(model.config, kv_layout(model.config, 16), torch.float32)
+        pool = max(blocks, state_blocks) + state_blocks                # NOTE: state slots take at most half a pool
+    runner = ModelRunner(model, pool, 16, frozenset(), state_slots=len(prompts), window_seqs=windows)
+    manager = BlockManager(runner.num_blocks, 16, state_slots=runner.state_slots, window_slots=runner.window_slots)
     seqs = [Sequence(Request(str(i), tuple(p))) for i, p in enumerate(prompts)]
     for seq in seqs:
         seq.block_table = manager.grow(seq.request_id, seq.num_tokens)
         seq.state_slot = manager.state_slot(seq.request_id)
-    step = RunnerRows().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, s.num_tokens, False) for s in seqs)))
+    step = RunnerRows().step_input(Batch(chunks=tuple(ScheduledChunk(s, 0, s.num_tokens, False) for s in seqs)),
+                                   manager.take_window_assignments())
     runner.apply(step)
     with torch.inference_mode():
         logits = runner.model.compute_logits(runner.model(runner.prepare(step), runner.kv_pool))

@@ -99,6 +99,7 @@ def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():
 @pytest.mark.parametrize("keys, reason", [
     (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "mixture-of-experts"),
     (dict(use_bidirectional_attention="all"), "an encoder"),
+    (dict(attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=3), "do not divide its 4 query"),
     (dict(num_hidden_layers=2, num_kv_shared_layers=2), "leaves no layer"),
     (dict(num_hidden_layers=6, num_kv_shared_layers=3,
           layer_types=["sliding_attention"] * 3 + ["full_attention"] * 3), "no earlier layer"),

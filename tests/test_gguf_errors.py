@@ -73,12 +73,17 @@ def test_corrupt_tensor_data(tmp_path, cache):
 
 def test_unsupported_architecture(tmp_path, cache):
     fails(variant(tmp_path, arch="bloom"), cache, r"unsupported architecture 'bloom' \(general\.architecture\); "
-                                                  r"supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3")
+                                                  r"supported: llama, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, "
+                                                  r"smollm3")
 
 
 def test_a_dense_file_claiming_gpt_oss_names_the_tensor_gpt_oss_needs(tmp_path, cache):
     fails(variant(tmp_path, arch="gpt-oss"), cache, r"missing tensor blk\.0\.post_attention_norm\.weight \(\+\d+ more\); "
                                                     r"gpt-oss\.block_count and the architecture call for it")
+
+
+def test_a_dense_file_claiming_gemma4_names_the_per_layer_key_gemma4_needs(tmp_path, cache):
+    fails(variant(tmp_path, arch="gemma4"), cache, r"metadata key gemma4\.attention\.sliding_window_pattern is missing")
 
 
 def test_unsupported_tensor_type(tmp_path, cache):

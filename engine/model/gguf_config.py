@@ -1,11 +1,11 @@
 """What a GGUF file's metadata says the model is: its `config.json` (its tensors: gguf_tensors.py).
 
-Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 architectures, the mixture-of-experts ones
-(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py) and the hybrid ones (Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE: gguf_hybrid.py), as llama.cpp's converter writes them and llama.cpp reads them; the
-multi-token-prediction blocks after a model's layers (`nextn_predict_layers`) are not served. Keys follow
-llama.cpp's names (`llama.embedding_length`, ...). What the file leaves to llama.cpp's model code is taken from
-there: Gemma's sliding-window pattern (every 2nd / 6th layer global) and attention scale (head_dim, hidden /
+Llama, Qwen2, Qwen3, Gemma 2, Gemma 3, Gemma 4 (gguf_gemma4.py), Phi-3 and SmolLM3 architectures, the
+mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: gguf_experts.py) and the hybrid ones
+(Qwen3-Next, Qwen3.5, Qwen3.5-MoE: gguf_hybrid.py), as llama.cpp's converter writes them and llama.cpp reads
+them; the multi-token-prediction blocks after a model's layers (`nextn_predict_layers`) are not served. Keys
+follow llama.cpp's names (`llama.embedding_length`, ...). What the file leaves to llama.cpp's model code is taken
+from there: Gemma's sliding-window pattern (every 2nd / 6th layer global) and attention scale (head_dim, hidden /
 heads for the 27B models), SmolLM3's every 4th layer without rotary embedding. Phi-3's sliding window is kept
 (llama.cpp runs Phi-3 without it; transformers and vLLM with it).
 """
@@ -15,19 +15,20 @@ import math
 
 import numpy as np
 
+from pdserve.engine.model import gguf_gemma4
 from pdserve.engine.model.gguf_experts import expert_config, expert_count, expert_ffn
 from pdserve.engine.model.gguf_hybrid import HYBRID, hybrid_config
 from pdserve.engine.model.gguf_reader import GGUFFile
 from pdserve.engine.model.gguf_specs import Dims
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM",
+                 "phi3": "Phi3ForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
                  "qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
                  "qwen35moe": "Qwen3_5MoeForCausalLM"}
-REFUSED = {"gemma4": "its per-layer head sizes and KV head counts, KV shared between layers and per-layer input "
-                     "embeddings are not supported yet"}
+REFUSED: dict[str, str] = {}                   # architecture -> why a file of it cannot be served
 ROPE_FREQS = "rope_freqs.weight"
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 FOLDED = (ROPE_FREQS, *LONGROPE)               # tensors that are configuration: folded into config.json
@@ -47,6 +48,8 @@ def read_dims(f: GGUFFile) -> Dims:
                       f"supported: {', '.join(ARCHITECTURES)}")
     hidden, heads = f.integer(f.arch("embedding_length")), f.integer(f.arch("attention.head_count"))
     vocab = f.integer(f.arch("vocab_size")) if f.arch("vocab_size") in f else len(f.strings("tokenizer.ggml.tokens"))
+    if f.architecture == "gemma4":
+        return gguf_gemma4.dims(f, vocab)
     head_dim = _head_dim(f, hidden, heads)
     return Dims(vocab_size=vocab,
                 hidden_size=hidden, intermediate_size=_dense_ffn(f),
@@ -80,13 +83,15 @@ def hf_config(f: GGUFFile, d: Dims, folded: dict[str, np.ndarray], special_ids: 
         "rms_norm_eps": f.number(a("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": f.integer(a("context_length")),
         "rope_theta": f.number(a("rope.freq_base"), 10000.0),
-        "rope_scaling": rope_scaling(f, d, folded),
+        "rope_scaling": None if f.architecture == "gemma4" else rope_scaling(f, d, folded),
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
         "torch_dtype": "float32", "use_cache": True,
     }
     if d.rotary_dim != d.head_dim:
         config["partial_rotary_factor"] = d.rotary_dim / d.head_dim
+    if f.architecture == "gemma4":
+        return config | gguf_gemma4.config(f, d, folded.get(ROPE_FREQS))
     return config | _family(f, d) | expert_config(f, d)
 
 

@@ -10,6 +10,7 @@ Q and K projections of the architectures llama.cpp rotates interleaved (Llama, S
 """
 from __future__ import annotations
 
+from pdserve.engine.model import gguf_gemma4
 from pdserve.engine.model.gguf_config import GEMMA
 from pdserve.engine.model.gguf_specs import Dims, TensorSpec
 from pdserve.engine.model.gguf_experts import expert_tensors, is_expert_layer
@@ -33,6 +34,9 @@ def tensor_specs(f: GGUFFile, d: Dims) -> dict[str, TensorSpec]:
                                               offset=offset)}
     if "output.weight" in f.tensors:
         specs["output.weight"] = TensorSpec("lm_head.weight", (d.vocab_size, d.hidden_size), vocab)
+    if f.architecture == "gemma4":
+        return specs | gguf_gemma4.model_tensors(f, d) | {
+            name: spec for i in range(d.num_layers) for name, spec in gguf_gemma4.layer_tensors(f, d, i).items()}
     for i, recurrent in enumerate(recurrent_layers(f, d.num_layers)):
         specs |= _layer_specs(f, d, i, recurrent)
     return specs

@@ -4,7 +4,8 @@ Byte-level BPE (`tokenizer.ggml.model = gpt2`, what Llama 3, Qwen2/3 and SmolLM 
 vocabulary and merges from the file, the pre-tokenizer split named by `tokenizer.ggml.pre`. SentencePiece
 (`llama`, what Llama 2, Mistral v0.1, Gemma and Phi-3 files carry): the pieces and their scores, merged
 best score first with byte fallback (llama.cpp's SPM algorithm), a leading space unless
-`tokenizer.ggml.add_space_prefix` is false (Gemma). Either way tokens marked CONTROL are special tokens
+`tokenizer.ggml.add_space_prefix` is false (Gemma). Gemma 4 (`gemma4`): BPE with the file's merges over
+SentencePiece-spelled text, with byte fallback. Either way tokens marked CONTROL are special tokens
 and USER_DEFINED ones plain added tokens, with BOS/EOS, `add_bos_token`, and the chat template from
 `tokenizer.chat_template`. Built the way transformers builds it from the same file (its GGUF loader, and
 the original checkpoint's tokenizer, are the references the tests compare against).
@@ -25,7 +26,7 @@ CONTROL, USER_DEFINED = 3, 4        # llama.cpp's token types
 SPACE = "\u2581"                    # SentencePiece's spelling of a space
 # NOTE: llama.cpp ends generation on any of these when the file marks them CONTROL (llama-vocab.cpp)
 END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                     "<|end_of_text|>", "<EOT>", "<|return|>")
+                     "<|end_of_text|>", "<EOT>", "<|return|>", "<turn|>")
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -62,16 +63,16 @@ class TokenizerFiles:
 def tokenizer_files(f: GGUFFile, context_length: int) -> TokenizerFiles:
     """Raises GGUFError naming the file and key for a tokenizer this cannot build."""
     kind = f.string("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise f.error(f"tokenizer.ggml.model = {kind!r} is not supported (byte-level BPE 'gpt2' or "
-                      f"SentencePiece 'llama')")
+    if kind not in BACKENDS:
+        raise f.error(f"tokenizer.ggml.model = {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece "
+                      f"'llama' or Gemma 4's 'gemma4')")
     tokens = f.strings("tokenizer.ggml.tokens")
     types = _token_types(f, len(tokens))
     ids = {name: _token_id(f, f"tokenizer.ggml.{name}_token_id", len(tokens))
            for name in ("bos", "eos", "unknown", "padding", "eot", "eom")}
-    flags = {key: _flag(f, f"tokenizer.ggml.{key}", default=kind == "llama" and key == "add_bos_token")
+    flags = {key: _flag(f, f"tokenizer.ggml.{key}", default=kind != "gpt2" and key == "add_bos_token")
              for key in ("add_bos_token", "add_eos_token")}
-    backend = (_backend if kind == "gpt2" else _sentencepiece)(f, tokens, types, ids, flags)
+    backend = BACKENDS[kind](f, tokens, types, ids, flags)
     config = _tokenizer_config(f, tokens, ids, flags, context_length)
     eog = [ids["eos"], ids["eot"], ids["eom"]] + [i for i, t in enumerate(tokens)
                                                   if t in END_OF_GENERATION and types[i] == CONTROL]
@@ -112,6 +113,26 @@ def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, 
     _add_tokens(backend, tokens, types, ids, lambda token: True)
     backend.post_processor = _post_processor(tokens, ids, flags)
     return backend
+
+
+def _gemma4(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags: dict) -> Tokenizer:
+    """BPE over raw UTF-8 with the file's merges, spaces spelled as SentencePiece's, byte fallback (transformers'
+    GemmaTokenizer), the text split only at runs of newlines (llama.cpp's gemma4 pre-tokenizer)."""
+    unknown = tokens[ids["unknown"]] if ids["unknown"] is not None else None
+    try:
+        backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, _merges(f), unk_token=unknown,
+                                       fuse_unk=True, byte_fallback=True))
+    except Exception as e:  # NOTE: the Rust side raises a bare Exception
+        raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_tokens(backend, tokens, types, ids, lambda token: True)
+    backend.post_processor = _post_processor(tokens, ids, flags)
+    return backend
+
+
+BACKENDS = {"gpt2": _backend, "llama": _sentencepiece, "gemma4": _gemma4}
 
 
 def _score_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
