@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pdserve.engine.model.destination import Destination
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.rope import rotary_order
 from pdserve.engine.model.text_of_multimodal import text_name
@@ -22,18 +22,6 @@ from pdserve.engine.model.text_of_multimodal import text_name
 
 class WeightError(ValueError):
     """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
-
-
-@dataclass(frozen=True, slots=True)
-class Destination:
-    param: str
-    start: int | None = None            # row range inside a fused parameter
-    stop: int | None = None
-    rows: torch.Tensor | None = None    # the checkpoint rows (along rows_dim), in the order the model stores them
-    offset: float = 0.0                 # added to every value (Gemma's norms scale by 1 + weight)
-    expert: int | None = None           # one expert of a stacked [experts, ...] parameter
-    transposed: bool = False            # the checkpoint stores the matrix as [in, out] (gpt-oss's experts)
-    rows_dim: int = 0
 
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
