@@ -7,7 +7,7 @@ import torch
 
 ARCHS = ("llama3", "qwen2", "qwen3", "llama-head24", "mistral-sliding", "gemma2", "gemma3", "gemma4", "phi3",
          "smollm3")
-MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")
+MOE_ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss", "gemma4-moe")
 HYBRID_ARCHS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 EXPERTS = dict(num_experts_per_tok=2)        # of 8: routing decides which weights a token reads
 LONGROPE_ORIGINAL = 64     # "phi3-longrope": prompts past this take LongRoPE's long factors in transformers too
@@ -121,6 +121,13 @@ def moe_config(arch: str):
     if arch == "qwen3-moe":                          # q/k norms, renormalised top 2
         return transformers.Qwen3MoeConfig(**COMMON, **EXPERTS, num_experts=8, head_dim=32, moe_intermediate_size=64,
                                            norm_topk_prob=True), transformers.Qwen3MoeForCausalLM
+    if arch == "gemma4-moe":                         # experts beside each dense MLP (26B-A4B), no per-layer inputs
+        return transformers.Gemma4TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, sliding_window=WINDOW, layer_types=GEMMA4_LAYERS[:3],
+            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8, top_k_experts=2,
+            moe_intermediate_size=32), \
+            transformers.Gemma4ForCausalLM
     if arch == "gpt-oss":                            # top-2 logits then softmax, clamped SwiGLU, sinks, windows
         rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "rope_theta": 150000.0, "original_max_position_embeddings": 256}
@@ -134,8 +141,8 @@ def reference_model(path: Path):
     matmul takes no float64, which the tolerance's float64 copy needs)."""
     import transformers
 
-    options = {}
-    if transformers.AutoConfig.from_pretrained(path).model_type in MOE_MODEL_TYPES:
+    options, config = {}, transformers.AutoConfig.from_pretrained(path)
+    if config.model_type in MOE_MODEL_TYPES or getattr(config, "enable_moe_block", False):
         options["experts_implementation"] = "eager"
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options).eval()
 
@@ -175,6 +182,8 @@ def _perturb_norms(model, seed: int) -> None:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
             elif name.endswith("sinks"):
                 param.add_(torch.randn(param.shape, generator=generator))
+            elif name.endswith(("router.scale", "per_expert_scale")):     # Gemma 4's router
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):                # Gemma 4's stored output scale of each layer
                 buffer.add_(torch.randn(buffer.shape, generator=generator) * 0.1)

@@ -1,6 +1,6 @@
 """Gemma 4's text model as transformers reads its config: each layer's head size and KV heads, which layers read
 an earlier layer's K and V (and from which), their wider MLPs, the defaults a config leaves out, proportional RoPE,
-the configs refused; where its K and V live (tokens against transformers in every mode: test_model_parity,
+the configs refused, the experts' router (26B-A4B) and the weights held; where its K and V live (tokens against transformers in every mode: test_model_parity,
 test_engine_modes, test_coordinator, test_window_slots, test_text_of_multimodal)."""
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.model.rope import cos_sin_table
 from pdserve.engine.worker.memory import kv_layout
 from pdserve.engine.worker.window_pool import slot_blocks, window_layout
-from tests.hf_models import COMMON, gemma4_config
+from pdserve.engine.worker.model_runner import load_model
+from tests.hf_models import COMMON, gemma4_config, reference_model
 from tests.models import engine_config, hf_checkpoint
+from tests.test_moe_model import counted
 
 
 def config_dir(tmp_path, **keys) -> ModelConfig:
@@ -97,7 +99,7 @@ def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():
 
 
 @pytest.mark.parametrize("keys, reason", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "mixture-of-experts"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32), "top_k_experts"),
     (dict(use_bidirectional_attention="all"), "an encoder"),
     (dict(attention_k_eq_v=True, global_head_dim=32, num_global_key_value_heads=3), "do not divide its 4 query"),
     (dict(num_hidden_layers=2, num_kv_shared_layers=2), "leaves no layer"),
@@ -107,3 +109,24 @@ def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():
 def test_configs_it_cannot_serve_are_refused_with_the_reason(tmp_path, keys, reason):
     with pytest.raises(ConfigError, match=reason):
         config_dir(tmp_path, **keys)
+
+
+def test_the_experts_router_is_transformers_router():
+    """Gemma 4's router (an unscaled norm, a scale per channel and hidden ** -0.5, softmax over every expert, the
+    top k renormalised and scaled per expert) against transformers' on random hidden states."""
+    reference = reference_model(hf_checkpoint("gemma4-moe"))
+    model = load_model(ModelConfig.from_dir(hf_checkpoint("gemma4-moe")), torch.float32, torch.device("cpu"), 64)
+    h = torch.randn(50, reference.config.hidden_size) * 3
+    with torch.no_grad():
+        _, expected_weights, expected_ids = reference.model.layers[1].router(h)
+        weights, ids = model.layers[1].mlp.router(h)
+    assert torch.equal(ids, expected_ids) and len(ids.unique()) > 2
+    assert torch.allclose(weights, expected_weights, atol=1e-6)
+    assert not torch.allclose(expected_weights.sum(-1), torch.ones(50))     # the per-expert scales count
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+def test_the_weights_it_holds_and_reads_are_transformers_parameters(arch):
+    """Every projection of each layer in its own shape, the per-layer inputs' and the router's scales counted."""
+    reference, config = reference_model(hf_checkpoint(arch)), ModelConfig.from_dir(hf_checkpoint(arch))
+    assert config.stored_params == counted(reference)

@@ -121,8 +121,13 @@ def test_expert_layers_and_routing_are_the_ones_transformers_builds(arch):
     hf, cls = transformers_config(arch)
     model = cls(hf)
     config = ModelConfig.from_dir(hf_checkpoint(arch))
-    sparse = tuple(not hasattr(layer.mlp, "down_proj") for layer in model.model.layers)
+    sparse = tuple(getattr(layer, "enable_moe_block", False) or not hasattr(layer.mlp, "down_proj")
+                   for layer in model.model.layers)             # Gemma 4's experts sit beside a dense MLP
     assert tuple(kind.experts for kind in config.layer_kinds) == sparse and any(sparse)
+    if arch == "gemma4-moe":
+        router = model.model.layers[0].router
+        assert (config.experts.num_experts, config.experts.top_k) == (router.proj.out_features, hf.top_k_experts)
+        return
     router = next(layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "down_proj"))
     router = getattr(router, "gate", None) or router.router
     assert (config.experts.num_experts, config.experts.top_k) == (router.num_experts, router.top_k)

@@ -36,7 +36,7 @@ def test_stored_and_active_weights_are_transformers_parameters(arch):
     assert config.weight_params == counted(reference) - unchosen
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", [arch for arch in MOE_ARCHS if arch != "gemma4-moe"])    # test_gemma4.py
 def test_routing_is_transformers_routers(arch):
     """The same top-k experts and weights as the family's own router module, on random hidden states."""
     reference, config = reference_model(hf_checkpoint(arch)), ModelConfig.from_dir(hf_checkpoint(arch))

@@ -94,16 +94,6 @@ class ModelConfig(KVPlacement):
         return self.model_dir.name
 
     @property
-    def attention_params(self) -> int:
-        """One layer's q, k, v and o projections (and the output gate's)."""
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.hidden_size * ((3 if self.attention_output_gate else 2) * q_out + 2 * kv_out)
-
-    @property
-    def dense_mlp_params(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size
-
-    @property
     def layer_params(self) -> int:
         """Weights one token reads in a layer (the mean over the layers): attention and the MLP, an expert
         layer's active parameters (router, top-k experts, shared expert); norms left out."""
@@ -131,19 +121,33 @@ class ModelConfig(KVPlacement):
 
     def _layers_params(self, tokens: int | None) -> float | int:
         """Weights of every layer read by a step of `tokens` tokens (None: every expert)."""
+        total = sum(map(self._layer_params, range(self.num_layers)))
+        if self.per_layer_input_size:                 # Gemma 4: the projection to every layer's input
+            total += self.hidden_size * self.num_layers * self.per_layer_input_size
         experts = sum(kind.experts for kind in self.layer_kinds)
-        recurrent = 0 if self.linear_attention is None else self.linear_attention.layer_params(self.hidden_size)
-        dense = (self.num_kv_layers * self.attention_params + self.num_recurrent_layers * recurrent
-                 + (self.num_layers - experts) * self.dense_mlp_params)
         if not experts:
-            return dense
+            return total
         e, hidden = self.experts, self.hidden_size
         if tokens is None:
-            return dense + experts * e.stored_params(hidden)
+            return total + experts * e.stored_params(hidden)
         if tokens == 1:
-            return dense + experts * e.active_params(hidden)
-        return dense + experts * (e.fixed_params(hidden) + e.experts_touched(tokens) * e.expert_params(hidden))
+            return total + experts * e.active_params(hidden)
+        return total + experts * (e.fixed_params(hidden) + e.experts_touched(tokens) * e.expert_params(hidden))
 
+    def _layer_params(self, i: int) -> int:
+        """Layer i's weights but its experts': attention (or the recurrent mixer), the dense MLP where it has one,
+        Gemma 4's per-layer input projections."""
+        kind, hidden = self.layer_kinds[i], self.hidden_size
+        if kind.recurrent:
+            mixer = self.linear_attention.layer_params(hidden)
+        else:
+            q = self.num_heads * self.layer_head_dim(i)
+            kv = self.layer_kv_heads(i) * self.layer_head_dim(i)
+            kept = 0 if kind.reuses_kv else kv if self.full_keys_as_values and not kind.window else 2 * kv
+            mixer = hidden * ((3 if self.attention_output_gate else 2) * q + kept)
+        dense = not kind.experts or self.architecture == "gemma4"      # Gemma 4's experts sit beside it
+        mlp = 3 * hidden * (kind.intermediate_size or self.intermediate_size) if dense else 0
+        return mixer + mlp + 2 * hidden * self.per_layer_input_size
 
     def state_bytes(self) -> int:
         """One sequence's recurrent state over every recurrent layer (0 without any)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped", "gelu_tanh")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe")
 RENORMALISED_BY_DEFAULT = ("qwen3_next", "qwen3_5_moe")   # top-k weights sum to 1 without norm_topk_prob
@@ -25,11 +25,12 @@ class ExpertsConfig:
     norm_topk_prob: bool = True            # softmax_topk: the k probabilities renormalised to sum to 1
     router_bias: bool = False
     expert_bias: bool = False              # gate/up and down projections of each expert have biases
-    activation: str = "silu"               # EXPERT_ACTIVATIONS: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    activation: str = "silu"               # EXPERT_ACTIVATIONS: silu(gate) * up, gpt-oss's clamped SwiGLU, GeGLU
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared_intermediate_size: int = 0      # a dense expert every token takes (0: none)
     shared_gate: bool = False              # the shared expert's output times sigmoid(x . gate)
+    router_scales: bool = False            # a scale per channel of the router's input and per expert (Gemma 4)
 
     def expert_params(self, hidden: int) -> int:
         """One expert's weights: its gate, up and down projections."""
@@ -37,7 +38,9 @@ class ExpertsConfig:
 
     def fixed_params(self, hidden: int) -> int:
         """What every token reads whichever experts it takes: the router and the shared expert with its gate."""
-        return hidden * self.num_experts + 3 * hidden * self.shared_intermediate_size + hidden * self.shared_gate
+        scales = (hidden + self.num_experts) * self.router_scales
+        return (hidden * self.num_experts + 3 * hidden * self.shared_intermediate_size + hidden * self.shared_gate
+                + scales)
 
     def active_params(self, hidden: int) -> int:
         """The weights one token reads: the router, its top_k experts, the shared expert."""
@@ -55,6 +58,12 @@ class ExpertsConfig:
 
 def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
     """The expert layers' configuration (None: a dense family)."""
+    if architecture == "gemma4" and raw.get("enable_moe_block"):       # beside each layer's dense MLP
+        experts, top_k = int(raw["num_experts"]), int(raw["top_k_experts"])
+        if experts <= 0 or not 0 < top_k <= experts:
+            raise ValueError(f"top_k_experts ({top_k}) must be between 1 and the number of experts ({experts})")
+        return ExpertsConfig(experts, top_k, int(raw["moe_intermediate_size"]), activation="gelu_tanh",
+                             router_scales=True)
     if architecture not in MOE_ARCHITECTURES:
         return None
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
@@ -82,7 +91,10 @@ def experts_config(raw: dict, architecture: str) -> ExpertsConfig | None:
 
 
 def expert_layers(raw: dict, architecture: str, n: int) -> list[bool]:
-    """Which layers' MLP is a mixture of experts (Qwen: not `mlp_only_layers`, every `decoder_sparse_step`-th)."""
+    """Which layers' MLP is a mixture of experts (Qwen: not `mlp_only_layers`, every `decoder_sparse_step`-th;
+    Gemma 4's, with `enable_moe_block`, has experts beside the dense MLP in every layer)."""
+    if architecture == "gemma4":
+        return [bool(raw.get("enable_moe_block"))] * n
     if architecture not in MOE_ARCHITECTURES:
         return [False] * n
     if architecture in ("mixtral", "gpt_oss"):

@@ -6,7 +6,8 @@ their heads. Its last `num_kv_shared_layers` layers keep no K and V: each reads 
 its own kind that keeps them (and with `use_double_wide_mlp` has an MLP twice as wide). Every layer adds a
 per-layer input (`hidden_size_per_layer_input`: an embedding of its own per token and layer, plus a projection of
 the token's embedding) and scales its output by a stored scalar. Values are RMS-normed without a scale; attention
-scores are not scaled. Its mixture-of-experts block (26B-A4B) is refused.
+scores are not scaled. With `enable_moe_block` (26B-A4B) each layer runs experts beside its dense MLP
+(gemma4_moe.py).
 """
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ def with_defaults(raw: dict) -> dict:
     """The config with Gemma4TextConfig's defaults where it leaves a key out (its layer types, 5 sliding to 1 full,
     the last one full, and each kind's RoPE)."""
     raw = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
-    if raw.get("enable_moe_block"):
-        raise ValueError("Gemma 4's mixture-of-experts block (enable_moe_block, 26B-A4B) is not supported yet")
     if raw.get("use_bidirectional_attention") == "all":
         raise ValueError("use_bidirectional_attention 'all': an encoder, not a causal language model")
     n = int(raw["num_hidden_layers"])

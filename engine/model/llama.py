@@ -10,6 +10,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.attention import Attention
 from pdserve.engine.model.forward_batch import ForwardBatch
 from pdserve.engine.model.gated_deltanet import GatedDeltaNet
+from pdserve.engine.model.gemma4_moe import Gemma4MoE
 from pdserve.engine.model.layers import MLP, Embedding, Linear, RMSNorm, empty_parameter
 from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.per_layer_inputs import PerLayerInput, PerLayerInputs
@@ -27,7 +28,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = None if recurrent else Attention(config, layer_index)
         self.linear_attn = GatedDeltaNet(config, layer_index) if recurrent else None
         kind = config.layer_kinds[layer_index]
-        self.mlp = SparseMoE(config) if kind.experts else MLP(config, kind.intermediate_size)
+        self.mlp = MLP(config, kind.intermediate_size)
+        if kind.experts:
+            gemma4 = config.architecture == "gemma4"
+            self.mlp = Gemma4MoE(config, kind.intermediate_size) if gemma4 else SparseMoE(config)
+        self.mlp_reads_residual = isinstance(self.mlp, Gemma4MoE)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sandwich = config.sandwich_norms
@@ -46,7 +51,7 @@ class DecoderLayer(nn.Module):
         if self.attention_output_norm is not None:
             h = self.attention_output_norm(h)
         h, residual = self.pre_mlp_norm(h, residual)
-        h = self.mlp(h)
+        h = self.mlp(h, residual) if self.mlp_reads_residual else self.mlp(h)
         if self.mlp_output_norm is not None:
             h = self.mlp_output_norm(h)
         if self.per_layer_input is not None:

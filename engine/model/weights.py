@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.engine.model import weights_gemma4
 from pdserve.engine.model.destination import Destination
 from pdserve.engine.model.llama import CausalLM
 from pdserve.engine.model.rope import rotary_order
@@ -68,30 +69,15 @@ def destinations(model: CausalLM, fused: bool = False) -> dict[str, Destination]
         names["lm_head.weight"] = Destination("lm_head.weight")
     for i in range(c.num_layers):
         mixer = _linear_attention(c, i) if c.layer_kinds[i].recurrent else _attention(c, i, fused)
-        names |= mixer | (_experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused))
+        if c.architecture == "gemma4":
+            names |= weights_gemma4.layer_names(c, i, _mlp(c, i, fused))
+        else:
+            names |= _experts(c, i) if c.layer_kinds[i].experts else _mlp(c, i, fused)
+        names |= mixer
         for ours, theirs in _norm_names(c).items():
             names[f"model.layers.{i}.{theirs}.weight"] = Destination(f"layers.{i}.{ours}.weight", offset=offset)
-        names |= _per_layer(c, i)
-    if c.per_layer_input_size:
-        names |= {f"model.{theirs}.weight": Destination(f"per_layer_inputs.{ours}.weight")
-                  for ours, theirs in PER_LAYER_INPUTS.items()}
-    return names
-
-
-PER_LAYER_INPUTS = {"embedding": "embed_tokens_per_layer", "projection": "per_layer_model_projection",
-                    "norm": "per_layer_projection_norm"}
-PER_LAYER_INPUT = {"gate": "per_layer_input_gate", "projection": "per_layer_projection",
-                   "norm": "post_per_layer_input_norm"}
-
-
-def _per_layer(c, i: int) -> dict[str, Destination]:
-    """Gemma 4's per-layer input and output scalar of layer i."""
-    names = {}
-    if c.per_layer_input_size:
-        names |= {f"model.layers.{i}.{theirs}.weight": Destination(f"layers.{i}.per_layer_input.{ours}.weight")
-                  for ours, theirs in PER_LAYER_INPUT.items()}
-    if c.layer_scalars:
-        names[f"model.layers.{i}.layer_scalar"] = Destination(f"layers.{i}.layer_scalar")
+    if c.architecture == "gemma4":
+        names |= weights_gemma4.model_names(c)
     return names
 
 

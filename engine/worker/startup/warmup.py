@@ -20,6 +20,7 @@ from pdserve.engine.core.state_slots import StateSlots
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.model.layers import Linear
+from pdserve.engine.model.gemma4_moe import Gemma4MoE
 from pdserve.engine.model.moe import SparseMoE
 from pdserve.engine.model.quant import QuantizedLinear
 from pdserve.engine.model.quant_probe import probe_bytes
@@ -97,7 +98,7 @@ def warm_cpu_linears(model: torch.nn.Module, thread_counts: tuple[int, ...]) -> 
     if not kernels.use_native(model.embed_tokens.weight):
         return 0
     weights = [m.weight for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
-    weights += [w for m in model.modules() if isinstance(m, SparseMoE) for w in m.linear_weights()]
+    weights += [w for m in model.modules() if isinstance(m, (SparseMoE, Gemma4MoE)) for w in m.linear_weights()]
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)
     return warm_prefer_native(weights, thread_counts, probe_bytes())
