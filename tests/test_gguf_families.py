@@ -129,11 +129,11 @@ def requantized(src: Path, dst: Path) -> Path:
     return rewritten(src, dst, tensors)
 
 
-@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "gemma4", "qwen2moe", "mixtral", "qwen3next",
-                                  "qwen35", "qwen35moe"])
+@pytest.mark.parametrize("name", ["phi3", "smollm3", "gemma3", "gemma4", "gemma4moe", "qwen2moe", "mixtral",
+                                  "qwen3next", "qwen35", "qwen35moe"])
 def test_quantized_blocks_of_every_layout_compute_as_their_dequantized_weights(name, tmp_path, monkeypatch):
     """Phi-3's fused and partially rotated qkv, SmolLM3's permuted q/k, Gemma's norms, Gemma 4's projections of two
-    head sizes and its per-layer inputs, Qwen2-MoE's shared expert,
+    head sizes, its per-layer inputs and its experts beside a dense MLP, Qwen2-MoE's shared expert,
     Mixtral's permuted q/k beside dense experts, and the hybrids' gated queries beside Gated DeltaNet layers
     (whose projections load dequantized, their conv and decay float): the GGUF's own Q8_0
     blocks (--quantization gguf, which rounds each projection's input per 32 values as llama.cpp does)

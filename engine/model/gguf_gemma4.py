@@ -3,7 +3,8 @@
 (`attention.sliding_window_pattern`); the full layers' head size in `attention.key_length`, the sliding ones' in
 `attention.key_length_swa`; `attention.shared_kv_layers` last layers without K and V tensors; a full layer without
 `attn_v` takes its values from its keys; the per-layer inputs' tensors; proportional RoPE as `rope_freqs.weight`
-(1 for a turned pair, 1e30 for one left alone). Norms are stored as they are (no 1 + weight)."""
+(1 for a turned pair, 1e30 for one left alone); with `expert_count` (26B-A4B) each layer's router, stacked
+experts and their norms beside the dense MLP. Norms are stored as they are (no 1 + weight)."""
 from __future__ import annotations
 
 import numpy as np
@@ -78,6 +79,11 @@ def config(f: GGUFFile, d: Dims, rope_freqs: np.ndarray | None) -> dict:
     }
     if full:
         keys["num_global_key_value_heads"] = _per_layer(f, "attention.head_count_kv", n)[full[0]]
+    experts = f.integer(f.arch("expert_count"), 0)
+    if experts:
+        keys |= {"enable_moe_block": True, "num_experts": experts,
+                 "top_k_experts": f.integer(f.arch("expert_used_count")),
+                 "moe_intermediate_size": f.integer(f.arch("expert_feed_forward_length"))}
     return keys
 
 
@@ -128,4 +134,23 @@ def layer_tensors(f: GGUFFile, d: Dims, i: int) -> dict[str, TensorSpec]:
         specs |= {"inp_gate.weight": ("per_layer_input_gate.weight", (width, hidden), width_keys),
                   "proj.weight": ("per_layer_projection.weight", (hidden, width), width_keys),
                   "post_norm.weight": ("post_per_layer_input_norm.weight", *norm)}
-    return {b + name: TensorSpec(m + hf, shape, keys) for name, (hf, shape, keys) in specs.items()}
+    return {b + name: TensorSpec(m + hf, shape, keys) for name, (hf, shape, keys) in (specs | _experts(f, d)).items()}
+
+
+def _experts(f: GGUFFile, d: Dims) -> dict[str, tuple]:
+    """A layer's experts beside its dense MLP (26B-A4B): the router with its scales, the stacked experts, their
+    norms."""
+    experts = f.integer(f.arch("expert_count"), 0)
+    if not experts:
+        return {}
+    a, hidden = f.arch, d.hidden_size
+    width, keys = f.integer(a("expert_feed_forward_length")), f"{a('expert_count')}, {a('expert_feed_forward_length')}"
+    norm = (hidden,), a("embedding_length")
+    return {"ffn_gate_inp.weight": ("router.proj.weight", (experts, hidden), keys),
+            "ffn_gate_inp.scale": ("router.scale", *norm),
+            "ffn_down_exps.scale": ("router.per_expert_scale", (experts,), keys),
+            "ffn_gate_up_exps.weight": ("experts.gate_up_proj", (experts, 2 * width, hidden), keys),
+            "ffn_down_exps.weight": ("experts.down_proj", (experts, hidden, width), keys),
+            "post_ffw_norm_1.weight": ("post_feedforward_layernorm_1.weight", *norm),
+            "pre_ffw_norm_2.weight": ("pre_feedforward_layernorm_2.weight", *norm),
+            "post_ffw_norm_2.weight": ("post_feedforward_layernorm_2.weight", *norm)}
