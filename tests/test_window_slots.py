@@ -170,10 +170,11 @@ def test_the_context_is_capped_where_a_prompt_finds_a_window_slot_for_each_block
     engine.close()
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])      # gemma4: two layer shapes, layers reading others' KV
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "adaptive"])
-def test_random_aborts_at_every_stage_leave_every_block_and_window_slot_free(mode, overlap):
-    engine = build("gemma3", mode, enable_prefix_caching=True, async_scheduling=overlap)
+def test_random_aborts_at_every_stage_leave_every_block_and_window_slot_free(mode, overlap, arch):
+    engine = build(arch, mode, enable_prefix_caching=True, async_scheduling=overlap)
     results = asyncio.run(run_engine(engine, random_aborts(engine, random.Random(7), seed=5, max_tokens=40)))
     assert_pools_free(engine)
     assert sum(reason is FinishReason.ABORT for _, reason in results) >= 12
