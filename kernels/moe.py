@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.activation import silu_and_mul_ref
+from pdserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 
-ACTIVATIONS = ("silu", "swiglu_clamped")
+ACTIVATIONS = ("silu", "swiglu_clamped", "gelu_tanh")
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -33,6 +33,8 @@ def expert_activation(x: torch.Tensor, activation: str, alpha: float, limit: flo
         return silu_and_mul(x)
     if activation == "swiglu_clamped":
         return swiglu_clamped_ref(x, alpha, limit)
+    if activation == "gelu_tanh":                       # Gemma 4's experts
+        return gelu_tanh_and_mul_ref(x)
     raise ValueError(f"expert activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 

@@ -28,10 +28,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = None if recurrent else Attention(config, layer_index)
         self.linear_attn = GatedDeltaNet(config, layer_index) if recurrent else None
         kind = config.layer_kinds[layer_index]
-        self.mlp = MLP(config, kind.intermediate_size)
-        if kind.experts:
-            gemma4 = config.architecture == "gemma4"
-            self.mlp = Gemma4MoE(config, kind.intermediate_size) if gemma4 else SparseMoE(config)
+        if not kind.experts:
+            self.mlp = MLP(config, kind.intermediate_size)
+        elif config.architecture == "gemma4":                 # experts beside the dense MLP, reading the stream
+            self.mlp = Gemma4MoE(config, kind.intermediate_size)
+        else:
+            self.mlp = SparseMoE(config)
         self.mlp_reads_residual = isinstance(self.mlp, Gemma4MoE)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
