@@ -171,9 +171,7 @@ def family_features(raw: dict, architecture: str, hidden: int) -> dict:
     gemma, hybrid = architecture in ("gemma2", "gemma3"), architecture in HYBRID_ARCHITECTURES
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention: an encoder (EmbeddingGemma), not a causal language model")
-    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+    activation = _activation(raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
     bias = bool(raw.get("attention_bias", architecture in ("qwen2", "gpt_oss")))
     if architecture == "qwen2_moe":
         bias = bool(raw.get("qkv_bias", True))
@@ -197,10 +195,14 @@ def family_features(raw: dict, architecture: str, hidden: int) -> dict:
 def _gemma4_features(raw: dict, hidden: int) -> dict:
     """Gemma 4: q, k and (unscaled) v norms, unscaled scores, plain-weight norms, sandwich norms and its own
     per-layer inputs and scalars (gemma4_config)."""
-    activation = raw.get("hidden_activation") or "gelu_pytorch_tanh"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
+    activation = _activation(raw.get("hidden_activation") or "gelu_pytorch_tanh")
     bias = bool(raw.get("attention_bias", False))
     return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, attention_scale=1.0,
                 final_softcap=float(raw.get("final_logit_softcapping") or 0.0), hidden_act=activation,
                 sandwich_norms=True, embed_scale=hidden ** 0.5, **gemma4_config.features(raw))
+
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return name
