@@ -18,7 +18,7 @@ import torch
 from pdserve.kernels.native import FLOAT, INT, INT64, POINTER, SUFFIXES, bind, int64_array
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 16, 256, 256, 64
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE, MAX_SPLITS = 16, 512, 256, 64
 TOKENS_PER_SPLIT = 256
 
 

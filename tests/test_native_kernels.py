@@ -45,6 +45,8 @@ def threads(request):
     ([1000, 3, 64], 32, 1, 8, 128),             # MQA, head_dim 128
     ([7, 9], 8, 4, 4, 32),                      # MHA, small blocks, head_dim 32 (the generic path)
     ([130, 2], 16, 2, 10, 80),                  # head_dim 80: 5 vectors of 16
+    ([40, 21], 16, 2, 4, 256),                  # Gemma's 256
+    ([70, 5], 16, 1, 4, 512),                   # Gemma 4's full layers: 32 vectors
 ])
 def test_decode_attention_matches_reference(dtype, lens, block_size, kv_heads, q_heads, head_dim, threads):
     pool, tables, context_lens = make_paged_batch(lens, block_size, kv_heads, head_dim, dtype, seed=len(lens))

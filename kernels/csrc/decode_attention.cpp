@@ -136,8 +136,11 @@ static void decode_attention_any(const T* q, const PagedLayer<T>& pages, const i
     case 4: return decode_attention(q, pages, tables, lens, out, partials, lses, sh, Vecs<4>{}, threads);
     case 8: return decode_attention(q, pages, tables, lens, out, partials, lses, sh, Vecs<8>{}, threads);
     default:
-      return decode_attention(q, pages, tables, lens, out, partials, lses, sh, RuntimeVecs{int(sh.head_dim / LANES)},
-                              threads);
+      if (sh.head_dim / LANES > MAX_VECS)
+        return decode_attention(q, pages, tables, lens, out, partials, lses, sh,
+                                RuntimeVecs<WIDE_VECS>{int(sh.head_dim / LANES)}, threads);
+      return decode_attention(q, pages, tables, lens, out, partials, lses, sh,
+                              RuntimeVecs<MAX_VECS>{int(sh.head_dim / LANES)}, threads);
   }
 }
 

@@ -8,7 +8,8 @@ namespace pd {
 
 constexpr int MAX_BLOCK = 256;  // tokens per KV block
 constexpr int MAX_GROUP = 16;   // query heads per KV head
-constexpr int MAX_VECS = 16;    // head_dim / 16
+constexpr int MAX_VECS = 16;    // head_dim / 16: up to 256
+constexpr int WIDE_VECS = 32;   // up to 512 (Gemma 4's full layers), a wider chunk of its own
 
 template <typename T>
 struct PagedLayer {
@@ -24,8 +25,12 @@ struct SoftmaxState {
   vf* acc;
 };
 
-template <int V> struct Vecs { static constexpr int n = V; int get() const { return V; } };
-struct RuntimeVecs { int n; int get() const { return n; } };
+// Vectors a head: known when compiled, or read at run time; `max` sizes the chunk and accumulator they use.
+template <int V> struct Vecs {
+  static constexpr int n = V, max = MAX_VECS;
+  int get() const { return V; }
+};
+template <int Max> struct RuntimeVecs { int n; static constexpr int max = Max; int get() const { return n; } };
 
 template <typename T>
 static inline void prefetch_block(const PagedLayer<T>& pages, int64_t block, int64_t count) {
@@ -40,14 +45,15 @@ static inline void prefetch_block(const PagedLayer<T>& pages, int64_t block, int
 constexpr int CHUNK = 16;  // slots one KV head's group folds at a time, from float32 copies in L1
 
 // One KV head's K and V for up to CHUNK slots, converted to float32 once for every query head of its group.
+template <int MaxVecs>
 struct SlotChunk {
-  vf k[CHUNK * MAX_VECS], v[CHUNK * MAX_VECS];
+  vf k[CHUNK * MaxVecs], v[CHUNK * MaxVecs];
   int64_t count;
 };
 
-template <typename T>
+template <typename T, typename Chunk>
 static inline void load_chunk(const T* keys, const T* values, int64_t slot_stride, int64_t count, int vecs,
-                              SlotChunk& c) {
+                              Chunk& c) {
   c.count = count;
   for (int64_t t = 0; t < count; ++t)
     for (int j = 0; j < vecs; ++j) {
@@ -57,7 +63,8 @@ static inline void load_chunk(const T* keys, const T* values, int64_t slot_strid
 }
 
 // q . k of slot t, lane by lane (not yet summed across lanes).
-static inline vf lane_dot(const vf* q, const SlotChunk& c, int64_t t, int vecs) {
+template <typename Chunk>
+static inline vf lane_dot(const vf* q, const Chunk& c, int64_t t, int vecs) {
   vf acc = q[0] * c.k[t * vecs];
   for (int j = 1; j < vecs; ++j) acc += q[j] * c.k[t * vecs + j];
   return acc;
@@ -66,8 +73,8 @@ static inline vf lane_dot(const vf* q, const SlotChunk& c, int64_t t, int vecs) 
 // Fold the chunk's slots [first, count) into query head `head`'s state (q: its pre-scaled query); scores, softmax
 // and output in one pass, eight slots' dot products summed across lanes at once (hsum8). A `softcap` above 0
 // caps each score at softcap * tanh(score / softcap) (Gemma 2).
-template <typename VC>
-static inline void attend_head(const vf* q, const SlotChunk& c, int64_t first, int64_t count, int64_t head,
+template <typename VC, typename Chunk>
+static inline void attend_head(const vf* q, const Chunk& c, int64_t first, int64_t count, int64_t head,
                                float softcap, VC vc, SoftmaxState st) {
   const int vecs = vc.get();
   float s[CHUNK] __attribute__((aligned(64)));
@@ -91,7 +98,7 @@ static inline void attend_head(const vf* q, const SlotChunk& c, int64_t first, i
   std::memcpy(s, &p, sizeof p);
   st.l[head] = st.l[head] * alpha + hsum(p);
   st.m[head] = m_new;
-  vf a[MAX_VECS];  // NOTE: the head's output stays in registers across the chunk
+  vf a[VC::max];  // NOTE: the head's output stays in registers across the chunk
   for (int j = 0; j < vecs; ++j) a[j] = st.acc[head * vecs + j] * alpha;
   for (t = 0; t < count; ++t) {
     const vf w = splat(s[t]);
@@ -120,7 +127,7 @@ template <typename T, typename VC>
 static inline void attend_block(const QueryRows& rows, const PagedLayer<T>& pages, int64_t block, int64_t first,
                                 int64_t count, int64_t pos, int group, VC vc) {
   const int vecs = vc.get();
-  SlotChunk chunk;
+  SlotChunk<VC::max> chunk;
   for (int64_t h = 0; h < pages.kv_heads; ++h) {
     const T* keys = pages.key(block, first) + h * pages.head_stride;
     for (int64_t t = 0; t < count; t += CHUNK) {
