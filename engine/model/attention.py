@@ -41,11 +41,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm and not self.reuses_kv else None
-        if config.value_norm and not self.reuses_kv:     # NOTE: a norm without a scale: times ones
-            self.register_buffer("value_scale", torch.ones(head_dim), persistent=False)
-        else:
-            self.value_scale = None
-        self.eps = config.rms_norm_eps
+        value_norm = config.value_norm and not self.reuses_kv
+        self.v_norm = RMSNorm(head_dim, config.rms_norm_eps, scaled=False) if value_norm else None
         self.sinks = empty_parameter(config.num_heads) if config.attention_sinks else None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
@@ -82,9 +79,8 @@ class Attention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        if self.value_scale is not None:
-            v = kernels.rms_norm(v.reshape(-1, self.head_dim), self.value_scale, self.eps,
-                                 backend=self.backend).view_as(v)
+        if self.v_norm is not None:
+            v = self.v_norm(v.reshape(-1, self.head_dim)).view_as(v)
         if cos_sin is None:
             kernels.store_kv(k, v, kv_pool, layer, slots, self.backend)
             return q

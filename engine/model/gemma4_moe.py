@@ -22,12 +22,12 @@ class Gemma4Router(nn.Module):
         self.weight = empty_parameter(e.num_experts, hidden)
         self.scale = empty_parameter(hidden)
         self.expert_scale = empty_parameter(e.num_experts)
-        self.register_buffer("ones", torch.ones(hidden), persistent=False)     # NOTE: a norm without a scale
-        self.top_k, self.eps, self.root = e.top_k, config.rms_norm_eps, hidden ** -0.5
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, scaled=False)
+        self.top_k, self.root = e.top_k, hidden ** -0.5
 
     def forward(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k])."""
-        h = kernels.rms_norm(residual, self.ones, self.eps, backend=self.backend) * self.scale * self.root
+        h = self.norm(residual) * self.scale * self.root
         weights, ids = route(kernels.linear(h, self.weight, None, self.backend), self.top_k, "softmax_topk", True)
         return weights * self.expert_scale[ids], ids
 

@@ -50,11 +50,16 @@ ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_t
 
 
 class RMSNorm(nn.Module):
+    """norm(x) * weight; `scaled` False: no weight to load, the norm alone (Gemma 4's values and router input)."""
+
     backend: kernels.Backend | None = None
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, scaled: bool = True) -> None:
         super().__init__()
-        self.weight = empty_parameter(size)
+        if scaled:
+            self.weight = empty_parameter(size)
+        else:
+            self.register_buffer("weight", torch.ones(size), persistent=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
