@@ -83,10 +83,7 @@ def tokenizer_files(f: GGUFFile, context_length: int) -> TokenizerFiles:
 def _backend(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags: dict) -> Tokenizer:
     alphabet = _byte_alphabet()
     vocab = {_respell(t, alphabet): i for i, t in enumerate(tokens)}
-    try:
-        backend = Tokenizer(models.BPE(vocab, _merges(f), fuse_unk=False, byte_fallback=False))
-    except Exception as e:  # NOTE: the Rust side raises a bare Exception
-        raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    backend = _file_merges_bpe(f, vocab, fuse_unk=False, byte_fallback=False)
     _add_tokens(backend, tokens, types, ids, lambda token: set(token) <= alphabet)
     backend.pre_tokenizer = _pre_tokenizer(f.string("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
@@ -108,8 +105,7 @@ def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, 
     prefix = _flag(f, "tokenizer.ggml.add_space_prefix", default=True)
     replace = normalizers.Replace(" ", SPACE)
     backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prefix else replace
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    backend.decoder = _spaces_decoder(prefix)
     _add_tokens(backend, tokens, types, ids, lambda token: True)
     backend.post_processor = _post_processor(tokens, ids, flags)
     return backend
@@ -119,20 +115,31 @@ def _gemma4(f: GGUFFile, tokens: list[str], types: list[int], ids: dict, flags: 
     """BPE over raw UTF-8 with the file's merges, spaces spelled as SentencePiece's, byte fallback (transformers'
     GemmaTokenizer), the text split only at runs of newlines (llama.cpp's gemma4 pre-tokenizer)."""
     unknown = tokens[ids["unknown"]] if ids["unknown"] is not None else None
-    try:
-        backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, _merges(f), unk_token=unknown,
-                                       fuse_unk=True, byte_fallback=True))
-    except Exception as e:  # NOTE: the Rust side raises a bare Exception
-        raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    backend = _file_merges_bpe(f, {t: i for i, t in enumerate(tokens)}, unk_token=unknown, fuse_unk=True,
+                               byte_fallback=True)
     backend.normalizer = normalizers.Replace(" ", SPACE)
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
-    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = _spaces_decoder(prefix=False)
     _add_tokens(backend, tokens, types, ids, lambda token: True)
     backend.post_processor = _post_processor(tokens, ids, flags)
     return backend
 
 
 BACKENDS = {"gpt2": _backend, "llama": _sentencepiece, "gemma4": _gemma4}
+
+
+def _file_merges_bpe(f: GGUFFile, vocab: dict[str, int], **options) -> Tokenizer:
+    try:
+        return Tokenizer(models.BPE(vocab, _merges(f), **options))
+    except Exception as e:  # NOTE: the Rust side raises a bare Exception
+        raise f.error(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+
+
+def _spaces_decoder(prefix: bool) -> decoders.Decoder:
+    """SentencePiece-spelled spaces back to spaces, byte pieces back to bytes; the leading space a `prefix` added
+    stripped."""
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
 
 
 def _score_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
